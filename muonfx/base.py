@@ -1,0 +1,223 @@
+"""The core types of muonfx and the TensorDict helpers every transform uses.
+
+A *transform* is a pair of pure functions (:class:`GradientTransformation`):
+
+* ``init(params) -> state`` builds the transform's state, eagerly and completely;
+* ``update(updates, state, params=None) -> (new_updates, new_state)`` maps a
+  TensorDict of updates (gradients, at the start of a chain) to new updates.
+
+``params`` and ``updates`` are :class:`tensordict.TensorDict` s keyed like
+``TensorDict.from_module(model)``: nested keys are tuples of strings, shown to users
+as dotted names (``"layers.0.weight"``). ``update`` never mutates its inputs.
+
+This module sits at the bottom of the import graph: it imports only torch and
+tensordict.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+Key = tuple[str, ...]
+
+__all__ = [
+    "GradientTransformation",
+    "EmptyState",
+    "identity",
+    "apply_updates",
+    "key_str",
+    "leaves",
+    "aligned",
+    "build",
+    "check_keys",
+    "foreach",
+]
+
+
+class GradientTransformation(NamedTuple):
+    """A pure optimizer transform: ``(init, update)``.
+
+    ``init(params: TensorDict) -> state``
+        Creates the full state eagerly. State holds only tensors, TensorDicts and
+        numbers (typically a NamedTuple of them), and has the same structure on every
+        rank and at every step.
+
+    ``update(updates: TensorDict, state, params: TensorDict | None = None) -> (TensorDict, state)``
+        Returns new updates and the new state. It never mutates ``updates``,
+        ``state`` or ``params``.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> params = TensorDict({"w": torch.ones(2, 2)}, [])
+        >>> tx = mfx.chain(mfx.momentum(0.9), mfx.scale_by_learning_rate(0.1))
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update(params.clone(), state, params)
+        >>> mfx.apply_updates(params, updates)["w"][0, 0].item()
+        0.99
+    """
+
+    init: Callable[[TensorDictBase], Any]
+    update: Callable[..., tuple[TensorDictBase, Any]]
+
+
+class EmptyState(NamedTuple):
+    """State of a stateless transform."""
+
+
+def identity() -> GradientTransformation:
+    """The transform that returns its updates unchanged (the unit of :func:`chain`)."""
+
+    def init_fn(params):
+        return EmptyState()
+
+    def update_fn(updates, state, params=None):
+        return updates, state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------------
+# keys and leaves
+# ---------------------------------------------------------------------------
+
+
+def key_str(key: Key | str) -> str:
+    """The user-facing dotted name of a (possibly nested) TensorDict key."""
+    return key if isinstance(key, str) else ".".join(key)
+
+
+def _as_key(key: Key | str) -> Key:
+    return (key,) if isinstance(key, str) else tuple(key)
+
+
+def _items(td: TensorDictBase) -> list[tuple[Key, Any]]:
+    return [(_as_key(k), v) for k, v in td.items(include_nested=True, leaves_only=True)]
+
+
+def _check_leaf(key: Key, t: Any, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} leaf {key_str(key)!r} is a {type(t).__name__}, not a tensor")
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"{what} leaf {key_str(key)!r} has layout {t.layout} (a sparse gradient?); muonfx "
+            "transforms need dense tensors. Route this parameter to a transform that takes "
+            "dense gradients (e.g. nn.Embedding(sparse=False) with AdamW via mfx.partition "
+            "or mfx.muon_adamw), or call .to_dense() on it first."
+        )
+    if t.is_complex():
+        raise TypeError(
+            f"{what} leaf {key_str(key)!r} is complex ({t.dtype}); muonfx transforms take real "
+            "tensors only. Optimize torch.view_as_real(param) instead."
+        )
+
+
+def leaves(td: TensorDictBase, what: str = "updates") -> tuple[list[Key], list[torch.Tensor]]:
+    """Keys and tensors of every leaf of ``td``, in its order, after validation.
+
+    Raises ``TypeError`` naming the key for sparse, complex or non-tensor leaves.
+    """
+    if not isinstance(td, TensorDictBase):
+        raise TypeError(f"{what} must be a tensordict.TensorDict, got {type(td).__name__}")
+    keys, tensors = [], []
+    for k, v in _items(td):
+        _check_leaf(k, v, what)
+        keys.append(k)
+        tensors.append(v)
+    return keys, tensors
+
+
+def check_keys(expected: Iterable[Key], td: TensorDictBase, what: str, against: str = "updates") -> None:
+    """Raise ``ValueError`` naming missing and extra keys if ``td``'s leaves differ from ``expected``."""
+    exp = set(_as_key(k) for k in expected)
+    got = set(_as_key(k) for k in td.keys(include_nested=True, leaves_only=True))
+    if exp != got:
+        missing = sorted(key_str(k) for k in exp - got)
+        extra = sorted(key_str(k) for k in got - exp)
+        raise ValueError(
+            f"{what} does not match the {against}: missing keys {missing}, extra keys {extra}"
+        )
+
+
+def aligned(td: TensorDictBase | None, keys: Sequence[Key], what: str, against: str = "updates") -> list[torch.Tensor]:
+    """The leaves of ``td`` in the order of ``keys`` (checking that the key sets agree)."""
+    if td is None:
+        raise ValueError(f"{what} are required by this transform: pass params=... to update()")
+    if not isinstance(td, TensorDictBase):
+        raise TypeError(f"{what} must be a tensordict.TensorDict, got {type(td).__name__}")
+    check_keys(keys, td, what, against)
+    return [td.get(k) for k in keys]
+
+
+def build(keys: Sequence[Key], tensors: Sequence[torch.Tensor]) -> TensorDict:
+    """A new TensorDict (batch size ``[]``) with ``tensors`` at the (nested) ``keys``."""
+    return TensorDict(dict(zip(keys, tensors)), batch_size=[])
+
+
+# ---------------------------------------------------------------------------
+# fused elementwise operations
+# ---------------------------------------------------------------------------
+
+
+def _kind(t: torch.Tensor) -> type:
+    return type(t) if type(t) is not torch.nn.Parameter else torch.Tensor
+
+
+def foreach(op: str, *lists: Sequence[Any], **kwargs: Any) -> list[torch.Tensor]:
+    """Call ``torch._foreach_<op>`` on aligned lists, grouped by tensor kind.
+
+    torch's fused ``_foreach`` kernels take lists of one kind: plain tensors and
+    DTensors cannot be mixed in one call, so the leaves are grouped by type and the
+    results put back in order. Arguments that are not lists of tensors (scalars,
+    scalar lists) are passed through unchanged. For in-place ops (``op`` ending in
+    ``_``) the first list is returned; use them only on tensors the caller created.
+    """
+    first = lists[0]
+    n = len(first)
+    if n == 0:
+        return []
+    fn = getattr(torch, "_foreach_" + op)
+    inplace = op.endswith("_")
+    kinds = [_kind(t) for t in first]
+    if all(k is kinds[0] for k in kinds):
+        res = fn(*lists, **kwargs)
+        return list(first) if inplace else list(res)
+    out: list[Any] = list(first) if inplace else [None] * n
+    for kind in dict.fromkeys(kinds):
+        idx = [i for i in range(n) if kinds[i] is kind]
+        sub = [
+            [lst[i] for i in idx] if isinstance(lst, (list, tuple)) else lst for lst in lists
+        ]
+        res = fn(*sub, **kwargs)
+        if not inplace:
+            for i, r in zip(idx, res):
+                out[i] = r
+    return out
+
+
+# ---------------------------------------------------------------------------
+# applying updates
+# ---------------------------------------------------------------------------
+
+
+def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDict:
+    """New parameters ``p + u``, each cast back to the parameter's own dtype.
+
+    Formula: ``p_new = (p + u).to(p.dtype)``. Neither input is modified.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> p = TensorDict({"w": torch.ones(2, dtype=torch.bfloat16)}, [])
+        >>> u = TensorDict({"w": torch.full((2,), 0.5)}, [])
+        >>> mfx.apply_updates(p, u)["w"].dtype
+        torch.bfloat16
+    """
+    keys, ps = leaves(params, "params")
+    us = aligned(updates, keys, "updates", against="params")
+    return build(keys, [(p + u).to(p.dtype) for p, u in zip(ps, us)])

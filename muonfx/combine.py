@@ -1,0 +1,248 @@
+"""Combinators: chain transforms, name them, and route leaves to different transforms.
+
+Predicates and label functions are called as ``fn(key, tensor)`` with ``key`` the
+dotted name of the leaf (``"layers.0.weight"``, as in ``model.named_parameters()``)
+and ``tensor`` the parameter (or, when ``update`` gets no params, the update).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Mapping, NamedTuple, Union
+
+import torch
+from tensordict import TensorDictBase
+
+from .base import GradientTransformation, Key, build, check_keys, key_str, leaves
+
+Predicate = Callable[[str, torch.Tensor], bool]
+MaskSpec = Union[Predicate, TensorDictBase, Mapping[str, bool]]
+LabelSpec = Union[Callable[[str, torch.Tensor], Hashable], TensorDictBase, Mapping[str, Hashable]]
+
+__all__ = ["chain", "named_chain", "masked", "mask_by_ndim", "partition", "MaskedState",
+           "PartitionState", "resolve_labels"]
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply ``transforms`` one after another; the state is the tuple of their states.
+
+    ``chain()`` is the identity; ``chain(identity(), t)`` computes what ``t`` does.
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> sgd_momentum = mfx.chain(mfx.momentum(0.9), mfx.scale_by_learning_rate(0.1))
+    """
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(f"chain: argument {i} is a {type(t).__name__}, not a GradientTransformation")
+
+    def init_fn(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update_fn(updates, state, params=None):
+        if len(state) != len(transforms):
+            raise ValueError(f"chain: state has {len(state)} entries for {len(transforms)} transforms")
+        new_state = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransformation:
+    """Like :func:`chain`, with the state a dict ``{name: state}`` (addressable by name).
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> tx = mfx.named_chain(("momentum", mfx.momentum(0.9)), ("lr", mfx.scale_by_learning_rate(0.1)))
+        >>> state = tx.init(TensorDict({"w": torch.zeros(3)}, []))
+        >>> sorted(state)
+        ['lr', 'momentum']
+        >>> state["momentum"].mu["w"].shape
+        torch.Size([3])
+    """
+    names = [n for n, _ in named]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"named_chain: duplicate names {dup}")
+    for n, t in named:
+        if not isinstance(n, str) or not isinstance(t, GradientTransformation):
+            raise TypeError(f"named_chain takes (str, GradientTransformation) pairs, got ({n!r}, {type(t).__name__})")
+
+    def init_fn(params):
+        return {n: t.init(params) for n, t in named}
+
+    def update_fn(updates, state, params=None):
+        if set(state) != set(names):
+            raise ValueError(f"named_chain: state names {sorted(state)} differ from the chain's {names}")
+        new_state = {}
+        for n, t in named:
+            updates, new_state[n] = t.update(updates, state[n], params)
+        return updates, new_state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------------
+# routing leaves
+# ---------------------------------------------------------------------------
+
+
+def _lookup(spec: TensorDictBase | Mapping, key: Key) -> Any:
+    if isinstance(spec, TensorDictBase):
+        v = spec[key]
+        return v.item() if isinstance(v, torch.Tensor) else v
+    if key_str(key) in spec:
+        return spec[key_str(key)]
+    return spec[key]
+
+
+def resolve_labels(spec: LabelSpec, keys: list[Key], tensors: list[torch.Tensor], what: str) -> list[Any]:
+    """One label per leaf from a function ``(key, tensor) -> label`` or a TensorDict/mapping."""
+    if callable(spec) and not isinstance(spec, (TensorDictBase, Mapping)):
+        return [spec(key_str(k), t) for k, t in zip(keys, tensors)]
+    if isinstance(spec, TensorDictBase):
+        check_keys(keys, spec, what, against="params")
+    elif isinstance(spec, Mapping):
+        known = {key_str(k) for k in keys}
+        spec_keys = {key_str(k) if isinstance(k, tuple) else k for k in spec}
+        if spec_keys != known:
+            raise ValueError(
+                f"{what} does not match the params: missing keys {sorted(known - spec_keys)}, "
+                f"extra keys {sorted(spec_keys - known)}"
+            )
+    else:
+        raise TypeError(f"{what} must be a function (key, tensor) -> value, a TensorDict or a mapping")
+    return [_lookup(spec, k) for k in keys]
+
+
+def _split(updates, params, spec, what):
+    """Leaves of ``updates`` (and aligned params) with their labels."""
+    keys, us = leaves(updates)
+    ps = None
+    if params is not None:
+        check_keys(keys, params, "params")
+        ps = [params.get(k) for k in keys]
+    labels = resolve_labels(spec, keys, ps if ps is not None else us, what)
+    return keys, us, ps, labels
+
+
+def _sub(keys, tensors, pick):
+    return build([k for k, p in zip(keys, pick) if p], [t for t, p in zip(tensors, pick) if p])
+
+
+class MaskedState(NamedTuple):
+    """State of :func:`masked`: the inner transform's state over the selected leaves."""
+
+    inner_state: Any
+
+
+def masked(inner: GradientTransformation, mask: MaskSpec) -> GradientTransformation:
+    """Apply ``inner`` only to the leaves selected by ``mask``; others pass through unchanged.
+
+    ``mask`` is a predicate ``(key, tensor) -> bool``, a TensorDict of bools keyed
+    like the params, or a mapping ``{dotted key: bool}``. Masked-out leaves get no
+    state. With an all-false mask ``masked`` is the identity.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> p = TensorDict({"w": torch.ones(2, 2), "b": torch.ones(2)}, [])
+        >>> tx = mfx.masked(mfx.scale(0.0), lambda key, t: t.ndim == 2)
+        >>> out, _ = tx.update(p, tx.init(p), p)
+        >>> out["w"].sum().item(), out["b"].sum().item()
+        (0.0, 2.0)
+    """
+
+    def init_fn(params):
+        keys, ps = leaves(params, "params")
+        pick = [bool(m) for m in resolve_labels(mask, keys, ps, "mask")]
+        return MaskedState(inner.init(_sub(keys, ps, pick)))
+
+    def update_fn(updates, state, params=None):
+        keys, us, ps, labels = _split(updates, params, mask, "mask")
+        pick = [bool(m) for m in labels]
+        sub_p = _sub(keys, ps, pick) if ps is not None else None
+        new_u, new_inner = inner.update(_sub(keys, us, pick), state.inner_state, sub_p)
+        out = [new_u.get(k) if p else u for k, u, p in zip(keys, us, pick)]
+        return build(keys, out), MaskedState(new_inner)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def mask_by_ndim(inner: GradientTransformation, ndim: int | set[int] | frozenset[int]) -> GradientTransformation:
+    """:func:`masked` selecting leaves whose number of dims is ``ndim`` (an int or a set).
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> tx = mfx.mask_by_ndim(mfx.newton_schulz(), {2, 3, 4})   # matrices only
+    """
+    dims = {ndim} if isinstance(ndim, int) else set(ndim)
+    if not all(isinstance(d, int) and d >= 0 for d in dims):
+        raise ValueError(f"mask_by_ndim: ndim must be non-negative ints, got {ndim!r}")
+    return masked(inner, lambda key, t: t.ndim in dims)
+
+
+class PartitionState(NamedTuple):
+    """State of :func:`partition`: ``{label: inner state over that label's leaves}``."""
+
+    inner_states: dict
+
+
+def partition(transforms: Mapping[Hashable, GradientTransformation], labels: LabelSpec) -> GradientTransformation:
+    """Route each leaf to the transform of its label.
+
+    ``labels`` is a function ``(key, tensor) -> label``, a TensorDict of labels or a
+    mapping ``{dotted key: label}``. A label with no transform raises ``ValueError``
+    naming the leaves. Every transform is initialised (on its possibly empty share).
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> tx = mfx.partition(
+        ...     {"muon": mfx.muon(), "adamw": mfx.adamw()},
+        ...     lambda key, t: "muon" if t.ndim >= 2 else "adamw")
+    """
+    transforms = dict(transforms)
+    for lbl, t in transforms.items():
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(f"partition: transform for label {lbl!r} is a {type(t).__name__}")
+
+    def _check(keys, lbls):
+        unknown: dict[Any, list[str]] = {}
+        for k, lbl in zip(keys, lbls):
+            if lbl not in transforms:
+                unknown.setdefault(lbl, []).append(key_str(k))
+        if unknown:
+            detail = "; ".join(f"label {lbl!r} for {ks}" for lbl, ks in unknown.items())
+            raise ValueError(f"partition: no transform for {detail}; known labels {list(transforms)}")
+
+    def init_fn(params):
+        keys, ps = leaves(params, "params")
+        lbls = resolve_labels(labels, keys, ps, "labels")
+        _check(keys, lbls)
+        return PartitionState({
+            lbl: t.init(_sub(keys, ps, [x == lbl for x in lbls])) for lbl, t in transforms.items()
+        })
+
+    def update_fn(updates, state, params=None):
+        keys, us, ps, lbls = _split(updates, params, labels, "labels")
+        _check(keys, lbls)
+        out: dict[Key, torch.Tensor] = {}
+        new_states = {}
+        for lbl, t in transforms.items():
+            pick = [x == lbl for x in lbls]
+            sub_p = _sub(keys, ps, pick) if ps is not None else None
+            new_u, new_states[lbl] = t.update(_sub(keys, us, pick), state.inner_states[lbl], sub_p)
+            for k, p in zip(keys, pick):
+                if p:
+                    out[k] = new_u.get(k)
+        return build(keys, [out[k] for k in keys]), PartitionState(new_states)
+
+    return GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,7 @@
+"""Matrix kernels: Newton-Schulz iterations and their coefficient schedules."""
+
+from .coefficients import PRESETS, CoefficientSpec, Schedule, resolve
+from .newton_schulz import default_compute_dtype, newton_schulz_batched
+
+__all__ = ["PRESETS", "CoefficientSpec", "Schedule", "resolve", "default_compute_dtype",
+           "newton_schulz_batched"]

@@ -1,0 +1,138 @@
+"""Ready-made optimizers, each a :func:`named_chain` of public transforms.
+
+The chain names ("momentum", "orthogonalize", "adam", ...) make the state
+addressable: ``state["momentum"].mu``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Hashable
+
+import torch
+
+from .base import GradientTransformation
+from .combine import named_chain, partition
+from .linalg import CoefficientSpec
+from .schedules import ScalarOrSchedule
+from .transforms import (decoupled_decay, momentum as _momentum, newton_schulz, scale_by_adam,
+                         scale_by_learning_rate, scale_by_shape)
+
+__all__ = ["muon", "adamw", "muon_adamw", "default_muon_labels", "ADAMW_KEY_PATTERN"]
+
+
+def muon(
+    lr: ScalarOrSchedule = 0.02,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coefficients: CoefficientSpec = "keller",
+    weight_decay: float = 0.0,
+    adjust_lr: str | None = "original",
+    eps: float = 1e-7,
+    ns_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """Muon for matrix parameters (2-D, 3-D expert stacks, conv weights).
+
+    The chain, as torch.optim.Muon computes it::
+
+        momentum(momentum, nesterov) -> newton_schulz(ns_steps, ns_coefficients, eps, ns_dtype)
+          -> scale_by_shape(adjust_lr) -> decoupled_decay(weight_decay) -> scale_by_learning_rate(lr)
+
+    so ``W <- W - lr * (s(A, B) * NS(M) + wd * W)``. ``adjust_lr`` is
+    ``"original"`` (``None`` means the same, as in torch), ``"match_rms_adamw"`` or
+    ``"spectral"``. Defaults follow Keller Jordan's Muon (lr 0.02, no weight decay);
+    torch.optim.Muon's own defaults are lr 1e-3, weight_decay 0.1. ``ns_dtype=None``
+    computes in bfloat16 on CUDA and float32 elsewhere; pass ``torch.bfloat16`` to
+    reproduce torch.optim.Muon exactly.
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> tx = mfx.muon(lr=0.02, weight_decay=0.01)
+    """
+    return named_chain(
+        ("momentum", _momentum(momentum, nesterov=nesterov)),
+        ("orthogonalize", newton_schulz(ns_steps, ns_coefficients, eps=eps, dtype=ns_dtype)),
+        ("scale_by_shape", scale_by_shape("original" if adjust_lr is None else adjust_lr)),
+        ("weight_decay", decoupled_decay(weight_decay)),
+        ("lr", scale_by_learning_rate(lr)),
+    )
+
+
+def adamw(
+    lr: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> GradientTransformation:
+    """AdamW, as torch.optim.AdamW computes it (same defaults).
+
+    The chain: ``scale_by_adam(b1, b2, eps) -> decoupled_decay(wd) -> scale_by_learning_rate(lr)``,
+    so ``W <- W - lr * (m_hat / (sqrt(v_hat) + eps) + wd * W)``.
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> tx = mfx.adamw(lr=3e-4, betas=(0.9, 0.95))
+    """
+    b1, b2 = betas
+    return named_chain(
+        ("adam", scale_by_adam(b1, b2, eps)),
+        ("weight_decay", decoupled_decay(weight_decay)),
+        ("lr", scale_by_learning_rate(lr)),
+    )
+
+
+#: dotted-key pattern of parameters that get AdamW in :func:`muon_adamw` even when 2-D:
+#: embeddings and the output head.
+ADAMW_KEY_PATTERN = re.compile(
+    r"(^|\.)(embed\w*|\w*embedding\w*|wte|wpe|tok_embeddings|lm_head|head|output|unembed\w*|classifier)(\.|$)"
+)
+
+
+def default_muon_labels(key: str, tensor: torch.Tensor) -> str:
+    """``"adamw"`` for 0-D/1-D tensors, embeddings and the output head; else ``"muon"``."""
+    if tensor.ndim < 2 or ADAMW_KEY_PATTERN.search(key):
+        return "adamw"
+    return "muon"
+
+
+def muon_adamw(
+    lr: ScalarOrSchedule = 0.02,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coefficients: CoefficientSpec = "keller",
+    weight_decay: float = 0.0,
+    adjust_lr: str | None = "original",
+    eps: float = 1e-7,
+    ns_dtype: torch.dtype | None = None,
+    adamw_lr: ScalarOrSchedule = 1e-3,
+    adamw_betas: tuple[float, float] = (0.9, 0.95),
+    adamw_eps: float = 1e-8,
+    adamw_weight_decay: float = 0.01,
+    labels: Callable[[str, torch.Tensor], Hashable] | None = None,
+) -> GradientTransformation:
+    """Muon for hidden matrices, AdamW for everything else, as one transform.
+
+    ``partition({"muon": muon(...), "adamw": adamw(...)}, labels)``. The default
+    ``labels`` (:func:`default_muon_labels`) sends 0-D/1-D tensors (biases, norms)
+    and keys matching :data:`ADAMW_KEY_PATTERN` (embeddings: ``embed*``,
+    ``*embedding*``, ``wte``, ``wpe``, ``tok_embeddings``; the head: ``lm_head``,
+    ``head``, ``output``, ``unembed*``, ``classifier``) to AdamW. Pass your own
+    ``labels(key, tensor) -> "muon" | "adamw"`` to override. AdamW betas default to
+    (0.9, 0.95), the usual companion setting for Muon.
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> tx = mfx.muon_adamw(lr=0.02, adamw_lr=3e-3)
+    """
+    return partition(
+        {
+            "muon": muon(lr, momentum, nesterov, ns_steps, ns_coefficients, weight_decay, adjust_lr, eps, ns_dtype),
+            "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay),
+        },
+        labels or default_muon_labels,
+    )

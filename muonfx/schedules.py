@@ -1,0 +1,142 @@
+"""Schedules: functions ``step -> value`` for learning rates, momentum and any
+hyperparameter given to :func:`muonfx.inject_hyperparams` or
+:func:`muonfx.scale_by_learning_rate`.
+
+Each schedule is a small picklable object; call it with the (0-based) step count.
+
+Example::
+
+    >>> from muonfx import schedules
+    >>> s = schedules.warmup_cosine_decay(0.0, 1.0, warmup_steps=10, decay_steps=110)
+    >>> round(s(5), 3), round(s(10), 3), round(s(110), 3)
+    (0.5, 1.0, 0.0)
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence, Union
+
+import torch
+
+Schedule = Callable[[int], float]
+ScalarOrSchedule = Union[float, Schedule]
+
+__all__ = ["Schedule", "ScalarOrSchedule", "constant", "linear", "cosine_decay",
+           "warmup_cosine_decay", "join", "evaluate"]
+
+
+def _step(count) -> int:
+    return int(count.item()) if isinstance(count, torch.Tensor) else int(count)
+
+
+@dataclass(frozen=True)
+class constant:
+    """``value`` at every step."""
+
+    value: float
+
+    def __call__(self, count) -> float:
+        return float(self.value)
+
+
+@dataclass(frozen=True)
+class linear:
+    """Linear from ``init_value`` to ``end_value`` over ``transition_steps`` steps,
+    starting at ``transition_begin``; constant outside that window.
+
+    Formula: ``init + (end - init) * clip((t - begin) / steps, 0, 1)``.
+    """
+
+    init_value: float
+    end_value: float
+    transition_steps: int
+    transition_begin: int = 0
+
+    def __post_init__(self):
+        if self.transition_steps < 0:
+            raise ValueError(f"transition_steps must be >= 0, got {self.transition_steps}")
+
+    def __call__(self, count) -> float:
+        t = _step(count) - self.transition_begin
+        if self.transition_steps == 0:
+            frac = 1.0 if t >= 0 else 0.0
+        else:
+            frac = min(max(t / self.transition_steps, 0.0), 1.0)
+        return float(self.init_value + (self.end_value - self.init_value) * frac)
+
+
+@dataclass(frozen=True)
+class cosine_decay:
+    """Cosine decay from ``init_value`` to ``alpha * init_value`` over ``decay_steps``.
+
+    Formula: ``init * ((1 - alpha) * 0.5 * (1 + cos(pi * min(t, T) / T)) + alpha)``.
+    """
+
+    init_value: float
+    decay_steps: int
+    alpha: float = 0.0
+
+    def __post_init__(self):
+        if self.decay_steps <= 0:
+            raise ValueError(f"decay_steps must be > 0, got {self.decay_steps}")
+
+    def __call__(self, count) -> float:
+        t = min(_step(count), self.decay_steps)
+        cos = 0.5 * (1.0 + math.cos(math.pi * t / self.decay_steps))
+        return float(self.init_value * ((1.0 - self.alpha) * cos + self.alpha))
+
+
+@dataclass(frozen=True)
+class join:
+    """Run ``schedules[i]`` between ``boundaries[i-1]`` and ``boundaries[i]``.
+
+    Each schedule sees the step count relative to its own start (optax's
+    ``join_schedules``).
+    """
+
+    schedules: Sequence[Schedule]
+    boundaries: Sequence[int]
+
+    def __post_init__(self):
+        if len(self.boundaries) != len(self.schedules) - 1:
+            raise ValueError(
+                f"join needs len(boundaries) == len(schedules) - 1, got "
+                f"{len(self.boundaries)} boundaries for {len(self.schedules)} schedules"
+            )
+        if list(self.boundaries) != sorted(self.boundaries):
+            raise ValueError(f"join boundaries must be increasing, got {list(self.boundaries)}")
+
+    def __call__(self, count) -> float:
+        t = _step(count)
+        i = bisect.bisect_right(list(self.boundaries), t)
+        start = 0 if i == 0 else self.boundaries[i - 1]
+        return float(self.schedules[i](t - start))
+
+
+def warmup_cosine_decay(
+    init_value: float, peak_value: float, warmup_steps: int, decay_steps: int, end_value: float = 0.0
+) -> join:
+    """Linear warm-up ``init_value -> peak_value`` over ``warmup_steps``, then cosine
+    decay to ``end_value`` at step ``decay_steps`` (counted from 0, warm-up included)."""
+    if decay_steps <= warmup_steps:
+        raise ValueError(f"decay_steps ({decay_steps}) must exceed warmup_steps ({warmup_steps})")
+    alpha = end_value / peak_value if peak_value else 0.0
+    return join(
+        [linear(init_value, peak_value, warmup_steps), cosine_decay(peak_value, decay_steps - warmup_steps, alpha)],
+        [warmup_steps],
+    )
+
+
+def evaluate(name: str, value: ScalarOrSchedule, count) -> float:
+    """The value of a hyperparameter at ``count``: ``value(count)`` for schedules.
+
+    Raises ``ValueError`` naming ``name`` if the result is NaN or infinite.
+    """
+    v = value(count) if callable(value) else value
+    f = float(v.item()) if isinstance(v, torch.Tensor) else float(v)
+    if not math.isfinite(f):
+        raise ValueError(f"hyperparameter {name!r} is {f} at step {_step(count)} (schedule {value!r})")
+    return f

@@ -1,0 +1,12 @@
+"""The transforms, one small module per family."""
+
+from .adam import ScaleByAdamState, scale_by_adam
+from .clipping import clip_by_global_norm, global_norm
+from .decay import decoupled_decay
+from .momentum import MomentumState, momentum, nesterov
+from .orthogonalize import newton_schulz
+from .scaling import ScaleByScheduleState, scale, scale_by_learning_rate, scale_by_shape, shape_factor
+
+__all__ = ["ScaleByAdamState", "scale_by_adam", "clip_by_global_norm", "global_norm",
+           "decoupled_decay", "MomentumState", "momentum", "nesterov", "newton_schulz",
+           "ScaleByScheduleState", "scale", "scale_by_learning_rate", "scale_by_shape", "shape_factor"]

@@ -1,0 +1,45 @@
+"""The matrix view shared by every matrix transform (Newton-Schulz, shape scales).
+
+* 2-D ``[A, B]``: one matrix;
+* 3-D ``[E, A, B]``: a batch of ``E`` matrices (MoE expert stacks);
+* 4-D and more (conv weights ``[out, in, kh, kw]``): one matrix ``[out, in*kh*kw]``.
+
+0-D and 1-D leaves are not matrices: an error names the key and the way out.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..base import Key, key_str
+
+
+def _require_matrix(key: Key, t: torch.Tensor, who: str) -> None:
+    if t.ndim < 2:
+        raise ValueError(
+            f"{who} needs matrices, but leaf {key_str(key)!r} has shape {tuple(t.shape)} "
+            f"({t.ndim}-D). Route 0-D/1-D parameters elsewhere with "
+            f"mfx.mask_by_ndim({who}(...), ndim={{2, 3, 4}}) or mfx.partition "
+            "(mfx.muon_adamw does this for you)."
+        )
+
+
+def matrix_dims(key: Key, t: torch.Tensor, who: str) -> tuple[int, int]:
+    """``(A, B)`` = (rows, cols) of the matrix view of ``t``."""
+    _require_matrix(key, t, who)
+    if t.ndim == 2:
+        return int(t.shape[0]), int(t.shape[1])
+    if t.ndim == 3:
+        return int(t.shape[1]), int(t.shape[2])
+    return int(t.shape[0]), int(math.prod(t.shape[1:]))
+
+
+def as_stack(key: Key, t: torch.Tensor, who: str) -> torch.Tensor:
+    """``t`` viewed as a ``[k, A, B]`` stack of matrices."""
+    _require_matrix(key, t, who)
+    if t.ndim == 3:
+        return t
+    a, b = matrix_dims(key, t, who)
+    return t.reshape(1, a, b)

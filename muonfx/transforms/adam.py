@@ -1,0 +1,78 @@
+"""Adam's bias-corrected moment estimates."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from tensordict import TensorDict
+
+from ..base import GradientTransformation, aligned, build, foreach, leaves
+
+
+class ScaleByAdamState(NamedTuple):
+    """State of :func:`scale_by_adam`.
+
+    Attributes:
+        count: number of updates made so far (for bias correction).
+        mu: first-moment EMA, per parameter, zeros at init.
+        nu: second-moment EMA, per parameter, zeros at init.
+    """
+
+    count: int
+    mu: TensorDict
+    nu: TensorDict
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                  mu_dtype: torch.dtype | None = None) -> GradientTransformation:
+    """Adam's direction with bias correction (torch.optim.Adam's arithmetic).
+
+    Formula (``t`` counts from 1)::
+
+        m <- lerp(m, g, 1 - b1);   v <- b2 * v + (1 - b2) * g * g
+        out = (m / (1 - b1^t)) / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+    Defaults are torch's. ``mu_dtype`` stores both moments in that dtype.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> g = TensorDict({"w": torch.full((2,), 4.0)}, [])
+        >>> tx = mfx.scale_by_adam()
+        >>> out, _ = tx.update(g, tx.init(g))
+        >>> round(out["w"][0].item(), 6)
+        1.0
+    """
+    for name, b in (("b1", b1), ("b2", b2)):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"scale_by_adam: {name} must be in [0, 1), got {b!r}")
+    if not eps >= 0:
+        raise ValueError(f"scale_by_adam: eps must be >= 0, got {eps!r}")
+
+    def init_fn(params):
+        keys, ps = leaves(params, "params")
+        zeros = lambda: build(keys, [torch.zeros_like(p, dtype=mu_dtype or p.dtype) for p in ps])  # noqa: E731
+        return ScaleByAdamState(count=0, mu=zeros(), nu=zeros())
+
+    def update_fn(updates, state, params=None):
+        keys, gs = leaves(updates)
+        ms = aligned(state.mu, keys, "adam state (mu)")
+        vs = aligned(state.nu, keys, "adam state (nu)")
+        ms_c = [m if m.dtype == g.dtype else m.to(g.dtype) for m, g in zip(ms, gs)]
+        vs_c = [v if v.dtype == g.dtype else v.to(g.dtype) for v, g in zip(vs, gs)]
+        t = state.count + 1
+        new_m = foreach("lerp", ms_c, gs, 1.0 - b1)
+        new_v = foreach("mul", vs_c, b2)
+        foreach("addcmul_", new_v, gs, gs, value=1.0 - b2)
+        denom = foreach("sqrt", new_v)
+        foreach("div_", denom, math.sqrt(1.0 - b2**t))
+        foreach("add_", denom, eps)
+        out = foreach("div", new_m, denom)
+        foreach("div_", out, 1.0 - b1**t)
+        store = lambda new, old: [n if n.dtype == o.dtype else n.to(o.dtype) for n, o in zip(new, old)]  # noqa: E731
+        return build(keys, out), ScaleByAdamState(t, build(keys, store(new_m, ms)), build(keys, store(new_v, vs)))
+
+    return GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,52 @@
+"""Clipping by the global norm of all updates (a global transform: one reduction)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import seam
+from ..base import EmptyState, GradientTransformation, build, foreach, leaves
+
+
+def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(t, dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).square()
+
+
+def global_norm(updates) -> torch.Tensor:
+    """``sqrt(sum over leaves of ||u||^2)``, reduced over all ranks under FSDP2."""
+    _, us = leaves(updates)
+    return seam.global_sum(_sum_of_squares, us).sqrt()
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale all updates together so their global norm is at most ``max_norm``.
+
+    Formula: ``n = sqrt(sum_i ||u_i||^2)``; ``out = u * max_norm / max(n, max_norm)``
+    (unchanged when ``n <= max_norm``). Under FSDP2 ``n`` is one all-reduce, identical
+    on every rank.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> u = TensorDict({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}, [])
+        >>> out, _ = mfx.clip_by_global_norm(1.0).update(u, None)
+        >>> [round(out[k].item(), 4) for k in ("a", "b")]
+        [0.6, 0.8]
+    """
+    max_norm = float(max_norm)
+    if not max_norm > 0:
+        raise ValueError(f"clip_by_global_norm: max_norm must be > 0, got {max_norm}")
+
+    def init_fn(params):
+        return EmptyState()
+
+    def update_fn(updates, state, params=None):
+        keys, us = leaves(updates)
+        if not us:
+            return updates, state
+        norm = seam.global_sum(_sum_of_squares, us).sqrt()
+        factor = max_norm / torch.clamp(norm, min=max_norm)
+        return build(keys, foreach("mul", us, factor.to(us[0].device))), state
+
+    return GradientTransformation(init_fn, update_fn)

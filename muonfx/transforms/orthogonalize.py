@@ -1,0 +1,69 @@
+"""Newton-Schulz orthogonalisation of matrix leaves (the heart of Muon)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from .. import seam
+from ..base import EmptyState, GradientTransformation, build, leaves
+from ..linalg import CoefficientSpec, newton_schulz_batched, resolve
+from ._matrix import as_stack
+
+
+def newton_schulz(
+    steps: int = 5,
+    coefficients: CoefficientSpec = "keller",
+    eps: float = 1e-7,
+    dtype: torch.dtype | None = None,
+    safety: float | None = None,
+) -> GradientTransformation:
+    """Replace each matrix by an approximate polar factor (``U V^T`` of its SVD).
+
+    Formula, per matrix ``G`` (transposed to the wide orientation when it has more
+    rows than columns)::
+
+        X <- G / max(||G||_F * safety, eps)
+        for (a, b, c) in schedule:   A <- X X^T;  X <- a X + (b A + c A A) X
+
+    Args:
+        steps: number of iterations (torch.optim.Muon: 5).
+        coefficients: a preset name (``"keller"``, ``"you"``, ``"polar_express"``,
+            ``"cubic"``), one ``(a, b, c)`` triple, or a sequence of per-step triples
+            (a short sequence repeats its last triple).
+        eps: floor of the normaliser (torch.optim.Muon: 1e-7).
+        dtype: compute dtype; ``None`` means bfloat16 on CUDA and float32 (float64
+            for float64 input) elsewhere. The output keeps the update's dtype.
+        safety: normalisation safety factor; ``None`` uses the preset's (1.02 for
+            polar_express, else 1).
+
+    Leaves: 2-D are matrices, 3-D are batches of matrices (MoE experts), 4-D+ are
+    viewed as ``[out, in*kh*kw]``. 0-D/1-D leaves raise ``ValueError`` naming the key;
+    route them with :func:`mask_by_ndim` or :func:`partition`. Same-shape matrices are
+    orthogonalised as one batch through :func:`muonfx.seam.map_matrices`.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> g = TensorDict({"w": torch.randn(8, 32)}, [])
+        >>> tx = mfx.newton_schulz()
+        >>> o, _ = tx.update(g, tx.init(g))
+        >>> s = torch.linalg.svdvals(o["w"])
+        >>> bool(((s > 0.6) & (s < 1.2)).all())
+        True
+    """
+    schedule = resolve(coefficients, steps, safety)
+    fn = partial(newton_schulz_batched, schedule=schedule, eps=eps, dtype=dtype)
+
+    def init_fn(params):
+        return EmptyState()
+
+    def update_fn(updates, state, params=None):
+        keys, gs = leaves(updates)
+        stacks = [as_stack(k, g, "newton_schulz") for k, g in zip(keys, gs)]
+        outs = seam.map_matrices(fn, stacks)
+        return build(keys, [o.reshape(g.shape) for o, g in zip(outs, gs)]), state
+
+    return GradientTransformation(init_fn, update_fn)

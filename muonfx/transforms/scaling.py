@@ -1,0 +1,121 @@
+"""Scalings: by a constant, by the learning rate (or its schedule), by matrix shape."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from ..base import EmptyState, GradientTransformation, build, foreach, leaves
+from ..schedules import ScalarOrSchedule, evaluate
+from ._matrix import matrix_dims
+
+SHAPE_MODES = ("original", "match_rms_adamw", "spectral")
+
+
+def scale(factor: float) -> GradientTransformation:
+    """Multiply every update by ``factor``: ``out = factor * u``.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> u = TensorDict({"w": torch.ones(2)}, [])
+        >>> mfx.scale(3.0).update(u, None)[0]["w"].tolist()
+        [3.0, 3.0]
+    """
+    factor = float(factor)
+
+    def init_fn(params):
+        return EmptyState()
+
+    def update_fn(updates, state, params=None):
+        keys, us = leaves(updates)
+        return build(keys, foreach("mul", us, factor)), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+class ScaleByScheduleState(NamedTuple):
+    """State of :func:`scale_by_learning_rate` with a schedule.
+
+    Attributes:
+        count: number of updates done so far (the schedule's argument).
+    """
+
+    count: int
+
+
+def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
+    """Multiply by ``-lr`` (descent): ``out = -lr(t) * u``.
+
+    ``lr`` is a float or a schedule ``step -> float`` (see :mod:`muonfx.schedules`),
+    evaluated at the number of updates already made. A schedule value that is NaN
+    or infinite raises ``ValueError``.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> u = TensorDict({"w": torch.ones(1)}, [])
+        >>> tx = mfx.scale_by_learning_rate(mfx.schedules.linear(1.0, 0.0, 10))
+        >>> s = tx.init(u)
+        >>> out, s = tx.update(u, s); out["w"].item()
+        -1.0
+        >>> out, s = tx.update(u, s); out["w"].item()
+        -0.8999999761581421
+    """
+    if not callable(lr):
+        value = evaluate("lr", lr, 0)
+        return scale(-value)
+
+    def init_fn(params):
+        return ScaleByScheduleState(count=0)
+
+    def update_fn(updates, state, params=None):
+        value = evaluate("lr", lr, state.count)
+        keys, us = leaves(updates)
+        return build(keys, foreach("mul", us, -value)), ScaleByScheduleState(state.count + 1)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def shape_factor(mode: str, a: int, b: int) -> float:
+    """The shape scale ``s(A, B)`` of :func:`scale_by_shape`."""
+    if mode == "original":
+        return math.sqrt(max(1.0, a / b))
+    if mode == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(a, b))
+    if mode == "spectral":
+        return math.sqrt(a / b)
+    raise ValueError(f"unknown scale_by_shape mode {mode!r}; choose one of {SHAPE_MODES}")
+
+
+def scale_by_shape(mode: str = "original") -> GradientTransformation:
+    """Scale each matrix update by a factor of its shape ``A x B`` (rows x cols).
+
+    Modes (``A``, ``B`` taken from the same matrix view Newton-Schulz uses: conv
+    weights ``[out, in, kh, kw]`` as ``[out, in*kh*kw]``, 3-D stacks per matrix):
+
+    * ``"original"``: ``sqrt(max(1, A/B))`` (Keller Jordan; torch.optim.Muon's default);
+    * ``"match_rms_adamw"``: ``0.2 * sqrt(max(A, B))`` (Moonlight: update RMS matches AdamW's);
+    * ``"spectral"``: ``sqrt(A/B)``.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> u = TensorDict({"w": torch.ones(16, 4)}, [])
+        >>> mfx.scale_by_shape().update(u, None)[0]["w"][0, 0].item()
+        2.0
+    """
+    shape_factor(mode, 1, 1)  # validate early
+
+    def init_fn(params):
+        return EmptyState()
+
+    def update_fn(updates, state, params=None):
+        keys, us = leaves(updates)
+        factors = [shape_factor(mode, *matrix_dims(k, u, "scale_by_shape")) for k, u in zip(keys, us)]
+        return build(keys, foreach("mul", us, factors)), state
+
+    return GradientTransformation(init_fn, update_fn)

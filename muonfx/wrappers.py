@@ -1,0 +1,240 @@
+"""Wrappers that change *when* or *with what* an inner transform runs:
+finite checks, gradient accumulation and injected (schedulable) hyperparameters."""
+
+from __future__ import annotations
+
+import inspect
+import numbers
+from typing import Any, Callable, NamedTuple
+
+import torch
+from tensordict import TensorDict
+
+from . import seam
+from .base import GradientTransformation, aligned, build, foreach, leaves
+from .schedules import evaluate
+
+__all__ = ["apply_if_finite", "ApplyIfFiniteState", "accumulate", "AccumulateState",
+           "inject_hyperparams", "InjectHyperparamsState"]
+
+
+# ---------------------------------------------------------------------------
+# apply_if_finite
+# ---------------------------------------------------------------------------
+
+
+class ApplyIfFiniteState(NamedTuple):
+    """State of :func:`apply_if_finite`.
+
+    Attributes:
+        notfinite_count: consecutive steps whose update was not finite.
+        last_finite: whether the last update was finite.
+        total_notfinite: all non-finite steps so far.
+        inner_state: the inner transform's state (kept unchanged on a skipped step).
+    """
+
+    notfinite_count: int
+    last_finite: bool
+    total_notfinite: int
+    inner_state: Any
+
+
+def _count_nonfinite(t: torch.Tensor) -> torch.Tensor:
+    return (~torch.isfinite(t)).sum().to(torch.float32)
+
+
+def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int = 5) -> GradientTransformation:
+    """Skip steps whose update contains NaN or Inf.
+
+    The inner update is computed; if any element is not finite (checked with one
+    global reduction, identical on every rank under FSDP2) the output is a zero
+    update and the inner state is kept. After more than ``max_consecutive_errors``
+    consecutive bad steps the update is let through (optax's semantics), so a run
+    that is really diverging does not silently stall.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> tx = mfx.apply_if_finite(mfx.momentum(0.9), max_consecutive_errors=3)
+        >>> g = TensorDict({"w": torch.tensor([float("nan")])}, [])
+        >>> out, s = tx.update(g, tx.init(g))
+        >>> out["w"].item(), s.notfinite_count
+        (0.0, 1)
+    """
+    if not isinstance(max_consecutive_errors, int) or max_consecutive_errors < 0:
+        raise ValueError(f"max_consecutive_errors must be an int >= 0, got {max_consecutive_errors!r}")
+
+    def init_fn(params):
+        return ApplyIfFiniteState(0, True, 0, inner.init(params))
+
+    def update_fn(updates, state, params=None):
+        new_u, new_inner = inner.update(updates, state.inner_state, params)
+        keys, us = leaves(new_u)
+        bad = int(seam.global_sum(_count_nonfinite, us).item()) if us else 0
+        if bad == 0:
+            return new_u, ApplyIfFiniteState(0, True, state.total_notfinite, new_inner)
+        count = state.notfinite_count + 1
+        total = state.total_notfinite + 1
+        if count > max_consecutive_errors:
+            return new_u, ApplyIfFiniteState(count, False, total, new_inner)
+        zeros = build(keys, [torch.zeros_like(u) for u in us])
+        return zeros, ApplyIfFiniteState(count, False, total, state.inner_state)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------------
+# accumulate
+# ---------------------------------------------------------------------------
+
+
+class AccumulateState(NamedTuple):
+    """State of :func:`accumulate`.
+
+    Attributes:
+        mini_step: micro-steps accumulated since the last inner step (0..k-1).
+        acc: running sum of the micro-step updates (float32 or wider).
+        inner_state: the inner transform's state.
+    """
+
+    mini_step: int
+    acc: TensorDict
+    inner_state: Any
+
+
+def _acc_dtype(p: torch.Tensor) -> torch.dtype:
+    return p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransformation:
+    """Gradient accumulation: run ``inner`` on the mean of every ``every_k`` updates.
+
+    Calls 1..k-1 of each cycle return zero updates and only add to the running sum;
+    call k feeds ``sum / k`` (in the update's dtype) to ``inner`` and resets the sum.
+    ``accumulate(t, 1)`` computes exactly what ``t`` does.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> tx = mfx.accumulate(mfx.scale(1.0), every_k=2)
+        >>> s = tx.init(TensorDict({"w": torch.zeros(1)}, []))
+        >>> out, s = tx.update(TensorDict({"w": torch.tensor([1.0])}, []), s); out["w"].item()
+        0.0
+        >>> out, s = tx.update(TensorDict({"w": torch.tensor([3.0])}, []), s); out["w"].item()
+        2.0
+    """
+    if not isinstance(every_k, int) or isinstance(every_k, bool) or every_k < 1:
+        raise ValueError(f"accumulate: every_k must be an int >= 1, got {every_k!r}")
+
+    def init_fn(params):
+        keys, ps = leaves(params, "params")
+        acc = build(keys, [torch.zeros_like(p, dtype=_acc_dtype(p)) for p in ps])
+        return AccumulateState(0, acc, inner.init(params))
+
+    def update_fn(updates, state, params=None):
+        keys, gs = leaves(updates)
+        accs = aligned(state.acc, keys, "accumulate state (acc)")
+        total = foreach("add", accs, [g if g.dtype == a.dtype else g.to(a.dtype) for g, a in zip(gs, accs)])
+        if state.mini_step + 1 < every_k:
+            zeros = build(keys, [torch.zeros_like(g) for g in gs])
+            return zeros, AccumulateState(state.mini_step + 1, build(keys, total), state.inner_state)
+        if every_k > 1:
+            foreach("div_", total, float(every_k))
+        mean = build(keys, [t if t.dtype == g.dtype else t.to(g.dtype) for t, g in zip(total, gs)])
+        new_u, new_inner = inner.update(mean, state.inner_state, params)
+        fresh = build(keys, [torch.zeros_like(a) for a in accs])
+        return new_u, AccumulateState(0, fresh, new_inner)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# ---------------------------------------------------------------------------
+# inject_hyperparams
+# ---------------------------------------------------------------------------
+
+
+class InjectHyperparamsState(NamedTuple):
+    """State of a transform built by :func:`inject_hyperparams`.
+
+    Attributes:
+        count: number of updates made so far (the schedules' argument).
+        hyperparams: ``{name: current value}``; edit it between steps to change a
+            hyperparameter (a scheduled one is overwritten by its schedule at each step).
+        inner_state: the inner transform's state.
+    """
+
+    count: int
+    hyperparams: dict
+    inner_state: Any
+
+
+def _is_injectable(v: Any) -> bool:
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, numbers.Real) or callable(v)
+
+
+def inject_hyperparams(
+    factory: Callable[..., GradientTransformation], static_args: tuple[str, ...] = ()
+) -> Callable[..., GradientTransformation]:
+    """Make a transform factory's numeric hyperparameters live in the state.
+
+    ``inject_hyperparams(factory)(**hparams)`` returns a transform whose state is an
+    :class:`InjectHyperparamsState`. Every numeric argument (and every callable, read
+    as a schedule ``step -> value``) not named in ``static_args`` is stored in
+    ``state.hyperparams``; at each update the schedules are evaluated at
+    ``state.count`` and the inner transform is rebuilt with the current values, so
+    values written into the state between steps take effect. A schedule returning
+    NaN/Inf raises ``ValueError`` naming the hyperparameter.
+
+    Example (momentum warm-up 0.85 -> 0.95 over 300 steps, as in nanochat)::
+
+        >>> import muonfx as mfx
+        >>> tx = mfx.inject_hyperparams(mfx.muon)(
+        ...     lr=0.02, momentum=mfx.schedules.linear(0.85, 0.95, 300))
+        >>> # state.hyperparams["lr"] = 0.01 between steps changes the lr
+    """
+    sig = inspect.signature(factory)
+
+    def make(*args: Any, **kwargs: Any) -> GradientTransformation:
+        bound = sig.bind(*args, **kwargs)
+        hparams = dict(bound.arguments)
+        bad = [n for n in static_args if n not in sig.parameters]
+        if bad:
+            raise ValueError(f"inject_hyperparams: static_args {bad} are not parameters of {factory.__name__}")
+        injected = {n: v for n, v in hparams.items() if n not in static_args and _is_injectable(v)}
+        static = {n: v for n, v in hparams.items() if n not in injected}
+
+        def values_at(count, current: dict) -> dict:
+            return {
+                n: evaluate(n, injected[n], count) if callable(injected[n])
+                else _checked(n, current[n], count)
+                for n in injected
+            }
+
+        def init_fn(params):
+            hp = values_at(0, injected)
+            return InjectHyperparamsState(0, hp, factory(**static, **hp).init(params))
+
+        def update_fn(updates, state, params=None):
+            missing = set(injected) - set(state.hyperparams)
+            if missing:
+                raise ValueError(f"inject_hyperparams: state lacks hyperparameters {sorted(missing)}")
+            hp = values_at(state.count, state.hyperparams)
+            new_u, new_inner = factory(**static, **hp).update(updates, state.inner_state, params)
+            return new_u, InjectHyperparamsState(state.count + 1, hp, new_inner)
+
+        return GradientTransformation(init_fn, update_fn)
+
+    make.__name__ = f"inject_hyperparams({getattr(factory, '__name__', 'factory')})"
+    make.__doc__ = factory.__doc__
+    return make
+
+
+def _checked(name: str, value: Any, count: int) -> Any:
+    """Validate a stored (non-schedule) hyperparameter, keeping ints as ints."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return evaluate(name, value, count)
