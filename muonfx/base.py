@@ -57,7 +57,7 @@ class GradientTransformation(NamedTuple):
         >>> tx = mfx.chain(mfx.momentum(0.9), mfx.scale_by_learning_rate(0.1))
         >>> state = tx.init(params)
         >>> updates, state = tx.update(params.clone(), state, params)
-        >>> mfx.apply_updates(params, updates)["w"][0, 0].item()
+        >>> round(mfx.apply_updates(params, updates)["w"][0, 0].item(), 6)
         0.99
     """
 

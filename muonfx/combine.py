@@ -102,21 +102,24 @@ def _lookup(spec: TensorDictBase | Mapping, key: Key) -> Any:
 
 
 def resolve_labels(spec: LabelSpec, keys: list[Key], tensors: list[torch.Tensor], what: str) -> list[Any]:
-    """One label per leaf from a function ``(key, tensor) -> label`` or a TensorDict/mapping."""
+    """One label per leaf from a function ``(key, tensor) -> label`` or a TensorDict/mapping.
+
+    A TensorDict or mapping must have an entry for every leaf (``ValueError`` naming
+    the missing keys); extra entries are ignored, so a model-wide spec also serves a
+    subset of the leaves (e.g. the parameters that received gradients).
+    """
     if callable(spec) and not isinstance(spec, (TensorDictBase, Mapping)):
         return [spec(key_str(k), t) for k, t in zip(keys, tensors)]
     if isinstance(spec, TensorDictBase):
-        check_keys(keys, spec, what, against="params")
+        spec_keys = {key_str(k) for k in spec.keys(include_nested=True, leaves_only=True)}
     elif isinstance(spec, Mapping):
-        known = {key_str(k) for k in keys}
         spec_keys = {key_str(k) if isinstance(k, tuple) else k for k in spec}
-        if spec_keys != known:
-            raise ValueError(
-                f"{what} does not match the params: missing keys {sorted(known - spec_keys)}, "
-                f"extra keys {sorted(spec_keys - known)}"
-            )
     else:
         raise TypeError(f"{what} must be a function (key, tensor) -> value, a TensorDict or a mapping")
+    missing = sorted(key_str(k) for k in keys if key_str(k) not in spec_keys)
+    if missing:
+        # Extra entries are allowed (a model-wide spec applied to a subset of leaves).
+        raise ValueError(f"{what} has no entry for keys {missing}")
     return [_lookup(spec, k) for k in keys]
 
 

@@ -170,10 +170,15 @@ class InjectHyperparamsState(NamedTuple):
     inner_state: Any
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
 def _is_injectable(v: Any) -> bool:
-    if isinstance(v, bool):
-        return False
-    return isinstance(v, numbers.Real) or callable(v)
+    """Numbers, schedules, and tuples of numbers (e.g. Adam's ``betas``)."""
+    if isinstance(v, (tuple, list)):
+        return len(v) > 0 and all(_is_number(x) or isinstance(x, torch.Tensor) for x in v)
+    return _is_number(v) or callable(v) or (isinstance(v, torch.Tensor) and v.numel() == 1)
 
 
 def inject_hyperparams(
@@ -182,8 +187,9 @@ def inject_hyperparams(
     """Make a transform factory's numeric hyperparameters live in the state.
 
     ``inject_hyperparams(factory)(**hparams)`` returns a transform whose state is an
-    :class:`InjectHyperparamsState`. Every numeric argument (and every callable, read
-    as a schedule ``step -> value``) not named in ``static_args`` is stored in
+    :class:`InjectHyperparamsState`. Every numeric argument, tuple of numbers (such
+    as ``betas``) and callable (read as a schedule ``step -> value``) not named in
+    ``static_args`` is stored in
     ``state.hyperparams``; at each update the schedules are evaluated at
     ``state.count`` and the inner transform is rebuilt with the current values, so
     values written into the state between steps take effect. A schedule returning
@@ -235,6 +241,8 @@ def inject_hyperparams(
 
 def _checked(name: str, value: Any, count: int) -> Any:
     """Validate a stored (non-schedule) hyperparameter, keeping ints as ints."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_checked(f"{name}[{i}]", v, count) for i, v in enumerate(value))
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     return evaluate(name, value, count)

@@ -23,7 +23,7 @@ def decoupled_decay(weight_decay: float, mask: MaskSpec | None = None) -> Gradie
         >>> u = TensorDict({"w": torch.zeros(2), "b": torch.zeros(2)}, [])
         >>> tx = mfx.decoupled_decay(0.1, mask=lambda k, t: k != "b")
         >>> out, _ = tx.update(u, tx.init(p), p)
-        >>> out["w"].tolist(), out["b"].tolist()
+        >>> [round(x, 6) for x in out["w"].tolist()], out["b"].tolist()
         ([0.2, 0.2], [0.0, 0.0])
     """
     weight_decay = float(weight_decay)
