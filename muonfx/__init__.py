@@ -7,6 +7,8 @@
 from . import linalg, schedules, seam
 from .base import EmptyState, GradientTransformation, apply_updates, identity
 from .combine import MaskedState, PartitionState, chain, mask_by_ndim, masked, named_chain, partition
+from .familiar import MuonOptimizer, create_hybrid_optimizer
+from .optim import TransformOptimizer, lr_multiplier
 from .presets import adamw, default_muon_labels, muon, muon_adamw
 from .transforms import (MomentumState, ScaleByAdamState, ScaleByScheduleState, clip_by_global_norm,
                          decoupled_decay, global_norm, momentum, nesterov, newton_schulz, scale,
@@ -26,4 +28,5 @@ __all__ = [
     "ApplyIfFiniteState", "AccumulateState", "InjectHyperparamsState",
     "muon", "adamw", "muon_adamw", "default_muon_labels",
     "schedules", "linalg", "seam",
+    "TransformOptimizer", "lr_multiplier", "MuonOptimizer", "create_hybrid_optimizer",
 ]

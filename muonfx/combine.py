@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable, Hashable, Mapping, NamedTuple, Union
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDictBase, is_leaf_nontensor
 
 from .base import GradientTransformation, Key, build, check_keys, key_str, leaves
 
@@ -111,7 +111,9 @@ def resolve_labels(spec: LabelSpec, keys: list[Key], tensors: list[torch.Tensor]
     if callable(spec) and not isinstance(spec, (TensorDictBase, Mapping)):
         return [spec(key_str(k), t) for k, t in zip(keys, tensors)]
     if isinstance(spec, TensorDictBase):
-        spec_keys = {key_str(k) for k in spec.keys(include_nested=True, leaves_only=True)}
+        # is_leaf_nontensor: string labels are NonTensorData, which plain leaves_only skips
+        spec_keys = {key_str(k) for k in spec.keys(include_nested=True, leaves_only=True,
+                                                   is_leaf=is_leaf_nontensor)}
     elif isinstance(spec, Mapping):
         spec_keys = {key_str(k) if isinstance(k, tuple) else k for k in spec}
     else:

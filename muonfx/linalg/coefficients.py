@@ -60,7 +60,7 @@ class Schedule(NamedTuple):
 def _triple(x, where: str) -> Triple:
     try:
         t = tuple(float(v) for v in x)
-    except TypeError:
+    except (TypeError, ValueError):
         raise TypeError(f"{where}: expected an (a, b, c) triple of numbers, got {x!r}") from None
     if len(t) != 3 or not all(math.isfinite(v) for v in t):
         raise ValueError(f"{where}: expected an (a, b, c) triple of finite numbers, got {x!r}")
@@ -84,8 +84,15 @@ def resolve(coefficients: CoefficientSpec, steps: int, safety: float | None = No
             )
         seq, preset_safety = PRESETS[coefficients]
     else:
-        items = list(coefficients)
-        if len(items) == 3 and all(isinstance(v, (int, float)) for v in items):
+        try:
+            items = list(coefficients)
+        except TypeError:
+            raise TypeError(
+                f"coefficients must be a preset name, an (a, b, c) triple or a sequence of "
+                f"triples, got {coefficients!r}"
+            ) from None
+        # a flat sequence of numbers is meant as one triple (a wrong length says so)
+        if items and all(isinstance(v, (int, float)) for v in items):
             seq = (_triple(items, "coefficients"),)
         else:
             if not items:

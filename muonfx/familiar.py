@@ -1,0 +1,129 @@
+"""The optimizer classes users of torch.optim.Muon and the predecessor muon_fsdp know,
+as thin builders on :class:`muonfx.TransformOptimizer`."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Iterable
+
+import torch
+
+from .linalg import CoefficientSpec
+from .optim import TransformOptimizer
+from .presets import adamw, default_muon_labels, muon
+
+__all__ = ["MuonOptimizer", "create_hybrid_optimizer"]
+
+
+class MuonOptimizer(TransformOptimizer):
+    """Muon as a ``torch.optim.Optimizer`` (the predecessor's signature and defaults).
+
+    ``MuonOptimizer(params, lr=0.02, momentum=0.95, weight_decay=0.0, nesterov=False,
+    ns_steps=5, ns_coefficients="keller", adjust_lr="original", eps=1e-7, ns_dtype=None)``
+    is ``TransformOptimizer(params, mfx.muon, ...)``: every argument is a param-group
+    hyperparameter read at each step. Note the predecessor's ``nesterov=False``
+    default (torch.optim.Muon and ``mfx.muon`` use ``True``). Every parameter must be
+    a matrix (2-D, 3-D stack or conv weight); use :func:`create_hybrid_optimizer` for
+    a whole model.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 8, bias=False))
+        >>> opt = mfx.MuonOptimizer(model.parameters(), lr=0.02, momentum=0.95, weight_decay=0.01)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        ns_steps: int = 5,
+        ns_coefficients: CoefficientSpec = "keller",
+        adjust_lr: str | None = "original",
+        eps: float = 1e-7,
+        ns_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            params, muon, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
+            ns_steps=ns_steps, ns_coefficients=ns_coefficients, adjust_lr=adjust_lr, eps=eps, ns_dtype=ns_dtype,
+        )
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.ndim < 2:
+                    raise ValueError(
+                        f"MuonOptimizer: parameter {self._name(gi, i)!r} has shape {tuple(p.shape)}; Muon "
+                        "needs matrices. Give 0-D/1-D parameters (biases, norms) and embeddings to AdamW: "
+                        "mfx.create_hybrid_optimizer(model, ...) splits a model for you."
+                    )
+
+
+def create_hybrid_optimizer(
+    model: torch.nn.Module,
+    muon_lr: float = 0.02,
+    adamw_lr: float = 1e-3,
+    adamw_weight_decay: float = 0.01,
+    muon_momentum: float = 0.95,
+    muon_weight_decay: float = 0.0,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coefficients: CoefficientSpec = "keller",
+    adjust_lr: str | None = "original",
+    ns_dtype: torch.dtype | None = None,
+    adamw_betas: tuple[float, float] = (0.9, 0.95),
+    adamw_eps: float = 1e-8,
+    labels: Callable[[str, torch.Tensor], Hashable] | None = None,
+) -> TransformOptimizer:
+    """One optimizer: Muon for hidden matrices, AdamW for embeddings, head, biases, norms.
+
+    Parameters are split with ``labels(name, param) -> "muon" | "adamw"`` (default:
+    parameters of ``nn.Embedding``/``nn.EmbeddingBag`` modules, then
+    :func:`muonfx.default_muon_labels` by name and ndim) into two param groups of ONE
+    :class:`TransformOptimizer`, so one lr scheduler drives both (each group keeps
+    its own base lr) and one ``state_dict`` holds everything. The AdamW group accepts
+    sparse gradients (``nn.Embedding(sparse=True)``) by densifying them. Frozen
+    parameters (``requires_grad=False``) are left out.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 10))
+        >>> opt = mfx.create_hybrid_optimizer(model, muon_lr=0.02, adamw_lr=1e-3)
+        >>> [len(g["params"]) for g in opt.param_groups]
+        [2, 2]
+    """
+    embedding_params = {
+        id(p) for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+        for p in m.parameters(recurse=False)
+    }
+
+    def by_module_and_name(name: str, p: torch.Tensor) -> Hashable:
+        return "adamw" if id(p) in embedding_params else default_muon_labels(name, p)
+
+    label_fn = labels or by_module_and_name
+    groups: dict[str, list] = {"muon": [], "adamw": []}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        lbl = label_fn(name, p)
+        if lbl not in groups:
+            raise ValueError(f"create_hybrid_optimizer: label {lbl!r} for parameter {name!r}; use 'muon' or 'adamw'")
+        if lbl == "muon" and p.ndim < 2:
+            raise ValueError(f"create_hybrid_optimizer: parameter {name!r} ({p.ndim}-D) cannot use Muon")
+        groups[lbl].append((name, p))
+    param_groups = []
+    if groups["muon"]:
+        param_groups.append(dict(
+            params=groups["muon"], tx=muon, lr=muon_lr, momentum=muon_momentum, weight_decay=muon_weight_decay,
+            nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients, adjust_lr=adjust_lr,
+            ns_dtype=ns_dtype,
+        ))
+    if groups["adamw"]:
+        param_groups.append(dict(
+            params=groups["adamw"], tx=adamw, lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+            weight_decay=adamw_weight_decay, sparse_grad="densify",
+        ))
+    if not param_groups:
+        raise ValueError("create_hybrid_optimizer: the model has no trainable parameters")
+    return TransformOptimizer(param_groups, muon)

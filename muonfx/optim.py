@@ -1,0 +1,278 @@
+"""The torch.optim adapter: any muonfx transform as a real ``torch.optim.Optimizer``.
+
+The adapter is a thin shell around the one data path: it builds TensorDicts of
+gradients and parameters, calls the group's transform (made with
+:func:`muonfx.inject_hyperparams`, so ``param_groups`` hyperparameters are read at
+every step), and adds the updates to the parameters in place.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Iterable, Union
+
+import torch
+from tensordict import TensorDictBase
+
+from .base import GradientTransformation, Key, aligned, build, foreach, key_str
+from .state_tree import flatten_per_param, merge, restrict, unflatten_per_param
+from .wrappers import InjectHyperparamsState, _is_injectable, inject_hyperparams
+
+__all__ = ["TransformOptimizer", "lr_multiplier"]
+
+TxOrFactory = Union[GradientTransformation, Callable[..., GradientTransformation]]
+
+_SPARSE_HINT = (
+    "Muon and the other matrix transforms need dense gradients. Use "
+    "nn.Embedding(..., sparse=False), or route this parameter to AdamW: "
+    "mfx.create_hybrid_optimizer(model, ...) does so for embeddings, or pass it in a "
+    "param group {'params': [...], 'tx': mfx.adamw, 'sparse_grad': 'densify'} "
+    "(its sparse gradient is then densified before the AdamW step)."
+)
+
+
+def lr_multiplier(tx: GradientTransformation) -> Callable[..., GradientTransformation]:
+    """A factory ``(lr=1.0) -> tx`` whose output is multiplied by ``lr``.
+
+    :class:`TransformOptimizer` uses it for pre-built transforms, so that
+    ``group["lr"]`` (and any lr scheduler) scales the whole update: ``out = lr * tx(u)``.
+    With ``lr == 1`` the update is exactly ``tx``'s.
+    """
+
+    def with_lr(lr: float = 1.0) -> GradientTransformation:
+        def update_fn(updates, state, params=None):
+            out, state = tx.update(updates, state, params)
+            if lr == 1.0:
+                return out, state
+            keys = [k if isinstance(k, tuple) else (k,) for k in out.keys(include_nested=True, leaves_only=True)]
+            return build(keys, foreach("mul", [out.get(k) for k in keys], float(lr))), state
+
+        return GradientTransformation(tx.init, update_fn)
+
+    return with_lr
+
+
+def _serialisable(v: Any) -> bool:
+    if isinstance(v, (bool, int, float, str, type(None), torch.dtype)):
+        return True
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, (tuple, list)):
+        return all(_serialisable(x) for x in v)
+    return False
+
+
+class TransformOptimizer(torch.optim.Optimizer):
+    """Run a muonfx transform as a ``torch.optim.Optimizer``.
+
+    Args:
+        params: ``model.named_parameters()`` (names become the TensorDict keys, so
+            masks and label functions see ``"layers.0.weight"``), plain parameters,
+            or param-group dicts. A group may carry its own ``"tx"`` and any
+            hyperparameters; ``"sparse_grad": "densify"`` lets a group accept sparse
+            gradients by densifying them.
+        tx: a transform *factory* such as ``mfx.muon`` / ``mfx.adamw`` (or your own
+            function returning a transform), or a pre-built transform. With a factory
+            the hyperparameters are its keyword arguments; with a pre-built transform
+            ``lr`` is a multiplier of its output (default 1.0).
+        **hyperparams: defaults for every group (``lr``, ``weight_decay``, ``momentum``,
+            ``betas``, ...). They live in ``param_groups`` and are read at every step, so
+            lr schedulers and hand edits take effect.
+
+    Parameters whose ``grad`` is None are left exactly as they are and their
+    per-parameter state does not move. ``state_dict()`` is torch's format with the
+    transform's state flattened per parameter (``"momentum.mu"``, ``"adam.nu"``,
+    ``"count"``); it loads with ``torch.load(..., weights_only=True)``.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> model = torch.nn.Linear(4, 4)
+        >>> opt = mfx.TransformOptimizer(model.named_parameters(), mfx.adamw, lr=1e-3)
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+        >>> model(torch.randn(2, 4)).sum().backward()
+        >>> opt.step(); sched.step(); opt.zero_grad()
+    """
+
+    def __init__(self, params: Iterable[Any], tx: TxOrFactory, **hyperparams: Any) -> None:
+        self._default_tx = tx
+        self._group_factories: list[Callable[..., GradientTransformation]] = []
+        self._group_keys: list[list[Key]] = []
+        self._tx_states: list[Any] = []
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params must be an iterable of tensors, (name, tensor) pairs or dicts, not a Tensor")
+        params = list(params)
+        if not params:
+            raise ValueError("TransformOptimizer got an empty parameter list")
+        super().__init__(params, dict(hyperparams))
+
+    # -- groups -------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (and create its transform state eagerly)."""
+        tx = param_group.pop("tx", self._default_tx)
+        factory = lr_multiplier(tx) if isinstance(tx, GradientTransformation) else tx
+        if not callable(factory):
+            raise TypeError(f"tx must be a GradientTransformation or a factory returning one, got {type(tx).__name__}")
+        sig = inspect.signature(factory)
+        takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+        unknown = sorted(n for n in self.defaults if n not in sig.parameters and n != "sparse_grad")
+        if unknown and not takes_kwargs:
+            raise TypeError(
+                f"hyperparameters {unknown} are not arguments of {getattr(factory, '__name__', factory)!r}; "
+                f"it takes {list(sig.parameters)}"
+            )
+        for name, p in sig.parameters.items():
+            if name not in param_group and name not in self.defaults and p.default is not inspect.Parameter.empty:
+                if _is_injectable(p.default):
+                    param_group[name] = p.default
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        start = sum(len(g["params"]) for g in self.param_groups[:-1])
+        names = group.get("param_names") or [f"param{start + i}" for i in range(len(group["params"]))]
+        keys = [tuple(str(n).split(".")) for n in names]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"duplicate parameter names in a param group: {names}")
+        self._group_factories.append(factory)
+        self._group_keys.append(keys)
+        with torch.no_grad():
+            state = self._transform(len(self.param_groups) - 1).init(build(keys, list(group["params"])))
+        self._tx_states.append(state)
+        self._sync_torch_state(len(self.param_groups) - 1)
+
+    def _hparams(self, gi: int) -> dict[str, Any]:
+        group = self.param_groups[gi]
+        sig = inspect.signature(self._group_factories[gi])
+        return {n: group[n] for n in sig.parameters if n in group}
+
+    def _transform(self, gi: int) -> GradientTransformation:
+        return inject_hyperparams(self._group_factories[gi])(**self._hparams(gi))
+
+    def transform_state(self, group: int = 0) -> Any:
+        """The functional state of a param group's transform (an InjectHyperparamsState)."""
+        return self._tx_states[group]
+
+    def _name(self, gi: int, i: int) -> str:
+        return key_str(self._group_keys[gi][i])
+
+    def _sync_torch_state(self, gi: int) -> None:
+        """Mirror the functional state into ``self.state`` (per parameter, same tensors)."""
+        keys = self._group_keys[gi]
+        flat = flatten_per_param(self._tx_states[gi], keys)
+        for p, k in zip(self.param_groups[gi]["params"], keys):
+            self.state[p] = flat[k]
+
+    # -- stepping -----------------------------------------------------------
+
+    def _grads(self, gi: int) -> tuple[list[int], list[torch.Tensor]]:
+        group = self.param_groups[gi]
+        idx, grads = [], []
+        for i, p in enumerate(group["params"]):
+            g = p.grad
+            if g is None:
+                continue
+            if g.layout != torch.strided:
+                if group.get("sparse_grad", "error") == "densify":
+                    g = g.to_dense()
+                else:
+                    raise ValueError(f"parameter {self._name(gi, i)!r} has a sparse gradient ({g.layout}). {_SPARSE_HINT}")
+            if g.is_complex():
+                raise TypeError(f"parameter {self._name(gi, i)!r} has a complex gradient; muonfx takes real tensors only")
+            idx.append(i)
+            grads.append(g)
+        return idx, grads
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step; runs ``closure`` (with grad enabled) first and returns its loss.
+
+        All groups' updates are computed before any parameter changes, so an error
+        (a sparse gradient, a NaN schedule) leaves every parameter and state untouched.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plans = [self._grads(gi) for gi in range(len(self.param_groups))]
+        results = []
+        for gi, (idx, grads) in enumerate(plans):
+            if not idx:
+                results.append(None)
+                continue
+            results.append(self._group_update(gi, idx, grads))
+        for gi, res in enumerate(results):
+            if res is None:
+                continue
+            params, updates, new_state = res
+            foreach("add_", params, updates)
+            self._tx_states[gi] = new_state
+            self._sync_torch_state(gi)
+        return loss
+
+    def _group_update(self, gi: int, idx: list[int], grads: list[torch.Tensor]):
+        group = self.param_groups[gi]
+        keys_all = self._group_keys[gi]
+        keys = [keys_all[i] for i in idx]
+        params = [group["params"][i] for i in idx]
+        state: InjectHyperparamsState = self._tx_states[gi]
+        state = state._replace(hyperparams={n: group[n] for n in state.hyperparams if n in group})
+        tx = self._transform(gi)
+        partial = len(idx) != len(keys_all)
+        sub = restrict(state, set(keys)) if partial else state
+        upd, new_sub = tx.update(build(keys, grads), sub, build(keys, params))
+        new_state = merge(state, new_sub) if partial else new_sub
+        updates = aligned(upd, keys, "updates returned by the transform", against="parameters")
+        return params, updates, new_state
+
+    # -- checkpoints ---------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format: ``{"state": {index: {name: tensor | number}}, "param_groups": [...]}``.
+
+        Group entries that cannot be saved with ``weights_only=True`` (e.g. a schedule
+        function given as a hyperparameter) are left out.
+        """
+        for gi in range(len(self.param_groups)):
+            self._sync_torch_state(gi)
+        sd = super().state_dict()
+        sd["param_groups"] = [{k: v for k, v in g.items() if _serialisable(v)} for g in sd["param_groups"]]
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict`; on any mismatch (other transform,
+        other model) raise ``ValueError`` saying what differs and change nothing."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("optimizer state_dict must have 'state' and 'param_groups'")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer has {len(self.param_groups)}")
+        new_states = []
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            ids = list(saved["params"])
+            if len(ids) != len(group["params"]):
+                raise ValueError(
+                    f"param group {gi}: state_dict has {len(ids)} parameters, this optimizer has {len(group['params'])}"
+                )
+            names = saved.get("param_names")
+            mine = group.get("param_names")
+            if names is not None and mine is not None and list(names) != list(mine):
+                diff = [(a, b) for a, b in zip(names, mine) if a != b][:5]
+                raise ValueError(f"param group {gi}: parameter names differ (saved, current): {diff}")
+            keys = self._group_keys[gi]
+            flat = {k: dict(state_dict["state"].get(pid, {})) for k, pid in zip(keys, ids)}
+            names_map = {k: key_str(k) for k in keys}
+            new_states.append(unflatten_per_param(self._tx_states[gi], keys, flat, names_map))
+        # everything checked: now change things
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            for k, v in saved.items():
+                if k not in ("params", "param_names"):
+                    group[k] = v
+            hp = {n: group[n] for n in new_states[gi].hyperparams if n in group}
+            self._tx_states[gi] = new_states[gi]._replace(hyperparams=hp)
+            self._sync_torch_state(gi)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)

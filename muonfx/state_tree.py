@@ -1,0 +1,210 @@
+"""Walk a transform's state: per-parameter views, subsets and merges.
+
+A state is a tree of NamedTuples, dicts, tuples, TensorDicts and scalars. Its
+TensorDicts are keyed by parameter keys (per-parameter tensors); everything else
+(counters, flags) is a *scalar* shared by the parameters of the subtree it lives in.
+
+* :func:`flatten_per_param` gives, for each parameter key, a flat
+  ``{"momentum.mu": tensor, "count": 3, ...}`` dict (the torch.optim state format);
+* :func:`unflatten_per_param` rebuilds a state of the same structure from such dicts,
+  checking everything before it returns;
+* :func:`restrict` / :func:`merge` take the sub-state of some parameters and put an
+  updated sub-state back (the adapter uses them for parameters without gradients).
+
+Wrapper fields named ``inner_state``/``inner_states`` are left out of the flat names,
+and ``InjectHyperparamsState.hyperparams`` is not per-parameter state (it lives in the
+optimizer's ``param_groups``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+from tensordict import TensorDictBase
+
+from .base import Key, build, key_str
+from .wrappers import InjectHyperparamsState
+
+__all__ = ["flatten_per_param", "unflatten_per_param", "restrict", "merge", "state_tensors"]
+
+_ELIDED = ("inner_state", "inner_states")
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
+def _children(node: Any) -> Iterator[tuple[str, Any]]:
+    if _is_namedtuple(node):
+        for f in node._fields:
+            if isinstance(node, InjectHyperparamsState) and f == "hyperparams":
+                continue
+            yield ("" if f in _ELIDED else f), getattr(node, f)
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield str(k), v
+    elif isinstance(node, (tuple, list)):
+        for i, v in enumerate(node):
+            yield str(i), v
+
+
+def _join(path: str, name: str) -> str:
+    return name if not path else (path if not name else f"{path}.{name}")
+
+
+def _is_container(node: Any) -> bool:
+    return isinstance(node, (tuple, list, dict)) and not isinstance(node, TensorDictBase)
+
+
+def _td_keys(td: TensorDictBase) -> list[Key]:
+    return [k if isinstance(k, tuple) else (k,) for k in td.keys(include_nested=True, leaves_only=True)]
+
+
+def _scan(node: Any, path: str, out_td: list, out_scalar: list) -> set:
+    """Collect (path, td) and (path, value, scope) entries; return the subtree's keys."""
+    if isinstance(node, TensorDictBase):
+        out_td.append((path, node))
+        return set(_td_keys(node))
+    if _is_container(node):
+        keys: set = set()
+        pending_start = len(out_scalar)
+        for name, child in _children(node):
+            keys |= _scan(child, _join(path, name), out_td, out_scalar)
+        if keys:
+            for i in range(pending_start, len(out_scalar)):
+                if out_scalar[i][2] is None:
+                    out_scalar[i] = (out_scalar[i][0], out_scalar[i][1], keys)
+        return keys
+    out_scalar.append((path, node, None))
+    return set()
+
+
+def flatten_per_param(state: Any, keys: list[Key]) -> dict[Key, dict[str, Any]]:
+    """``{param key: {flat name: tensor or scalar}}`` for every key in ``keys``."""
+    tds: list = []
+    scalars: list = []
+    _scan(state, "", tds, scalars)
+    out: dict[Key, dict[str, Any]] = {k: {} for k in keys}
+    everyone = set(keys)
+    for path, td in tds:
+        for k in _td_keys(td):
+            if k in out:
+                out[k][path] = td.get(k)
+    for path, value, scope in scalars:
+        for k in (scope if scope is not None else everyone):
+            if k in out:
+                out[k][path] = value
+    return out
+
+
+def _cast_like(template: Any, value: Any, where: str) -> Any:
+    if isinstance(template, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            value = torch.as_tensor(value)
+        if tuple(value.shape) != tuple(template.shape):
+            raise ValueError(f"{where}: shape {tuple(value.shape)} does not match the expected {tuple(template.shape)}")
+        return value.detach().to(dtype=template.dtype, device=template.device, copy=True)
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(template, bool):
+        return bool(value)
+    if isinstance(template, int):
+        return int(value)
+    if isinstance(template, float):
+        return float(value)
+    return value
+
+
+def _rebuild(node: Any, path: str, fn: Callable[[str, Any], Any]) -> Any:
+    if isinstance(node, TensorDictBase):
+        return fn(path, node)
+    if _is_namedtuple(node):
+        vals = []
+        for f in node._fields:
+            child = getattr(node, f)
+            if isinstance(node, InjectHyperparamsState) and f == "hyperparams":
+                vals.append(dict(child))
+            else:
+                vals.append(_rebuild(child, _join(path, "" if f in _ELIDED else f), fn))
+        return type(node)(*vals)
+    if isinstance(node, dict):
+        return {k: _rebuild(v, _join(path, str(k)), fn) for k, v in node.items()}
+    if isinstance(node, (tuple, list)):
+        return type(node)(_rebuild(v, _join(path, str(i)), fn) for i, v in enumerate(node))
+    return fn(path, node)
+
+
+def unflatten_per_param(template: Any, keys: list[Key], flat: dict[Key, dict[str, Any]], names: dict[Key, str]) -> Any:
+    """A state shaped like ``template`` with values from ``flat`` (see :func:`flatten_per_param`).
+
+    Raises ``ValueError`` naming the parameter and entry for anything missing, extra
+    or of the wrong shape; nothing is returned (or changed) unless all of it fits.
+    """
+    expected = flatten_per_param(template, keys)
+    for k in keys:
+        got = flat.get(k, {})
+        miss = sorted(set(expected[k]) - set(got))
+        extra = sorted(set(got) - set(expected[k]))
+        if miss or extra:
+            raise ValueError(
+                f"optimizer state for parameter {names[k]!r} does not match this optimizer's "
+                f"transform: missing entries {miss}, unexpected entries {extra}"
+            )
+    tds: list = []
+    scalars: list = []
+    _scan(template, "", tds, scalars)
+    scopes = {path: scope for path, _, scope in scalars}
+
+    def fn(path: str, node: Any) -> Any:
+        if isinstance(node, TensorDictBase):
+            tks = _td_keys(node)
+            return build(tks, [_cast_like(node.get(k), flat[k][path], f"state {path!r} of {names[k]!r}") for k in tks])
+        scope = scopes.get(path)
+        holders = [k for k in keys if scope is None or k in scope]
+        if not holders:
+            return node
+        return _cast_like(node, flat[holders[0]][path], f"state {path!r}")
+
+    return _rebuild(template, "", fn)
+
+
+def restrict(state: Any, keep: set) -> Any:
+    """The sub-state of the parameters in ``keep`` (TensorDicts filtered; scalars kept)."""
+
+    def fn(path: str, node: Any) -> Any:
+        if isinstance(node, TensorDictBase):
+            ks = [k for k in _td_keys(node) if k in keep]
+            return build(ks, [node.get(k) for k in ks])
+        return node
+
+    return _rebuild(state, "", fn)
+
+
+def merge(full: Any, sub: Any) -> Any:
+    """``full`` with the entries present in ``sub`` (same structure) replaced."""
+    if isinstance(full, TensorDictBase):
+        sub_keys = set(_td_keys(sub))
+        ks = _td_keys(full)
+        return build(ks, [sub.get(k) if k in sub_keys else full.get(k) for k in ks])
+    if _is_namedtuple(full):
+        return type(full)(*(merge(a, b) for a, b in zip(full, sub)))
+    if isinstance(full, dict):
+        return {k: merge(full[k], sub[k]) for k in full}
+    if isinstance(full, (tuple, list)):
+        return type(full)(merge(a, b) for a, b in zip(full, sub))
+    return sub
+
+
+def state_tensors(state: Any) -> list[torch.Tensor]:
+    """Every tensor in ``state`` (TensorDict leaves and tensor scalars)."""
+    tds: list = []
+    scalars: list = []
+    _scan(state, "", tds, scalars)
+    out = [t for _, td in tds for t in td.values(include_nested=True, leaves_only=True)]
+    out += [v for _, v, _ in scalars if isinstance(v, torch.Tensor)]
+    return out
+
+
+def describe(keys: list[Key]) -> list[str]:
+    return [key_str(k) for k in keys]
