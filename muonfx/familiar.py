@@ -91,7 +91,7 @@ def create_hybrid_optimizer(
         >>> model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 10))
         >>> opt = mfx.create_hybrid_optimizer(model, muon_lr=0.02, adamw_lr=1e-3)
         >>> [len(g["params"]) for g in opt.param_groups]
-        [2, 2]
+        [2, 3]
     """
     embedding_params = {
         id(p) for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))

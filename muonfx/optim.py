@@ -99,12 +99,20 @@ class TransformOptimizer(torch.optim.Optimizer):
         self._group_factories: list[Callable[..., GradientTransformation]] = []
         self._group_keys: list[list[Key]] = []
         self._tx_states: list[Any] = []
+        self._explicit_hparams = set(hyperparams)
         if isinstance(params, torch.Tensor):
             raise TypeError("params must be an iterable of tensors, (name, tensor) pairs or dicts, not a Tensor")
         params = list(params)
         if not params:
             raise ValueError("TransformOptimizer got an empty parameter list")
         super().__init__(params, dict(hyperparams))
+        # Like torch.optim's own optimizers, expose every hyperparameter in
+        # ``self.defaults`` (OneCycleLR's cycle_momentum looks for "momentum"/"betas"
+        # there) when all groups run the default factory.
+        if not isinstance(tx, GradientTransformation) and all(f is tx for f in self._group_factories):
+            for name, p in inspect.signature(tx).parameters.items():
+                if name not in self.defaults and _is_injectable(p.default):
+                    self.defaults[name] = p.default
 
     # -- groups -------------------------------------------------------------
 
@@ -116,14 +124,14 @@ class TransformOptimizer(torch.optim.Optimizer):
             raise TypeError(f"tx must be a GradientTransformation or a factory returning one, got {type(tx).__name__}")
         sig = inspect.signature(factory)
         takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
-        unknown = sorted(n for n in self.defaults if n not in sig.parameters and n != "sparse_grad")
+        unknown = sorted(n for n in self._explicit_hparams if n not in sig.parameters and n != "sparse_grad")
         if unknown and not takes_kwargs:
             raise TypeError(
                 f"hyperparameters {unknown} are not arguments of {getattr(factory, '__name__', factory)!r}; "
                 f"it takes {list(sig.parameters)}"
             )
         for name, p in sig.parameters.items():
-            if name not in param_group and name not in self.defaults and p.default is not inspect.Parameter.empty:
+            if name not in param_group and name not in self._explicit_hparams and p.default is not inspect.Parameter.empty:
                 if _is_injectable(p.default):
                     param_group[name] = p.default
         super().add_param_group(param_group)
@@ -131,12 +139,23 @@ class TransformOptimizer(torch.optim.Optimizer):
         start = sum(len(g["params"]) for g in self.param_groups[:-1])
         names = group.get("param_names") or [f"param{start + i}" for i in range(len(group["params"]))]
         keys = [tuple(str(n).split(".")) for n in names]
-        if len(set(keys)) != len(keys):
-            raise ValueError(f"duplicate parameter names in a param group: {names}")
         self._group_factories.append(factory)
         self._group_keys.append(keys)
-        with torch.no_grad():
-            state = self._transform(len(self.param_groups) - 1).init(build(keys, list(group["params"])))
+        try:
+            if len(set(keys)) != len(keys):
+                raise ValueError(f"duplicate parameter names in a param group: {names}")
+            if any(type(p).__name__ == "DTensor" for p in group["params"]):
+                from .distributed import check_params
+
+                self._dtensor_ref = check_params(names, group["params"], getattr(self, "_dtensor_ref", None))
+            with torch.no_grad():
+                state = self._transform(len(self.param_groups) - 1).init(build(keys, list(group["params"])))
+        except Exception:
+            # leave the optimizer as it was before this call
+            self.param_groups.pop()
+            self._group_factories.pop()
+            self._group_keys.pop()
+            raise
         self._tx_states.append(state)
         self._sync_torch_state(len(self.param_groups) - 1)
 

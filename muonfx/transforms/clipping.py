@@ -46,7 +46,12 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         if not us:
             return updates, state
         norm = seam.global_sum(_sum_of_squares, us).sqrt()
-        factor = max_norm / torch.clamp(norm, min=max_norm)
-        return build(keys, foreach("mul", us, factor.to(us[0].device))), state
+        # tensor / tensor: `float / tensor` is reciprocal * float, which is not exactly 1
+        # when norm <= max_norm; this way the updates pass through bit for bit.
+        factor = torch.as_tensor(max_norm, dtype=norm.dtype, device=norm.device) / torch.clamp(norm, min=max_norm)
+        out = foreach("mul", us, factor.to(us[0].device))
+        # a 0-D leaf times the 0-D factor promotes like two tensors (f32 * f64 -> f64,
+        # bf16 * f32 -> f32): cast back so every update keeps its dtype
+        return build(keys, [o if o.dtype == u.dtype else o.to(u.dtype) for o, u in zip(out, us)]), state
 
     return GradientTransformation(init_fn, update_fn)
