@@ -7,11 +7,12 @@
 from . import linalg, schedules, seam
 from .base import EmptyState, GradientTransformation, apply_updates, identity
 from .combine import MaskedState, PartitionState, chain, mask_by_ndim, masked, named_chain, partition
+from .distributed.fsdp import FSDPMuonOptimizer
 from .familiar import MuonOptimizer, create_hybrid_optimizer
 from .optim import TransformOptimizer, lr_multiplier
 from .presets import adamw, default_muon_labels, muon, muon_adamw
-from .transforms import (MomentumState, ScaleByAdamState, ScaleByScheduleState, clip_by_global_norm,
-                         decoupled_decay, global_norm, momentum, nesterov, newton_schulz, scale,
+from .transforms import (MomentumState, RowNormalizeState, ScaleByAdamState, ScaleByScheduleState, clip_by_global_norm,
+                         decoupled_decay, global_norm, momentum, nesterov, newton_schulz, row_normalize, scale,
                          scale_by_adam, scale_by_learning_rate, scale_by_shape)
 from .wrappers import (AccumulateState, ApplyIfFiniteState, InjectHyperparamsState, accumulate,
                        apply_if_finite, inject_hyperparams)
@@ -21,12 +22,12 @@ __version__ = "0.1.0"
 __all__ = [
     "GradientTransformation", "EmptyState", "identity", "apply_updates",
     "chain", "named_chain", "masked", "mask_by_ndim", "partition", "MaskedState", "PartitionState",
-    "momentum", "nesterov", "newton_schulz", "scale_by_shape", "decoupled_decay", "scale",
+    "momentum", "nesterov", "newton_schulz", "row_normalize", "RowNormalizeState", "scale_by_shape", "decoupled_decay", "scale",
     "scale_by_learning_rate", "scale_by_adam", "clip_by_global_norm", "global_norm",
     "MomentumState", "ScaleByAdamState", "ScaleByScheduleState",
     "apply_if_finite", "accumulate", "inject_hyperparams",
     "ApplyIfFiniteState", "AccumulateState", "InjectHyperparamsState",
     "muon", "adamw", "muon_adamw", "default_muon_labels",
     "schedules", "linalg", "seam",
-    "TransformOptimizer", "lr_multiplier", "MuonOptimizer", "create_hybrid_optimizer",
+    "TransformOptimizer", "lr_multiplier", "MuonOptimizer", "create_hybrid_optimizer", "FSDPMuonOptimizer",
 ]

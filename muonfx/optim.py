@@ -80,7 +80,8 @@ class TransformOptimizer(torch.optim.Optimizer):
             lr schedulers and hand edits take effect.
 
     Parameters whose ``grad`` is None are left exactly as they are and their
-    per-parameter state does not move. ``state_dict()`` is torch's format with the
+    per-parameter state tensors (``momentum.mu``, ``adam.mu``, ...) do not move; step
+    counters (``count``, ``adam.count``) are shared by the group and keep counting. ``state_dict()`` is torch's format with the
     transform's state flattened per parameter (``"momentum.mu"``, ``"adam.nu"``,
     ``"count"``); it loads with ``torch.load(..., weights_only=True)``.
 

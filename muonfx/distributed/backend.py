@@ -1,8 +1,9 @@
 """The DTensor side of :mod:`muonfx.seam`.
 
 * :meth:`DTensorBackend.map_matrices`: each whole matrix is assembled on exactly one
-  owner rank with one all-to-all per same-shape group, transformed there, and sent
-  back to the shards with a second all-to-all. Matrices sharded on their batch dim
+  owner rank with one all-to-all (for all matrices of a step that share a process
+  group and dtype), transformed there in same-shape batches, and sent back to the
+  shards with a second all-to-all. Matrices sharded on their batch dim
   (expert stacks ``Shard(0)``) or replicated are transformed where they are; any
   other layout is gathered in full, transformed, and re-sharded (correct, not fast).
 * :meth:`DTensorBackend.global_sum`: per-shard partial sums and one all-reduce over
@@ -99,90 +100,89 @@ class DTensorBackend:
         return rep.redistribute(s.device_mesh, s.placements)
 
     def _exchange(self, fn: MatrixFn, stacks, exchange, out) -> None:
-        # matrices: (stack index, position in stack); group by process group and shape
+        """Owner-based exchange: one all-to-all each way per process group and dtype.
+
+        Every matrix (each of the ``k`` in a ``[k, m, n]`` stack) gets one owner
+        (largest first, round-robin). Each rank sends its shard of every matrix to the
+        matrix's owner, the owner assembles whole matrices, transforms each same-shape
+        group as one batch, and sends every rank its shard of the results.
+        """
         by_pg: dict = {}
         for i, md, sd in exchange:
             s = stacks[i]
             pg = s.device_mesh.get_group(md)
-            by_pg.setdefault(id(pg), (pg, []))[1].append((i, md, sd))
+            by_pg.setdefault((id(pg), s.dtype), (pg, []))[1].append((i, sd))
+        pieces: dict[int, list] = {i: [None] * stacks[i].shape[0] for i, _, _ in exchange}
         for pg, items in by_pg.values():
-            world = dist.get_world_size(pg)
-            me = dist.get_rank(pg)
-            mats = [(i, j) for i, _, _ in items for j in range(stacks[i].shape[0])]
-            owners = assign_owners([stacks[i].shape[1] * stacks[i].shape[2] for i, _ in mats], world)
-            owner_of = dict(zip(mats, owners))
-            groups: dict = {}
-            for i, md, sd in items:
-                s = stacks[i]
-                key = (tuple(s.shape[1:]), sd, s.dtype, s.to_local().device)
-                groups.setdefault(key, []).append(i)
-            locals_: dict[int, list[torch.Tensor]] = {}
-            for (shape, sd, dtype, device), idx in groups.items():
-                members = [(i, j) for i in idx for j in range(stacks[i].shape[0])]
-                results = self._exchange_group(fn, stacks, members, owner_of, shape, sd, dtype, device, pg, world, me)
-                for (i, j), r in zip(members, results):
-                    locals_.setdefault(i, [None] * stacks[i].shape[0])[j] = r  # type: ignore[list-item]
-            for i, pieces in locals_.items():
-                out[i] = _from_local(torch.stack(pieces, dim=0), stacks[i])
+            for (i, j), local in self._exchange_pg(fn, stacks, items, pg):
+                pieces[i][j] = local
+        for i, ps in pieces.items():
+            out[i] = _from_local(torch.stack(ps, dim=0), stacks[i])
 
-    def _exchange_group(self, fn, stacks, members, owner_of, shape, sd, dtype, device, pg, world, me):
-        m, n = shape
-        split_dim_size = m if sd == 1 else n
-        other = n if sd == 1 else m
-        sizes = shard_sizes(split_dim_size, world)
-        by_owner: list[list[tuple[int, int]]] = [[] for _ in range(world)]
-        for mat in members:
-            by_owner[owner_of[mat]].append(mat)
-        mine = by_owner[me]
-        # forward: my shard of every matrix, to its owner
-        send_parts = []
-        for o in range(world):
-            for i, j in by_owner[o]:
-                loc = stacks[i].to_local()[j]
-                if loc.shape[sd - 1] != sizes[me]:
-                    raise ValueError(
-                        f"unexpected local shard shape {tuple(loc.shape)} for a {m}x{n} matrix sharded on dim "
-                        f"{sd - 1} over {world} ranks (expected {sizes[me]} along it)"
-                    )
-                send_parts.append(loc.reshape(-1))
-        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=dtype, device=device)
-        in_splits = [len(by_owner[o]) * sizes[me] * other for o in range(world)]
-        out_splits = [len(mine) * sizes[r] * other for r in range(world)]
-        recv = torch.empty(sum(out_splits), dtype=dtype, device=device)
-        dist.all_to_all_single(recv, send.contiguous(), out_splits, in_splits, group=pg)
-        self._count(in_splits, out_splits, me, recv.element_size())
-        # assemble whole matrices on the owner, transform them as one batch
-        result_chunks: list[torch.Tensor] = []
-        if mine:
-            pieces = recv.split(out_splits)
+    def _exchange_pg(self, fn: MatrixFn, stacks, items, pg):
+        world = dist.get_world_size(pg)
+        me = dist.get_rank(pg)
+        first = stacks[items[0][0]].to_local()
+        dtype, device = first.dtype, first.device
+        # one record per matrix: (stack, index in stack, stack dim of the shard, m, n, shard sizes)
+        mats = []
+        for i, sd in items:
+            _, m, n = stacks[i].shape
+            sizes = shard_sizes(m if sd == 1 else n, world)
+            local = stacks[i].to_local()
+            if local.shape[sd] != sizes[me]:
+                raise ValueError(
+                    f"unexpected local shard shape {tuple(local.shape)} for {m}x{n} matrices sharded on "
+                    f"stack dim {sd} over {world} ranks (expected {sizes[me]} along it)"
+                )
+            for j in range(stacks[i].shape[0]):
+                mats.append((i, j, sd, m, n, sizes))
+        owners = assign_owners([m * n for (_, _, _, m, n, _) in mats], world)
+        owned = [[k for k, o in enumerate(owners) if o == r] for r in range(world)]
+
+        def shard_numel(k: int, r: int) -> int:
+            _, _, sd, m, n, sizes = mats[k]
+            return sizes[r] * (n if sd == 1 else m)
+
+        # forward: my shard of each matrix, to its owner
+        send_parts = [stacks[mats[k][0]].to_local()[mats[k][1]].reshape(-1) for r in range(world) for k in owned[r]]
+        in_splits = [sum(shard_numel(k, me) for k in owned[r]) for r in range(world)]
+        out_splits = [sum(shard_numel(k, r) for k in owned[me]) for r in range(world)]
+        recv = self._all_to_all(send_parts, in_splits, out_splits, dtype, device, pg, me)
+        # assemble my whole matrices; transform each same-shape group as one batch
+        by_rank = [list(p.split([shard_numel(k, r) for k in owned[me]])) for r, p in enumerate(recv.split(out_splits))]
+        groups: dict = {}
+        for pos, k in enumerate(owned[me]):
+            _, _, sd, m, n, sizes = mats[k]
             blocks = [
-                p.reshape(len(mine), sizes[r], n) if sd == 1 else p.reshape(len(mine), m, sizes[r])
-                for r, p in enumerate(pieces)
+                by_rank[r][pos].reshape(sizes[r], n) if sd == 1 else by_rank[r][pos].reshape(m, sizes[r])
+                for r in range(world)
             ]
-            full = torch.cat(blocks, dim=sd)
-            res = fn(full)
-            self.stats.matrices_orthogonalized += len(mine)
-            self.stats.shapes.append((m, n, len(mine)))
-            result_chunks = list(res.split(sizes, dim=sd))
-        # backward: every rank's shard of my results, back to it
-        back_parts = [
-            result_chunks[r].reshape(-1) if mine else torch.empty(0, dtype=dtype, device=device)
-            for r in range(world)
-        ]
-        back = torch.cat(back_parts) if back_parts else torch.empty(0, dtype=dtype, device=device)
-        back_in = [len(mine) * sizes[r] * other for r in range(world)]
-        back_out = [len(by_owner[o]) * sizes[me] * other for o in range(world)]
-        got = torch.empty(sum(back_out), dtype=dtype, device=device)
-        dist.all_to_all_single(got, back.contiguous(), back_out, back_in, group=pg)
-        self._count(back_in, back_out, me, got.element_size())
-        # my local shard of every member, in member order
-        shard_shape = (sizes[me], n) if sd == 1 else (m, sizes[me])
-        result: dict = {}
+            groups.setdefault((m, n, sd), []).append((k, torch.cat(blocks, dim=sd - 1)))
+        chunks: dict[int, tuple] = {}
+        for (m, n, sd), members in groups.items():
+            res = fn(torch.stack([full for _, full in members]))
+            self.stats.matrices_orthogonalized += len(members)
+            self.stats.shapes.append((m, n, len(members)))
+            sizes = mats[members[0][0]][5]
+            for (k, _), r_mat in zip(members, res):
+                chunks[k] = r_mat.split(sizes, dim=sd - 1)
+        # backward: each rank's shard of my results, back to it
+        back_parts = [chunks[k][r].reshape(-1) for r in range(world) for k in owned[me]]
+        back_in = [sum(shard_numel(k, r) for k in owned[me]) for r in range(world)]
+        back_out = [sum(shard_numel(k, me) for k in owned[o]) for o in range(world)]
+        got = self._all_to_all(back_parts, back_in, back_out, dtype, device, pg, me)
         for o, piece in enumerate(got.split(back_out)):
-            for k, mat in enumerate(by_owner[o]):
-                numel = sizes[me] * other
-                result[mat] = piece[k * numel:(k + 1) * numel].reshape(shard_shape)
-        return [result[mat] for mat in members]
+            for k, flat in zip(owned[o], piece.split([shard_numel(k, me) for k in owned[o]])):
+                i, j, sd, m, n, sizes = mats[k]
+                yield (i, j), flat.reshape((sizes[me], n) if sd == 1 else (m, sizes[me]))
+
+    def _all_to_all(self, parts, in_splits, out_splits, dtype, device, pg, me) -> torch.Tensor:
+        send = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
+        recv = torch.empty(sum(out_splits), dtype=dtype, device=device)
+        dist.all_to_all_single(recv, send, out_splits, in_splits, group=pg)
+        self._count(in_splits, out_splits, me, recv.element_size())
+        return recv
 
     def _count(self, sent_splits, recv_splits, me, elsize) -> None:
         sent = sum(v for r, v in enumerate(sent_splits) if r != me)

@@ -1,0 +1,78 @@
+"""Per-row (per-neuron) second-moment normalisation after orthogonalisation (NorMuon)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from tensordict import TensorDict
+
+from ..base import GradientTransformation, aligned, build, leaves
+from ._matrix import matrix_dims
+
+
+class RowNormalizeState(NamedTuple):
+    """State of :func:`row_normalize`.
+
+    Attributes:
+        v: EMA of each matrix row's mean square, shaped like the matrix view without
+            its last dim (``[A]`` for ``A x B``, ``[E, A]`` for expert stacks, ``[out]``
+            for conv weights); zeros at init.
+    """
+
+    v: TensorDict
+
+
+def _rows_view(key, t: torch.Tensor) -> torch.Tensor:
+    matrix_dims(key, t, "row_normalize")  # validates ndim >= 2
+    return t if t.ndim <= 3 else t.flatten(1)
+
+
+def row_normalize(beta2: float = 0.95, eps: float = 1e-8) -> GradientTransformation:
+    """NorMuon-style neuron-wise normalisation of an orthogonalised update.
+
+    Formula, per matrix ``O`` (rows ``i``)::
+
+        v_i <- lerp(v_i, mean_j O_ij^2, 1 - beta2)
+        P   =  O / (sqrt(v) + eps)                 (row-wise)
+        out =  P * ||O||_F / ||P||_F               (keeps Muon's update norm)
+
+    NorMuon (Li et al., 2025) follows the normalisation with a 0.2-RMS lr scale; here
+    the update keeps the orthogonalised update's Frobenius norm so the usual
+    :func:`scale_by_shape` modes and Muon learning rates carry over. Place it right
+    after :func:`newton_schulz`. Works on DTensor shards (row statistics of row
+    shards are local; the two norms are small all-reduces).
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> tx = mfx.chain(mfx.newton_schulz(), mfx.row_normalize(0.95))
+        >>> g = TensorDict({"w": torch.randn(8, 16)}, [])
+        >>> out, _ = tx.update(g, tx.init(g))
+        >>> out["w"].shape
+        torch.Size([8, 16])
+    """
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"row_normalize: beta2 must be in [0, 1), got {beta2!r}")
+
+    def init_fn(params):
+        keys, ps = leaves(params, "params")
+        return RowNormalizeState(build(keys, [torch.zeros_like(_rows_view(k, p)[..., 0]) for k, p in zip(keys, ps)]))
+
+    def update_fn(updates, state, params=None):
+        keys, us = leaves(updates)
+        vs = aligned(state.v, keys, "row_normalize state (v)")
+        outs, new_vs = [], []
+        for k, u, v in zip(keys, us, vs):
+            o = _rows_view(k, u)
+            nv = torch.lerp(v.to(o.dtype), o.square().mean(dim=-1), 1.0 - beta2)
+            p = o / (nv.sqrt().unsqueeze(-1) + eps)
+            dims = (-2, -1)
+            ratio = torch.linalg.vector_norm(o, dim=dims, keepdim=True) / torch.linalg.vector_norm(
+                p, dim=dims, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
+            outs.append((p * ratio).reshape(u.shape))
+            new_vs.append(nv.to(v.dtype))
+        return build(keys, outs), RowNormalizeState(build(keys, new_vs))
+
+    return GradientTransformation(init_fn, update_fn)
