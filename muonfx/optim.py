@@ -81,9 +81,10 @@ class TransformOptimizer(torch.optim.Optimizer):
 
     Parameters whose ``grad`` is None are left exactly as they are and their
     per-parameter state tensors (``momentum.mu``, ``adam.mu``, ...) do not move; step
-    counters (``count``, ``adam.count``) are shared by the group and keep counting. ``state_dict()`` is torch's format with the
-    transform's state flattened per parameter (``"momentum.mu"``, ``"adam.nu"``,
-    ``"count"``); it loads with ``torch.load(..., weights_only=True)``.
+    counters (``count``, ``adam.count``) are shared by the group and keep counting.
+    ``state_dict()`` is torch's format with the transform's state flattened per
+    parameter (``"momentum.mu"``, ``"adam.nu"``, ``"count"``); it loads with
+    ``torch.load(..., weights_only=True)``.
 
     Example::
 

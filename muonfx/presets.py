@@ -87,7 +87,8 @@ def adamw(
 #: dotted-key pattern of parameters that get AdamW in :func:`muon_adamw` even when 2-D:
 #: embeddings and the output head.
 ADAMW_KEY_PATTERN = re.compile(
-    r"(^|\.)(embed\w*|\w*embedding\w*|wte|wpe|tok_embeddings|lm_head|head|output|unembed\w*|classifier)(\.|$)"
+    r"(^|\.)(embed\w*|\w*embedding\w*|wte|wpe|tok_embeddings|pos|pos_\w*|position\w*|lm_head|head|output|"
+    r"unembed\w*|classifier)(\.|$)"
 )
 
 
@@ -119,7 +120,8 @@ def muon_adamw(
     ``partition({"muon": muon(...), "adamw": adamw(...)}, labels)``. The default
     ``labels`` (:func:`default_muon_labels`) sends 0-D/1-D tensors (biases, norms)
     and keys matching :data:`ADAMW_KEY_PATTERN` (embeddings: ``embed*``,
-    ``*embedding*``, ``wte``, ``wpe``, ``tok_embeddings``; the head: ``lm_head``,
+    ``*embedding*``, ``wte``, ``wpe``, ``tok_embeddings``, ``pos``, ``pos_*``,
+    ``position*``; the head: ``lm_head``,
     ``head``, ``output``, ``unembed*``, ``classifier``) to AdamW. Pass your own
     ``labels(key, tensor) -> "muon" | "adamw"`` to override. AdamW betas default to
     (0.9, 0.95), the usual companion setting for Muon.
