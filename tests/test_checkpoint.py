@@ -1,0 +1,453 @@
+"""Checkpointing the torch.optim adapter: exact resume, the state_dict format,
+refusal of mismatched state dicts, and torch.distributed.checkpoint's helpers.
+
+* model + optimizer + lr scheduler saved after 5 steps and loaded (``weights_only=True``)
+  into *fresh* objects continue bit for bit like an uninterrupted 10-step run, for
+  ``TransformOptimizer(..., mfx.muon_adamw)`` and for ``mfx.create_hybrid_optimizer``;
+* ``state_dict()`` is torch's ``{"state": {int: {str: tensor | number}}, "param_groups": [...]}``
+  with readable names (``"momentum.mu"``, ``"adam.nu"``);
+* a state dict of another transform or another model is refused with a ``ValueError``
+  that says what does not match, and the optimizer and parameters are left untouched;
+* ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` round-trip on one process;
+* the step torch.distributed.checkpoint uses to initialise state (zero grads, lr 0)
+  changes no parameter, weight decay included.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import muonfx as mfx
+
+VOCAB, DIM, SEQ, BATCH = 24, 16, 6, 4
+
+
+class TinyLM(nn.Module):
+    """Transformer-ish: embedding, two hidden Linear layers, LayerNorm, output head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.fc1 = nn.Linear(DIM, 2 * DIM)
+        self.fc2 = nn.Linear(2 * DIM, DIM)
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = h + self.fc2(torch.relu(self.fc1(h)))
+        return self.head(self.norm(h))
+
+
+def make_model(seed: int) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic data: the batch of step ``step`` depends on nothing else."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    y = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    return x, y
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, sched, steps: range) -> None:
+    for step in steps:
+        x, y = batch(step)
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        sched.step()
+
+
+def muon_adamw_opt(model: nn.Module) -> mfx.TransformOptimizer:
+    return mfx.TransformOptimizer(
+        model.named_parameters(), mfx.muon_adamw, lr=0.02, momentum=0.9, weight_decay=0.01,
+        adamw_lr=3e-3, adamw_weight_decay=0.05,
+    )
+
+
+def hybrid_opt(model: nn.Module) -> mfx.TransformOptimizer:
+    return mfx.create_hybrid_optimizer(model, muon_lr=0.02, adamw_lr=3e-3, muon_weight_decay=0.01)
+
+
+BUILDERS = {"muon_adamw": muon_adamw_opt, "hybrid": hybrid_opt}
+N, M = 5, 5
+
+
+def cosine(opt):
+    return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=N + M, eta_min=1e-4)
+
+
+def roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def snapshot(opt: torch.optim.Optimizer) -> dict:
+    """A deep copy of ``opt.state_dict()`` (tensors cloned)."""
+    sd = opt.state_dict()
+    return {
+        "state": {i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for i, s in sd["state"].items()},
+        "param_groups": [dict(g) for g in sd["param_groups"]],
+    }
+
+
+def assert_same_state_dict(a: dict, b: dict) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        assert a["state"][i].keys() == b["state"][i].keys(), i
+        for k, v in a["state"][i].items():
+            w = b["state"][i][k]
+            if torch.is_tensor(v):
+                assert torch.is_tensor(w) and v.dtype == w.dtype and torch.equal(v, w), (i, k)
+            else:
+                assert v == w and type(v) is type(w), (i, k, v, w)
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_params_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+
+
+# ---------------------------------------------------------------------------
+# exact resume
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_exact_resume_bitwise(kind, tmp_path):
+    build = BUILDERS[kind]
+
+    # uninterrupted reference run
+    ref = make_model(0)
+    ref_opt = build(ref)
+    ref_sched = cosine(ref_opt)
+    train(ref, ref_opt, ref_sched, range(N + M))
+
+    # first half, then save everything to disk
+    model = make_model(0)
+    opt = build(model)
+    sched = cosine(opt)
+    train(model, opt, sched, range(N))
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, path)
+    del model, opt, sched
+
+    # fresh objects (different init, different lr) + load with weights_only=True
+    ckpt = torch.load(path, weights_only=True)
+    model2 = make_model(123)
+    opt2 = build(model2)
+    for g in opt2.param_groups:
+        g["lr"] = 0.5  # overwritten by the checkpoint
+    sched2 = cosine(opt2)
+    model2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    sched2.load_state_dict(ckpt["sched"])
+    assert sched2.last_epoch == N
+    train(model2, opt2, sched2, range(N, N + M))
+
+    assert_params_equal(params_of(model2), params_of(ref))
+    assert_same_state_dict(opt2.state_dict(), ref_opt.state_dict())
+    assert [g["lr"] for g in opt2.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    # and the run really moved: the cosine schedule reached its end
+    assert math.isclose(opt2.param_groups[0]["lr"], 1e-4, rel_tol=1e-9)
+
+
+def test_resume_then_save_again_is_stable():
+    """state_dict -> load -> state_dict is the identity (what a second resume would save)."""
+    model = make_model(0)
+    opt = hybrid_opt(model)
+    sched = cosine(opt)
+    train(model, opt, sched, range(3))
+    sd = roundtrip(opt.state_dict())
+    opt2 = hybrid_opt(make_model(1))
+    opt2.load_state_dict(sd)
+    assert_same_state_dict(opt2.state_dict(), snapshot(opt))
+
+
+# ---------------------------------------------------------------------------
+# format
+# ---------------------------------------------------------------------------
+
+
+def test_state_dict_format_hybrid():
+    model = make_model(0)
+    opt = hybrid_opt(model)
+    train(model, opt, cosine(opt), range(2))
+    sd = opt.state_dict()
+    assert set(sd) == {"state", "param_groups"}
+    n_params = sum(1 for _ in model.parameters())
+    assert sorted(sd["state"]) == list(range(n_params))
+    for i, entry in sd["state"].items():
+        assert isinstance(i, int)
+        for k, v in entry.items():
+            assert isinstance(k, str)
+            assert torch.is_tensor(v) or isinstance(v, (int, float, bool)), (i, k, type(v))
+
+    muon_group, adamw_group = sd["param_groups"]
+    assert muon_group["param_names"] == ["fc1.weight", "fc2.weight"]
+    assert "embed.weight" in adamw_group["param_names"] and "head.weight" in adamw_group["param_names"]
+    for pid, name in zip(muon_group["params"], muon_group["param_names"]):
+        entry = sd["state"][pid]
+        assert set(entry) == {"momentum.mu", "count"}
+        assert entry["count"] == 2
+        assert entry["momentum.mu"].shape == dict(model.named_parameters())[name].shape
+    for pid, name in zip(adamw_group["params"], adamw_group["param_names"]):
+        entry = sd["state"][pid]
+        assert {"adam.mu", "adam.nu"} <= set(entry)
+        assert entry["adam.mu"].shape == dict(model.named_parameters())[name].shape
+    assert muon_group["lr"] == pytest.approx(cosine_lr(0.02, 2)) and adamw_group["betas"] == (0.9, 0.95)
+
+    loaded = roundtrip(sd)  # weights_only=True reads it
+    assert_same_state_dict(loaded, sd)
+
+
+def cosine_lr(base: float, t: int, eta_min: float = 1e-4, T: int = N + M) -> float:
+    return eta_min + (base - eta_min) * (1 + math.cos(math.pi * t / T)) / 2
+
+
+def test_state_dict_is_a_view_of_the_live_state():
+    """opt.state[p] holds the same per-parameter entries as state_dict()."""
+    model = make_model(0)
+    opt = hybrid_opt(model)
+    train(model, opt, cosine(opt), range(2))
+    sd = opt.state_dict()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        assert opt.state[p].keys() == sd["state"][i].keys()
+        for k, v in opt.state[p].items():
+            if torch.is_tensor(v):
+                assert torch.equal(v, sd["state"][i][k])
+
+
+def test_state_dict_with_bf16_ns_dtype_loads_weights_only():
+    """A torch.dtype hyperparameter (ns_dtype) survives weights_only loading."""
+    model = make_model(0)
+    opt = mfx.create_hybrid_optimizer(model, ns_dtype=torch.bfloat16)
+    train(model, opt, cosine(opt), range(1))
+    sd = roundtrip(opt.state_dict())
+    assert sd["param_groups"][0]["ns_dtype"] is torch.bfloat16
+    opt2 = mfx.create_hybrid_optimizer(make_model(1), ns_dtype=torch.bfloat16)
+    opt2.load_state_dict(sd)
+    assert_same_state_dict(opt2.state_dict(), opt.state_dict())
+
+
+# ---------------------------------------------------------------------------
+# mismatches: ValueError, nothing changes
+# ---------------------------------------------------------------------------
+
+
+class Matrices(nn.Module):
+    def __init__(self, a: int = 8, b: int = 12, c: int = 4, extra: bool = False) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(a, b, bias=False)
+        self.l2 = nn.Linear(b, c, bias=False)
+        if extra:
+            self.l3 = nn.Linear(c, c, bias=False)
+
+
+def _stepped(model: nn.Module, tx, **hp) -> mfx.TransformOptimizer:
+    opt = mfx.TransformOptimizer(model.named_parameters(), tx, **hp)
+    gen = torch.Generator().manual_seed(7)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    return opt
+
+
+def _expect_refusal(target_opt, target_model, sd, *needles):
+    before = snapshot(target_opt)
+    params_before = params_of(target_model)
+    live_before = {id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in target_opt.state[p].items()}
+                   for p in target_model.parameters()}
+    with pytest.raises(ValueError) as err:
+        target_opt.load_state_dict(roundtrip(sd))
+    msg = str(err.value)
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+    assert_same_state_dict(target_opt.state_dict(), before)
+    assert_params_equal(params_of(target_model), params_before)
+    for p in target_model.parameters():
+        now = target_opt.state[p]
+        assert now.keys() == live_before[id(p)].keys()
+        for k, v in now.items():
+            assert torch.equal(v, live_before[id(p)][k]) if torch.is_tensor(v) else v == live_before[id(p)][k]
+    # and it still steps like an untouched optimizer would
+    return msg
+
+
+def test_load_other_chain_raises_and_changes_nothing():
+    src_model = Matrices()
+    adam_sd = _stepped(src_model, mfx.adamw, lr=1e-3).state_dict()
+    model = Matrices()
+    opt = _stepped(model, mfx.muon, lr=0.02, weight_decay=0.1)
+    msg = _expect_refusal(opt, model, adam_sd, "l1.weight", "momentum.mu", "adam.mu")
+    assert "missing" in msg and "unexpected" in msg
+
+    # and the other way round
+    muon_sd = opt.state_dict()
+    model2 = Matrices()
+    opt2 = _stepped(model2, mfx.adamw, lr=1e-3)
+    _expect_refusal(opt2, model2, muon_sd, "adam.mu", "momentum.mu")
+
+
+def test_load_other_shapes_raises_and_changes_nothing():
+    src_sd = _stepped(Matrices(8, 10, 4), mfx.muon, lr=0.02).state_dict()  # l1 is 10x8, l2 4x10
+    model = Matrices(8, 12, 4)
+    opt = _stepped(model, mfx.muon, lr=0.02)
+    _expect_refusal(opt, model, src_sd, "shape", "(10, 8)", "(12, 8)")
+
+
+def test_load_other_param_count_raises_and_changes_nothing():
+    src_sd = _stepped(Matrices(extra=True), mfx.muon, lr=0.02).state_dict()
+    model = Matrices()
+    opt = _stepped(model, mfx.muon, lr=0.02)
+    _expect_refusal(opt, model, src_sd, "3 parameters", "2")
+
+
+def test_load_other_names_raises_and_changes_nothing():
+    class Renamed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 12, bias=False)
+            self.b = nn.Linear(12, 4, bias=False)
+
+    src_sd = _stepped(Renamed(), mfx.muon, lr=0.02).state_dict()
+    model = Matrices()
+    opt = _stepped(model, mfx.muon, lr=0.02)
+    _expect_refusal(opt, model, src_sd, "names differ", "a.weight", "l1.weight")
+
+
+def test_load_other_group_count_raises_and_changes_nothing():
+    src_model = make_model(0)
+    src_sd = hybrid_opt(src_model).state_dict()  # 2 groups
+    model = make_model(0)
+    opt = muon_adamw_opt(model)  # 1 group
+    train(model, opt, cosine(opt), range(1))
+    _expect_refusal(opt, model, src_sd, "2 param groups", "1")
+
+
+def test_load_bad_second_group_changes_first_group_neither():
+    """The check covers every group before anything is written."""
+    model = make_model(0)
+    opt = hybrid_opt(model)
+    train(model, opt, cosine(opt), range(2))
+    other = make_model(0)
+    other_opt = hybrid_opt(other)
+    train(other, other_opt, cosine(other_opt), range(4))
+    sd = other_opt.state_dict()
+    # break only the AdamW group's state of one parameter
+    pid = sd["param_groups"][1]["params"][0]
+    sd["state"][pid]["adam.mu"] = torch.zeros(3, 3)
+    _expect_refusal(opt, model, sd, "adam.mu", "shape", "(3, 3)")
+
+
+# ---------------------------------------------------------------------------
+# torch.distributed.checkpoint helpers
+# ---------------------------------------------------------------------------
+
+
+def test_dcp_get_set_optimizer_state_dict_roundtrip():
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    # The non-distributed path of these helpers needs no process group.
+    model = make_model(0)
+    opt = hybrid_opt(model)
+    sched = cosine(opt)
+    train(model, opt, sched, range(3))
+    saved = get_optimizer_state_dict(model, opt)
+    # keyed by fully qualified parameter names
+    assert "fc1.weight" in saved["state"] and "momentum.mu" in saved["state"]["fc1.weight"]
+    assert "adam.nu" in saved["state"]["embed.weight"]
+    expected = snapshot(opt)
+    expected_params = params_of(model)
+    saved = roundtrip(saved)
+
+    # keep training (state and params move), then restore the optimizer from `saved`
+    train(model, opt, sched, range(3, 5))
+    model.load_state_dict(expected_params)
+    set_optimizer_state_dict(model, opt, saved)
+    assert_same_state_dict(opt.state_dict(), expected)
+
+    # continuing from the restored state equals continuing from the original
+    ref = make_model(0)
+    ref_opt = hybrid_opt(ref)
+    ref_sched = cosine(ref_opt)
+    train(ref, ref_opt, ref_sched, range(5))
+    sched2 = cosine(opt)
+    sched2.load_state_dict(ref_sched.state_dict())
+    for g, rg in zip(opt.param_groups, ref_opt.param_groups):
+        g["lr"] = rg["lr"]
+    model.load_state_dict(params_of(ref))
+    set_optimizer_state_dict(model, opt, get_optimizer_state_dict(ref, ref_opt))
+    train(model, opt, sched2, range(5, 7))
+    train(ref, ref_opt, ref_sched, range(5, 7))
+    assert_params_equal(params_of(model), params_of(ref))
+
+    # into a fresh model/optimizer
+    fresh = make_model(5)
+    fresh_opt = hybrid_opt(fresh)
+    set_optimizer_state_dict(fresh, fresh_opt, roundtrip(get_optimizer_state_dict(ref, ref_opt)))
+    assert_same_state_dict(fresh_opt.state_dict(), ref_opt.state_dict())
+
+
+@pytest.mark.parametrize("tx,hp", [
+    (mfx.muon, dict(lr=0.02, weight_decay=0.1)),
+    (mfx.adamw, dict(lr=1e-3, weight_decay=0.1)),
+])
+def test_zero_grad_zero_lr_step_changes_nothing(tx, hp):
+    """What get_optimizer_state_dict does to initialise state: lr 0, zero grads, step()."""
+    torch.manual_seed(0)
+    model = Matrices()
+    opt = mfx.TransformOptimizer(model.named_parameters(), tx, **hp)
+    before = params_of(model)
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert_params_equal(params_of(model), before)
+    # after real steps too (non-zero momentum / moments, decay > 0)
+    for g in opt.param_groups:
+        g["lr"] = hp["lr"]
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    moved = params_of(model)
+    assert any(not torch.equal(moved[n], before[n]) for n in before)
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert_params_equal(params_of(model), moved)
+
+
+def test_zero_grad_zero_lr_step_hybrid_changes_nothing():
+    model = make_model(0)
+    opt = mfx.create_hybrid_optimizer(model, muon_weight_decay=0.1, adamw_weight_decay=0.1)
+    before = params_of(model)
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert_params_equal(params_of(model), before)
