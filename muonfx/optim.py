@@ -100,6 +100,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         self._default_tx = tx
         self._group_factories: list[Callable[..., GradientTransformation]] = []
         self._group_keys: list[list[Key]] = []
+        self._base_lrs: list[float | None] = []
         self._tx_states: list[Any] = []
         self._explicit_hparams = set(hyperparams)
         if isinstance(params, torch.Tensor):
@@ -143,6 +144,8 @@ class TransformOptimizer(torch.optim.Optimizer):
         keys = [tuple(str(n).split(".")) for n in names]
         self._group_factories.append(factory)
         self._group_keys.append(keys)
+        lr0 = group.get("lr")
+        self._base_lrs.append(float(lr0) if isinstance(lr0, (int, float, torch.Tensor)) else None)
         try:
             if len(set(keys)) != len(keys):
                 raise ValueError(f"duplicate parameter names in a param group: {names}")
@@ -157,14 +160,29 @@ class TransformOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             self._group_factories.pop()
             self._group_keys.pop()
+            self._base_lrs.pop()
             raise
         self._tx_states.append(state)
         self._sync_torch_state(len(self.param_groups) - 1)
 
     def _hparams(self, gi: int) -> dict[str, Any]:
+        """The group's hyperparameters as the transform sees them.
+
+        Other learning rates of a factory (``adamw_lr`` of ``mfx.muon_adamw``, any
+        ``*_lr``) follow ``lr``: they are multiplied by ``lr / lr_at_creation``, so a
+        scheduler (or DCP's lr=0 initialisation step) drives every part of the update.
+        """
         group = self.param_groups[gi]
         sig = inspect.signature(self._group_factories[gi])
-        return {n: group[n] for n in sig.parameters if n in group}
+        hp = {n: group[n] for n in sig.parameters if n in group}
+        base = self._base_lrs[gi]
+        if "lr" in hp and isinstance(base, (int, float)) and base != 0:
+            ratio = float(hp["lr"]) / base
+            if ratio != 1.0:
+                for n, v in hp.items():
+                    if n.endswith("_lr") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                        hp[n] = v * ratio
+        return hp
 
     def _transform(self, gi: int) -> GradientTransformation:
         return inject_hyperparams(self._group_factories[gi])(**self._hparams(gi))
@@ -236,7 +254,8 @@ class TransformOptimizer(torch.optim.Optimizer):
         keys = [keys_all[i] for i in idx]
         params = [group["params"][i] for i in idx]
         state: InjectHyperparamsState = self._tx_states[gi]
-        state = state._replace(hyperparams={n: group[n] for n in state.hyperparams if n in group})
+        hp = self._hparams(gi)
+        state = state._replace(hyperparams={n: hp[n] for n in state.hyperparams if n in hp})
         tx = self._transform(gi)
         partial = len(idx) != len(keys_all)
         sub = restrict(state, set(keys)) if partial else state
@@ -292,8 +311,9 @@ class TransformOptimizer(torch.optim.Optimizer):
             for k, v in saved.items():
                 if k not in ("params", "param_names"):
                     group[k] = v
-            hp = {n: group[n] for n in new_states[gi].hyperparams if n in group}
-            self._tx_states[gi] = new_states[gi]._replace(hyperparams=hp)
+            hp = self._hparams(gi)
+            self._tx_states[gi] = new_states[gi]._replace(
+                hyperparams={n: hp[n] for n in new_states[gi].hyperparams if n in hp})
             self._sync_torch_state(gi)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
