@@ -52,6 +52,30 @@ def lr_multiplier(tx: GradientTransformation) -> Callable[..., GradientTransform
     return with_lr
 
 
+_ADAPTER_KEYS = frozenset({"params", "param_names", "name", "sparse_grad", "initial_lr"})
+
+
+def _factory_defaults(factory: Callable[..., Any]) -> dict[str, Any]:
+    """The factory's keyword defaults that can live in ``param_groups`` (and be saved)."""
+    out = {}
+    for name, p in inspect.signature(factory).parameters.items():
+        if p.default is not inspect.Parameter.empty and _serialisable(p.default):
+            out[name] = p.default
+    return out
+
+
+def _check_known(factory: Callable[..., Any], given: dict[str, Any], what: str) -> None:
+    sig = inspect.signature(factory)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    unknown = sorted(n for n in given if n not in sig.parameters and n not in _ADAPTER_KEYS)
+    if unknown:
+        raise TypeError(
+            f"{what} {unknown} are not arguments of {getattr(factory, '__name__', factory)!r}; "
+            f"it takes {list(sig.parameters)}"
+        )
+
+
 def _serialisable(v: Any) -> bool:
     if isinstance(v, (bool, int, float, str, type(None), torch.dtype)):
         return True
@@ -102,41 +126,41 @@ class TransformOptimizer(torch.optim.Optimizer):
         self._group_keys: list[list[Key]] = []
         self._base_lrs: list[float | None] = []
         self._tx_states: list[Any] = []
-        self._explicit_hparams = set(hyperparams)
         if isinstance(params, torch.Tensor):
             raise TypeError("params must be an iterable of tensors, (name, tensor) pairs or dicts, not a Tensor")
         params = list(params)
         if not params:
             raise ValueError("TransformOptimizer got an empty parameter list")
-        super().__init__(params, dict(hyperparams))
-        # Like torch.optim's own optimizers, expose every hyperparameter in
-        # ``self.defaults`` (OneCycleLR's cycle_momentum looks for "momentum"/"betas"
-        # there) when all groups run the default factory.
-        if not isinstance(tx, GradientTransformation) and all(f is tx for f in self._group_factories):
-            for name, p in inspect.signature(tx).parameters.items():
-                if name not in self.defaults and _is_injectable(p.default):
-                    self.defaults[name] = p.default
+        default_factory = lr_multiplier(tx) if isinstance(tx, GradientTransformation) else tx
+        if not callable(default_factory):
+            raise TypeError(f"tx must be a GradientTransformation or a factory returning one, got {type(tx).__name__}")
+        self._default_factory = default_factory
+        _check_known(default_factory, hyperparams, "hyperparameters")
+        # Like torch.optim's own optimizers, ``defaults`` holds every hyperparameter of
+        # the default transform (OneCycleLR's cycle_momentum looks for "momentum" or
+        # "betas" there), the ones given here overriding the factory's defaults.
+        defaults = {**_factory_defaults(default_factory), **hyperparams}
+        super().__init__(params, defaults)
 
     # -- groups -------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (and create its transform state eagerly)."""
+        """Add a group (and create its transform state eagerly).
+
+        A group may carry its own ``"tx"`` (factory or transform); its keys must be
+        arguments of that factory (or ``params``, ``param_names``, ``name``,
+        ``sparse_grad``); missing ones take the factory's defaults.
+        """
+        own = "tx" in param_group
         tx = param_group.pop("tx", self._default_tx)
-        factory = lr_multiplier(tx) if isinstance(tx, GradientTransformation) else tx
+        factory = self._default_factory if not own else (
+            lr_multiplier(tx) if isinstance(tx, GradientTransformation) else tx)
         if not callable(factory):
             raise TypeError(f"tx must be a GradientTransformation or a factory returning one, got {type(tx).__name__}")
-        sig = inspect.signature(factory)
-        takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
-        unknown = sorted(n for n in self._explicit_hparams if n not in sig.parameters and n != "sparse_grad")
-        if unknown and not takes_kwargs:
-            raise TypeError(
-                f"hyperparameters {unknown} are not arguments of {getattr(factory, '__name__', factory)!r}; "
-                f"it takes {list(sig.parameters)}"
-            )
-        for name, p in sig.parameters.items():
-            if name not in param_group and name not in self._explicit_hparams and p.default is not inspect.Parameter.empty:
-                if _is_injectable(p.default):
-                    param_group[name] = p.default
+        _check_known(factory, {k: v for k, v in param_group.items() if k not in _ADAPTER_KEYS}, "param group keys")
+        if own:
+            for name, value in _factory_defaults(factory).items():
+                param_group.setdefault(name, value)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         start = sum(len(g["params"]) for g in self.param_groups[:-1])

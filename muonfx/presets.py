@@ -31,6 +31,7 @@ def muon(
     adjust_lr: str | None = "original",
     eps: float = 1e-7,
     ns_dtype: torch.dtype | None = None,
+    ns_method: str = "auto",
 ) -> GradientTransformation:
     """Muon for matrix parameters (2-D, 3-D expert stacks, conv weights).
 
@@ -53,7 +54,7 @@ def muon(
     """
     return named_chain(
         ("momentum", _momentum(momentum, nesterov=nesterov)),
-        ("orthogonalize", newton_schulz(ns_steps, ns_coefficients, eps=eps, dtype=ns_dtype)),
+        ("orthogonalize", newton_schulz(ns_steps, ns_coefficients, eps=eps, dtype=ns_dtype, method=ns_method)),
         ("scale_by_shape", scale_by_shape("original" if adjust_lr is None else adjust_lr)),
         ("weight_decay", decoupled_decay(weight_decay)),
         ("lr", scale_by_learning_rate(lr)),

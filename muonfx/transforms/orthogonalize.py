@@ -18,6 +18,7 @@ def newton_schulz(
     eps: float = 1e-7,
     dtype: torch.dtype | None = None,
     safety: float | None = None,
+    method: str = "auto",
 ) -> GradientTransformation:
     """Replace each matrix by an approximate polar factor (``U V^T`` of its SVD).
 
@@ -37,6 +38,10 @@ def newton_schulz(
             for float64 input) elsewhere. The output keeps the update's dtype.
         safety: normalisation safety factor; ``None`` uses the preset's (1.02 for
             polar_express, else 1).
+        method: ``"auto"`` (default: the Gram-matrix iteration for rectangular matrices
+            in float32/float64, where it needs fewer flops and is as accurate; the
+            standard iteration otherwise), ``"standard"`` or ``"gram"``; see
+            :func:`muonfx.linalg.newton_schulz_batched`.
 
     Leaves: 2-D are matrices, 3-D are batches of matrices (MoE experts), 4-D+ are
     viewed as ``[out, in*kh*kw]``. 0-D/1-D leaves raise ``ValueError`` naming the key;
@@ -55,7 +60,9 @@ def newton_schulz(
         True
     """
     schedule = resolve(coefficients, steps, safety)
-    fn = partial(newton_schulz_batched, schedule=schedule, eps=eps, dtype=dtype)
+    if method not in ("auto", "standard", "gram"):
+        raise ValueError(f"newton_schulz: unknown method {method!r}; use 'auto', 'standard' or 'gram'")
+    fn = partial(newton_schulz_batched, schedule=schedule, eps=eps, dtype=dtype, method=method)
 
     def init_fn(params):
         return EmptyState()

@@ -1,0 +1,125 @@
+"""The options of ``muonfx train`` (shared with ``examples/train_gpt.py``).
+
+Every option's parser default is ``None`` so that ``--resume`` can tell what was
+given on the command line from what was not: :func:`resolve` fills the gaps from
+the checkpoint's settings, then from :data:`DEFAULTS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .model import MODELS
+
+__all__ = ["DEFAULTS", "RUN_KEYS", "add_train_args", "resolve", "validate"]
+
+DEFAULTS = dict(
+    optimizer="muon_adamw", steps=600, lr=None, adamw_lr=3e-3, weight_decay=0.01, batch_size=32, model="tiny",
+    context=None, seed=0, warmup=20, grad_clip=0.0, compare=None, device="auto", eval_every=50, eval_batches=16,
+    out=None, save=None, resume=None, stop_at=None, threads=0, cache_dir=None, amp="auto",
+)
+
+#: settings a resumed run must share with its checkpoint (they shape the model, the
+#: optimizer state, the schedule or the data stream)
+RUN_KEYS = ("optimizer", "lr", "adamw_lr", "weight_decay", "batch_size", "model", "context", "seed", "warmup",
+            "grad_clip")
+
+
+def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    d = DEFAULTS
+    g = p.add_argument_group("what to train")
+    g.add_argument("--optimizer", metavar="NAME",
+                   help="muon_adamw (default), adamw, muon or any preset in muonfx.presets")
+    g.add_argument("--model", choices=sorted(MODELS),
+                   help="tiny: 4x128, 4 heads, ctx 128 (default, CPU); small: 6x256, 8 heads, ctx 256; "
+                        "gpt2: the GPT-2 124M configuration 12x768, ctx 1024 (GPUs)")
+    g.add_argument("--steps", type=int, metavar="N", help=f"optimizer steps, the schedule's length (default {d['steps']})")
+    g.add_argument("--lr", type=float, help="learning rate of --optimizer: Muon's for muon presets (default 0.02); "
+                                            "AdamW's for --optimizer adamw (default: --adamw-lr)")
+    g.add_argument("--adamw-lr", type=float, help=f"AdamW lr: embeddings, head, norms with muon presets; the "
+                                                  f"--compare adamw baseline (default {d['adamw_lr']})")
+    g.add_argument("--weight-decay", type=float, help=f"AdamW weight decay (default {d['weight_decay']}); Muon uses none")
+    g.add_argument("--batch-size", type=int, metavar="B", help=f"sequences per step, all ranks together (default {d['batch_size']})")
+    g.add_argument("--context", type=int, metavar="T", help="sequence length (default: the model's context)")
+    g.add_argument("--warmup", type=int, metavar="N", help=f"linear warm-up steps, then linear decay to 0 (default {d['warmup']})")
+    g.add_argument("--grad-clip", type=float, metavar="NORM", help="clip the global gradient norm (default 0: off)")
+    g.add_argument("--seed", type=int, help="model init and data order (default 0)")
+    g.add_argument("--compare", metavar="NAME",
+                   help="also train NAME (e.g. adamw) with the same seed and data; write loss.png and summary.json")
+    g = p.add_argument_group("where and how")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default auto: cuda if available")
+    g.add_argument("--fsdp", action="store_true",
+                   help="shard the model with FSDP2 fully_shard (one process per rank: start with torchrun)")
+    g.add_argument("--amp", choices=["auto", "bf16", "off"],
+                   help="bf16 autocast: auto = on CUDA only (default)")
+    g.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default 0: torch's choice)")
+    g.add_argument("--eval-every", type=int, metavar="N", help=f"validation loss every N steps and at the end "
+                                                                f"(default {d['eval_every']})")
+    g.add_argument("--eval-batches", type=int, metavar="N", help=f"validation batches per evaluation, always the same ones "
+                                                                  f"(default {d['eval_batches']})")
+    g.add_argument("--out", metavar="DIR", help="summary.json (and loss.png with --compare) go here "
+                                                "(default muonfx_runs/<time>-<optimizer>)")
+    g.add_argument("--save", metavar="PATH", help="checkpoint at the end (and at --stop-at, and on Ctrl-C)")
+    g.add_argument("--resume", metavar="PATH", help="continue a --save checkpoint exactly (its settings are the defaults)")
+    g.add_argument("--stop-at", type=int, metavar="STEP", help="stop after this step (the schedule still spans --steps); "
+                                                               "with --save, resume later")
+    g.add_argument("--cache-dir", metavar="DIR", help="corpus cache (default $MUONFX_CACHE_DIR or ~/.cache/muonfx)")
+    g.add_argument("--no-cache", action="store_true", help="rebuild the corpus, write no cache")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (loss lines are still printed)")
+    return p
+
+
+def resolve(args: argparse.Namespace, saved: dict | None = None) -> argparse.Namespace:
+    """Fill options not given: from the checkpoint's settings ``saved``, then from DEFAULTS."""
+    for k, v in DEFAULTS.items():
+        if getattr(args, k, None) is None:
+            if saved is not None and k in saved and k in RUN_KEYS + ("steps", "eval_every", "eval_batches", "amp"):
+                setattr(args, k, saved[k])
+            else:
+                setattr(args, k, v)
+    return args
+
+
+def validate(args: argparse.Namespace) -> str | None:
+    """A one-line message for the first bad option, else None."""
+    from .optimizers import check_optimizer
+
+    for name in [args.optimizer] + ([args.compare] if args.compare else []):
+        err = check_optimizer(name)
+        if err:
+            return err
+    positive = dict(steps=args.steps, batch_size=args.batch_size, eval_every=args.eval_every,
+                    eval_batches=args.eval_batches)
+    if args.context is not None:
+        positive["context"] = args.context
+    for k, v in positive.items():
+        if v < 1:
+            return f"--{k.replace('_', '-')} must be at least 1, got {v}"
+    for k in ("adamw_lr", "weight_decay", "warmup", "grad_clip", "threads"):
+        if getattr(args, k) < 0:
+            return f"--{k.replace('_', '-')} must not be negative, got {getattr(args, k)}"
+    if args.lr is not None and args.lr <= 0:
+        return f"--lr must be positive, got {args.lr}"
+    if args.context is not None and args.context > MODELS[args.model].context:
+        return f"--context {args.context} is longer than the {args.model} model's {MODELS[args.model].context}"
+    if args.stop_at is not None and not 1 <= args.stop_at <= args.steps:
+        return f"--stop-at must be between 1 and --steps ({args.steps}), got {args.stop_at}"
+    if args.compare and (args.save or args.resume or args.stop_at):
+        return "--compare runs two trainings from scratch; it does not combine with --save, --resume or --stop-at"
+    if args.compare == args.optimizer:
+        return f"--compare {args.compare} is the same as --optimizer {args.optimizer}"
+    if args.resume and not os.path.exists(args.resume):
+        return f"--resume {args.resume}: no such file"
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "--device cuda: torch sees no CUDA device here (this torch is " + torch.__version__ + "); use --device cpu"
+    if args.fsdp and "RANK" not in os.environ:
+        return ("--fsdp runs one process per rank: launch with torchrun, e.g. "
+                "'torchrun --nproc_per_node=2 -m muonfx train --fsdp' (gloo on CPU, NCCL on GPUs)")
+    world = int(os.environ.get("WORLD_SIZE", "1")) if args.fsdp else 1
+    if args.batch_size % world:
+        return f"--batch-size {args.batch_size} must be a multiple of the {world} ranks (each takes an equal share)"
+    return None

@@ -1,0 +1,102 @@
+"""``--optimizer NAME``: the optimizers ``muonfx train`` can build, all from muonfx.
+
+* ``muon_adamw``: :func:`muonfx.create_hybrid_optimizer`: Muon (``--lr``) on the hidden
+  matrices, AdamW (``--adamw-lr``, betas 0.9/0.95) on embeddings, head, norms, biases.
+* ``adamw``: ``TransformOptimizer(model.named_parameters(), mfx.adamw, ...)`` on
+  everything (lr: ``--lr`` when given, else ``--adamw-lr``).
+* any other preset of :mod:`muonfx.presets` (a function returning a
+  ``GradientTransformation``): one taking ``adamw_lr`` gets the whole model with
+  ``lr=--lr, adamw_lr=--adamw-lr``; a matrix optimizer (``muon``) gets every
+  parameter of 2 or more dimensions (embeddings and head included: the "Muon on
+  everything it can take" ablation) and AdamW (``--adamw-lr``) the 0-D/1-D rest.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .. import presets
+from ..base import GradientTransformation
+from ..familiar import create_hybrid_optimizer
+from ..optim import TransformOptimizer
+
+__all__ = ["optimizer_names", "check_optimizer", "build_optimizer", "MUON_LR", "ADAMW_BETAS"]
+
+MUON_LR = 0.02
+ADAMW_BETAS = (0.9, 0.95)
+
+
+def optimizer_names() -> list[str]:
+    """Every preset of :mod:`muonfx.presets` that builds a transform, sorted.
+
+    Example::
+
+        >>> from muonfx.cli.optimizers import optimizer_names
+        >>> {"adamw", "muon", "muon_adamw"} <= set(optimizer_names())
+        True
+    """
+    names = []
+    for name in getattr(presets, "__all__", dir(presets)):
+        fn = getattr(presets, name, None)
+        if not inspect.isfunction(fn):
+            continue
+        ret = inspect.signature(fn).return_annotation
+        if ret is GradientTransformation or ret == "GradientTransformation":
+            names.append(name)
+    return sorted(names)
+
+
+def check_optimizer(name: str) -> str | None:
+    """``None`` if ``name`` is known, else a one-line error listing the valid names."""
+    valid = optimizer_names()
+    if name in valid:
+        return None
+    return f"unknown optimizer {name!r}; choose one of: {', '.join(valid)}"
+
+
+def default_lr(name: str, adamw_lr: float) -> float:
+    return adamw_lr if name == "adamw" else MUON_LR
+
+
+def build_optimizer(name: str, model: torch.nn.Module, lr: float | None, adamw_lr: float,
+                    weight_decay: float) -> TransformOptimizer:
+    """The optimizer ``--optimizer name`` stands for, on ``model``."""
+    err = check_optimizer(name)
+    if err:
+        raise ValueError(err)
+    lr = default_lr(name, adamw_lr) if lr is None else lr
+    if name == "muon_adamw":
+        return create_hybrid_optimizer(model, muon_lr=lr, adamw_lr=adamw_lr, adamw_betas=ADAMW_BETAS,
+                                       adamw_weight_decay=weight_decay)
+    if name == "adamw":
+        return TransformOptimizer(model.named_parameters(), presets.adamw, lr=lr, betas=ADAMW_BETAS,
+                                  weight_decay=weight_decay)
+    factory = getattr(presets, name)
+    sig = inspect.signature(factory).parameters
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if "adamw_lr" in sig:  # a whole-model preset (like muon_adamw)
+        extra = {"adamw_betas": ADAMW_BETAS, "adamw_weight_decay": weight_decay}
+        kw = {k: v for k, v in extra.items() if k in sig}
+        return TransformOptimizer(named, factory, lr=lr, adamw_lr=adamw_lr, **kw)
+    matrices = [(n, p) for n, p in named if p.ndim >= 2]
+    rest = [(n, p) for n, p in named if p.ndim < 2]
+    groups = [dict(params=matrices, tx=factory, lr=lr)]
+    if rest:
+        groups.append(dict(params=rest, tx=presets.adamw, lr=adamw_lr, betas=ADAMW_BETAS, weight_decay=weight_decay))
+    return TransformOptimizer(groups, factory)
+
+
+def describe(opt: torch.optim.Optimizer) -> list[dict]:
+    """Per param group: transform name, lr, number of tensors and of parameters."""
+    out = []
+    for gi, g in enumerate(opt.param_groups):
+        factory = opt._group_factories[gi] if hasattr(opt, "_group_factories") else None
+        out.append({
+            "tx": getattr(factory, "__name__", "?"),
+            "lr": g["lr"],
+            "tensors": len(g["params"]),
+            "params": int(sum(p.numel() for p in g["params"])),
+        })
+    return out

@@ -1,0 +1,77 @@
+"""Where a run executes: device, threads, and (with ``--fsdp``) the process group."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Runtime", "setup", "teardown", "shard_model"]
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    fsdp: bool = False
+    rank: int = 0
+    world: int = 1
+    backend: str | None = None
+    amp: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_mean(self, t: torch.Tensor) -> torch.Tensor:
+        """Mean over ranks (identity without --fsdp)."""
+        if not self.fsdp:
+            return t
+        import torch.distributed as dist
+
+        t = t.detach().clone()
+        dist.all_reduce(t)
+        return t / self.world
+
+
+def setup(device: str, fsdp: bool, threads: int, amp: str) -> Runtime:
+    if threads:
+        torch.set_num_threads(threads)
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if not fsdp:
+        dev = torch.device("cuda") if cuda else torch.device("cpu")
+        return Runtime(dev, amp=_amp(amp, dev))
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        dev = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        backend = "nccl"
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    return Runtime(dev, True, dist.get_rank(), dist.get_world_size(), backend, _amp(amp, dev))
+
+
+def _amp(amp: str, dev: torch.device) -> bool:
+    return amp == "bf16" or (amp == "auto" and dev.type == "cuda")
+
+
+def teardown(rt: Runtime) -> None:
+    if rt.fsdp:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def shard_model(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
+    """FSDP2: ``fully_shard`` every transformer block, then the root (embeddings, head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
