@@ -16,7 +16,10 @@ tensordict.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+import contextlib
+import threading
+import weakref
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -34,6 +37,11 @@ __all__ = [
     "build",
     "check_keys",
     "foreach",
+    "donating",
+    "protect",
+    "mark_fresh",
+    "protect_state",
+    "tree_tensors",
 ]
 
 
@@ -153,6 +161,20 @@ def aligned(td: TensorDictBase | None, keys: Sequence[Key], what: str, against: 
     return [td.get(k) for k in keys]
 
 
+def tree_tensors(node: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a state tree (NamedTuples, tuples, lists, dicts, TensorDicts)."""
+    if isinstance(node, TensorDictBase):
+        yield from node.values(include_nested=True, leaves_only=True)
+    elif isinstance(node, torch.Tensor):
+        yield node
+    elif isinstance(node, dict):
+        for v in node.values():
+            yield from tree_tensors(v)
+    elif isinstance(node, (tuple, list)):
+        for v in node:
+            yield from tree_tensors(v)
+
+
 def build(keys: Sequence[Key], tensors: Sequence[torch.Tensor]) -> TensorDict:
     """A new TensorDict (batch size ``[]``) with ``tensors`` at the (nested) ``keys``."""
     return TensorDict(dict(zip(keys, tensors)), batch_size=[])
@@ -167,7 +189,81 @@ def _kind(t: torch.Tensor) -> type:
     return type(t) if type(t) is not torch.nn.Parameter else torch.Tensor
 
 
-def foreach(op: str, *lists: Sequence[Any], **kwargs: Any) -> list[torch.Tensor]:
+class _Donation(threading.local):
+    """Tensors that ops declaring ``reuse=True`` may overwrite (see :func:`donating`)."""
+
+    writable: dict[int, weakref.ref] | None = None
+
+
+_DONATION = _Donation()
+
+
+@contextlib.contextmanager
+def donating(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """Let the transforms called inside overwrite ``tensors`` instead of allocating.
+
+    Adapters donate the previous step's state, which they discard after the update.
+    Inside the block, :func:`foreach` calls made with ``reuse=True`` run in place when
+    every tensor of their first list is donated or was freshly made by an earlier op in
+    the block (intermediate results); :func:`protect` takes tensors back out (combinators
+    protect every tensor of a new state before the next transform runs). Outside such a
+    block nothing is ever overwritten, so ``update`` stays pure for direct callers.
+    """
+    prev = _DONATION.writable
+    _DONATION.writable = {id(t): weakref.ref(t) for t in tensors}
+    try:
+        yield
+    finally:
+        _DONATION.writable = prev
+
+
+def protect(tensors: Iterable[torch.Tensor]) -> None:
+    """Make ``tensors`` read-only for the rest of the current :func:`donating` block."""
+    w = _DONATION.writable
+    if w:
+        for t in tensors:
+            w.pop(id(t), None)
+
+
+def protect_state(state: Any) -> None:
+    """:func:`protect` every tensor of a state (cheap no-op outside :func:`donating`)."""
+    if _DONATION.writable:
+        protect(tree_tensors(state))
+
+
+def mark_fresh(tensors: Iterable[torch.Tensor]) -> None:
+    """Declare ``tensors`` new intermediates that later ops may overwrite (inside :func:`donating`)."""
+    w = _DONATION.writable
+    if w is not None:
+        for t in tensors:
+            w[id(t)] = weakref.ref(t)
+
+
+def _is_writable(t: torch.Tensor) -> bool:
+    ref = _DONATION.writable.get(id(t))  # type: ignore[union-attr]
+    return ref is not None and ref() is t
+
+
+_REUSE_DTYPES = (torch.float32, torch.float64)
+
+
+def _may_reuse(lists: Sequence[Any]) -> bool:
+    if _DONATION.writable is None:
+        return False
+    first = lists[0]
+    # Only float32/float64 run in place: torch's in-place bf16/fp16 ops with a Python
+    # scalar round the scalar to the tensor's dtype first (out of place they do not),
+    # so reuse there would change results.
+    if not all(t.dtype in _REUSE_DTYPES and _is_writable(t) for t in first):
+        return False
+    for other in lists[1:]:  # in place must not change the result dtype
+        if isinstance(other, (list, tuple)) and other and isinstance(other[0], torch.Tensor):
+            if any(o.dtype != f.dtype for o, f in zip(other, first)):
+                return False
+    return True
+
+
+def foreach(op: str, *lists: Sequence[Any], reuse: bool = False, **kwargs: Any) -> list[torch.Tensor]:
     """Call ``torch._foreach_<op>`` on aligned lists, grouped by tensor kind.
 
     torch's fused ``_foreach`` kernels take lists of one kind: plain tensors and
@@ -175,27 +271,35 @@ def foreach(op: str, *lists: Sequence[Any], **kwargs: Any) -> list[torch.Tensor]
     results put back in order. Arguments that are not lists of tensors (scalars,
     scalar lists) are passed through unchanged. For in-place ops (``op`` ending in
     ``_``) the first list is returned; use them only on tensors the caller created.
+
+    ``reuse=True`` says the caller no longer needs the first list's old values: inside
+    a :func:`donating` block the op then runs in place when allowed.
     """
     first = lists[0]
     n = len(first)
     if n == 0:
         return []
-    fn = getattr(torch, "_foreach_" + op)
     inplace = op.endswith("_")
+    if reuse and not inplace and _may_reuse(lists):
+        op, inplace = op + "_", True
+    fn = getattr(torch, "_foreach_" + op)
     kinds = [_kind(t) for t in first]
     if all(k is kinds[0] for k in kinds):
         res = fn(*lists, **kwargs)
-        return list(first) if inplace else list(res)
-    out: list[Any] = list(first) if inplace else [None] * n
-    for kind in dict.fromkeys(kinds):
-        idx = [i for i in range(n) if kinds[i] is kind]
-        sub = [
-            [lst[i] for i in idx] if isinstance(lst, (list, tuple)) else lst for lst in lists
-        ]
-        res = fn(*sub, **kwargs)
-        if not inplace:
-            for i, r in zip(idx, res):
-                out[i] = r
+        out = list(first) if inplace else list(res)
+    else:
+        out = list(first) if inplace else [None] * n
+        for kind in dict.fromkeys(kinds):
+            idx = [i for i in range(n) if kinds[i] is kind]
+            sub = [
+                [lst[i] for i in idx] if isinstance(lst, (list, tuple)) else lst for lst in lists
+            ]
+            res = fn(*sub, **kwargs)
+            if not inplace:
+                for i, r in zip(idx, res):
+                    out[i] = r
+    if not inplace:
+        mark_fresh(out)
     return out
 
 

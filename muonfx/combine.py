@@ -12,7 +12,7 @@ from typing import Any, Callable, Hashable, Mapping, NamedTuple, Union
 import torch
 from tensordict import TensorDictBase, is_leaf_nontensor
 
-from .base import GradientTransformation, Key, build, check_keys, key_str, leaves
+from .base import GradientTransformation, Key, build, check_keys, key_str, leaves, protect_state
 
 Predicate = Callable[[str, torch.Tensor], bool]
 MaskSpec = Union[Predicate, TensorDictBase, Mapping[str, bool]]
@@ -45,6 +45,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         new_state = []
         for t, s in zip(transforms, state):
             updates, s = t.update(updates, s, params)
+            protect_state(s)  # later transforms may not overwrite tensors kept as state
             new_state.append(s)
         return updates, tuple(new_state)
 
@@ -82,6 +83,7 @@ def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransform
         new_state = {}
         for n, t in named:
             updates, new_state[n] = t.update(updates, state[n], params)
+            protect_state(new_state[n])
         return updates, new_state
 
     return GradientTransformation(init_fn, update_fn)

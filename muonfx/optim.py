@@ -8,13 +8,14 @@ every step), and adds the updates to the parameters in place.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, Callable, Iterable, Union
 
 import torch
 from tensordict import TensorDictBase
 
-from .base import GradientTransformation, Key, aligned, build, foreach, key_str
+from .base import GradientTransformation, Key, aligned, build, donating, foreach, key_str, tree_tensors
 from .state_tree import flatten_per_param, merge, restrict, unflatten_per_param
 from .wrappers import InjectHyperparamsState, _is_injectable, inject_hyperparams
 
@@ -45,7 +46,7 @@ def lr_multiplier(tx: GradientTransformation) -> Callable[..., GradientTransform
             if lr == 1.0:
                 return out, state
             keys = [k if isinstance(k, tuple) else (k,) for k in out.keys(include_nested=True, leaves_only=True)]
-            return build(keys, foreach("mul", [out.get(k) for k in keys], float(lr))), state
+            return build(keys, foreach("mul", [out.get(k) for k in keys], float(lr), reuse=True)), state
 
         return GradientTransformation(tx.init, update_fn)
 
@@ -126,6 +127,10 @@ class TransformOptimizer(torch.optim.Optimizer):
         self._group_keys: list[list[Key]] = []
         self._base_lrs: list[float | None] = []
         self._tx_states: list[Any] = []
+        self._donate: list[bool] = []
+        #: reuse the previous state's buffers in place after the first step (set False
+        #: to allocate fresh state every step, e.g. to keep references to old state)
+        self.donate_buffers = True
         if isinstance(params, torch.Tensor):
             raise TypeError("params must be an iterable of tensors, (name, tensor) pairs or dicts, not a Tensor")
         params = list(params)
@@ -187,6 +192,7 @@ class TransformOptimizer(torch.optim.Optimizer):
             self._base_lrs.pop()
             raise
         self._tx_states.append(state)
+        self._donate.append(False)
         self._sync_torch_state(len(self.param_groups) - 1)
 
     def _hparams(self, gi: int) -> dict[str, Any]:
@@ -269,6 +275,7 @@ class TransformOptimizer(torch.optim.Optimizer):
             params, updates, new_state = res
             foreach("add_", params, updates)
             self._tx_states[gi] = new_state
+            self._donate[gi] = self.donate_buffers
             self._sync_torch_state(gi)
         return loss
 
@@ -283,7 +290,12 @@ class TransformOptimizer(torch.optim.Optimizer):
         tx = self._transform(gi)
         partial = len(idx) != len(keys_all)
         sub = restrict(state, set(keys)) if partial else state
-        upd, new_sub = tx.update(build(keys, grads), sub, build(keys, params))
+        # After a group's first successful step (which surfaces structural errors with
+        # nothing changed), the old state is donated: transforms overwrite its buffers
+        # instead of allocating a fresh copy of every tensor each step.
+        ctx = donating(tree_tensors(sub)) if self._donate[gi] else contextlib.nullcontext()
+        with ctx:
+            upd, new_sub = tx.update(build(keys, grads), sub, build(keys, params))
         new_state = merge(state, new_sub) if partial else new_sub
         updates = aligned(upd, keys, "updates returned by the transform", against="parameters")
         return params, updates, new_state

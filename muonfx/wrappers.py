@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDict
 
 from . import seam
-from .base import GradientTransformation, aligned, build, foreach, leaves
+from .base import GradientTransformation, aligned, build, foreach, leaves, protect_state
 from .schedules import evaluate
 
 __all__ = ["apply_if_finite", "ApplyIfFiniteState", "accumulate", "AccumulateState",
@@ -69,6 +69,7 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int =
         return ApplyIfFiniteState(0, True, 0, inner.init(params))
 
     def update_fn(updates, state, params=None):
+        protect_state(state.inner_state)  # a skipped step must return this state intact
         new_u, new_inner = inner.update(updates, state.inner_state, params)
         keys, us = leaves(new_u)
         bad = int(seam.global_sum(_count_nonfinite, us).item()) if us else 0
@@ -136,7 +137,8 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
         accs = aligned(state.acc, keys, "accumulate state (acc)")
-        total = foreach("add", accs, [g if g.dtype == a.dtype else g.to(a.dtype) for g, a in zip(gs, accs)])
+        total = foreach("add", accs, [g if g.dtype == a.dtype else g.to(a.dtype) for g, a in zip(gs, accs)],
+                        reuse=True)
         if state.mini_step + 1 < every_k:
             zeros = build(keys, [torch.zeros_like(g) for g in gs])
             return zeros, AccumulateState(state.mini_step + 1, build(keys, total), state.inner_state)

@@ -341,6 +341,9 @@ PREBUILT = {
     "adamw": lambda: mfx.adamw(lr=1e-2, weight_decay=0.1),
     "muon_adamw": lambda: mfx.muon_adamw(lr=0.02, weight_decay=0.1, ns_dtype=torch.float32),
     "clipped_adam": lambda: mfx.chain(mfx.clip_by_global_norm(1.0), mfx.scale_by_adam(), mfx.scale(-1e-2)),
+    # momentum's output *is* its new state: the scale after it must not overwrite it in place
+    "momentum_then_scale": lambda: mfx.chain(mfx.momentum(0.9), mfx.scale(-0.1)),
+    "finite_accumulated": lambda: mfx.apply_if_finite(mfx.accumulate(mfx.adamw(lr=1e-2), 2), 3),
 }
 
 

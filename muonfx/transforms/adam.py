@@ -64,14 +64,16 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         ms_c = [m if m.dtype == g.dtype else m.to(g.dtype) for m, g in zip(ms, gs)]
         vs_c = [v if v.dtype == g.dtype else v.to(g.dtype) for v, g in zip(vs, gs)]
         t = state.count + 1
-        new_m = foreach("lerp", ms_c, gs, 1.0 - b1)
-        new_v = foreach("mul", vs_c, b2)
+        new_m = foreach("lerp", ms_c, gs, 1.0 - b1, reuse=True)
+        new_v = foreach("mul", vs_c, b2, reuse=True)
         foreach("addcmul_", new_v, gs, gs, value=1.0 - b2)
-        denom = foreach("sqrt", new_v)
-        foreach("div_", denom, math.sqrt(1.0 - b2**t))
-        foreach("add_", denom, eps)
-        out = foreach("div", new_m, denom)
-        foreach("div_", out, 1.0 - b1**t)
+        # out = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps), computed in one scratch buffer
+        bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
+        out = foreach("sqrt", new_v)
+        foreach("mul_", out, bc1 / math.sqrt(bc2))
+        foreach("add_", out, eps * bc1)
+        foreach("reciprocal_", out)
+        foreach("mul_", out, new_m)
         store = lambda new, old: [n if n.dtype == o.dtype else n.to(o.dtype) for n, o in zip(new, old)]  # noqa: E731
         return build(keys, out), ScaleByAdamState(t, build(keys, store(new_m, ms)), build(keys, store(new_v, vs)))
 

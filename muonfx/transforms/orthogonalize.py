@@ -7,7 +7,7 @@ from functools import partial
 import torch
 
 from .. import seam
-from ..base import EmptyState, GradientTransformation, build, leaves
+from ..base import EmptyState, GradientTransformation, build, leaves, mark_fresh
 from ..linalg import CoefficientSpec, newton_schulz_batched, resolve
 from ._matrix import as_stack
 
@@ -70,7 +70,8 @@ def newton_schulz(
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
         stacks = [as_stack(k, g, "newton_schulz") for k, g in zip(keys, gs)]
-        outs = seam.map_matrices(fn, stacks)
-        return build(keys, [o.reshape(g.shape) for o, g in zip(outs, gs)]), state
+        outs = [o.reshape(g.shape) for o, g in zip(seam.map_matrices(fn, stacks), gs)]
+        mark_fresh(outs)  # new tensors: later transforms may scale them in place
+        return build(keys, outs), state
 
     return GradientTransformation(init_fn, update_fn)

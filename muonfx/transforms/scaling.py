@@ -30,7 +30,7 @@ def scale(factor: float) -> GradientTransformation:
 
     def update_fn(updates, state, params=None):
         keys, us = leaves(updates)
-        return build(keys, foreach("mul", us, factor)), state
+        return build(keys, foreach("mul", us, factor, reuse=True)), state
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -74,7 +74,7 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     def update_fn(updates, state, params=None):
         value = evaluate("lr", lr, state.count)
         keys, us = leaves(updates)
-        return build(keys, foreach("mul", us, -value)), ScaleByScheduleState(state.count + 1)
+        return build(keys, foreach("mul", us, -value, reuse=True)), ScaleByScheduleState(state.count + 1)
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -116,6 +116,6 @@ def scale_by_shape(mode: str = "original") -> GradientTransformation:
     def update_fn(updates, state, params=None):
         keys, us = leaves(updates)
         factors = [shape_factor(mode, *matrix_dims(k, u, "scale_by_shape")) for k, u in zip(keys, us)]
-        return build(keys, foreach("mul", us, factors)), state
+        return build(keys, foreach("mul", us, factors, reuse=True)), state
 
     return GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,50 @@
+"""Shared helpers for the benchmark scripts (not a benchmark itself)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+
+import torch  # noqa: E402
+
+
+def machine() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int, device: torch.device) -> dict[str, float]:
+    """Median seconds per call of each function, measured in alternating rounds
+    (A B C A B C ...) so that machine noise hits every contender alike."""
+    for _ in range(warmup):
+        for f in fns.values():
+            f()
+        sync(device)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            f()
+            sync(device)
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def table(header: list[str], rows: list[list[object]]) -> str:
+    cols = [[str(h)] + [str(r[i]) for r in rows] for i, h in enumerate(header)]
+    widths = [max(len(c) for c in col) for col in cols]
+    line = lambda cells: "| " + " | ".join(str(c).rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), sep] + [line(r) for r in rows])
