@@ -35,12 +35,12 @@ def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
-def _children(node: Any) -> Iterator[tuple[str, Any]]:
+def _children(node: Any, elide: bool = True) -> Iterator[tuple[str, Any]]:
     if _is_namedtuple(node):
         for f in node._fields:
             if isinstance(node, InjectHyperparamsState) and f == "hyperparams":
                 continue
-            yield ("" if f in _ELIDED else f), getattr(node, f)
+            yield ("" if elide and f in _ELIDED else f), getattr(node, f)
     elif isinstance(node, dict):
         for k, v in node.items():
             yield str(k), v
@@ -61,7 +61,7 @@ def _td_keys(td: TensorDictBase) -> list[Key]:
     return [k if isinstance(k, tuple) else (k,) for k in td.keys(include_nested=True, leaves_only=True)]
 
 
-def _scan(node: Any, path: str, out_td: list, out_scalar: list) -> set:
+def _scan(node: Any, path: str, out_td: list, out_scalar: list, elide: bool = True) -> set:
     """Collect (path, td) and (path, value, scope) entries; return the subtree's keys."""
     if isinstance(node, TensorDictBase):
         out_td.append((path, node))
@@ -69,8 +69,8 @@ def _scan(node: Any, path: str, out_td: list, out_scalar: list) -> set:
     if _is_container(node):
         keys: set = set()
         pending_start = len(out_scalar)
-        for name, child in _children(node):
-            keys |= _scan(child, _join(path, name), out_td, out_scalar)
+        for name, child in _children(node, elide):
+            keys |= _scan(child, _join(path, name), out_td, out_scalar, elide)
         if keys:
             for i in range(pending_start, len(out_scalar)):
                 if out_scalar[i][2] is None:
@@ -80,11 +80,27 @@ def _scan(node: Any, path: str, out_td: list, out_scalar: list) -> set:
     return set()
 
 
+def _collect(state: Any) -> tuple[list, list, bool]:
+    """TensorDict and scalar entries with their flat names.
+
+    Wrapper fields (``inner_state``) are left out of the names unless that makes two
+    names equal (e.g. an ``inject_hyperparams`` transform inside the adapter's own):
+    then every name is spelled out in full.
+    """
+    for elide in (True, False):
+        tds: list = []
+        scalars: list = []
+        _scan(state, "", tds, scalars, elide)
+        paths = [p for p, _ in tds] + [p for p, _, _ in scalars]
+        if len(set(paths)) == len(paths):
+            return tds, scalars, elide
+    dup = sorted({p for p in paths if paths.count(p) > 1})
+    raise ValueError(f"state entries {dup} have the same flat name; give the parts distinct names with mfx.named_chain")
+
+
 def flatten_per_param(state: Any, keys: list[Key]) -> dict[Key, dict[str, Any]]:
     """``{param key: {flat name: tensor or scalar}}`` for every key in ``keys``."""
-    tds: list = []
-    scalars: list = []
-    _scan(state, "", tds, scalars)
+    tds, scalars, _ = _collect(state)
     out: dict[Key, dict[str, Any]] = {k: {} for k in keys}
     everyone = set(keys)
     for path, td in tds:
@@ -116,7 +132,7 @@ def _cast_like(template: Any, value: Any, where: str) -> Any:
     return value
 
 
-def _rebuild(node: Any, path: str, fn: Callable[[str, Any], Any]) -> Any:
+def _rebuild(node: Any, path: str, fn: Callable[[str, Any], Any], elide: bool = True) -> Any:
     if isinstance(node, TensorDictBase):
         return fn(path, node)
     if _is_namedtuple(node):
@@ -126,12 +142,12 @@ def _rebuild(node: Any, path: str, fn: Callable[[str, Any], Any]) -> Any:
             if isinstance(node, InjectHyperparamsState) and f == "hyperparams":
                 vals.append(dict(child))
             else:
-                vals.append(_rebuild(child, _join(path, "" if f in _ELIDED else f), fn))
+                vals.append(_rebuild(child, _join(path, "" if elide and f in _ELIDED else f), fn, elide))
         return type(node)(*vals)
     if isinstance(node, dict):
-        return {k: _rebuild(v, _join(path, str(k)), fn) for k, v in node.items()}
+        return {k: _rebuild(v, _join(path, str(k)), fn, elide) for k, v in node.items()}
     if isinstance(node, (tuple, list)):
-        return type(node)(_rebuild(v, _join(path, str(i)), fn) for i, v in enumerate(node))
+        return type(node)(_rebuild(v, _join(path, str(i)), fn, elide) for i, v in enumerate(node))
     return fn(path, node)
 
 
@@ -151,9 +167,7 @@ def unflatten_per_param(template: Any, keys: list[Key], flat: dict[Key, dict[str
                 f"optimizer state for parameter {names[k]!r} does not match this optimizer's "
                 f"transform: missing entries {miss}, unexpected entries {extra}"
             )
-    tds: list = []
-    scalars: list = []
-    _scan(template, "", tds, scalars)
+    _, scalars, elide = _collect(template)
     scopes = {path: scope for path, _, scope in scalars}
 
     def fn(path: str, node: Any) -> Any:
@@ -166,7 +180,7 @@ def unflatten_per_param(template: Any, keys: list[Key], flat: dict[Key, dict[str
             return node
         return _cast_like(node, flat[holders[0]][path], f"state {path!r}")
 
-    return _rebuild(template, "", fn)
+    return _rebuild(template, "", fn, elide)
 
 
 def restrict(state: Any, keep: set) -> Any:

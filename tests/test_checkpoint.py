@@ -451,3 +451,27 @@ def test_zero_grad_zero_lr_step_hybrid_changes_nothing():
         p.grad = torch.zeros_like(p)
     opt.step()
     assert_params_equal(params_of(model), before)
+
+
+def test_nested_inject_hyperparams_state_round_trips():
+    """A pre-built inject_hyperparams transform inside the adapter's own wrapper: the flat
+    names would collide ("count" twice), so they are spelled out in full, and still load."""
+    torch.manual_seed(0)
+    make = lambda: mfx.inject_hyperparams(mfx.adamw)(lr=mfx.schedules.linear(1e-2, 0.0, 10))  # noqa: E731
+    model = torch.nn.Linear(3, 3)
+    opt = mfx.TransformOptimizer(model.named_parameters(), make())
+    for _ in range(2):
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    names = set(sd["state"][0])
+    assert {"count", "inner_state.count", "inner_state.inner_state.adam.mu"} <= names
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    other = mfx.TransformOptimizer(torch.nn.Linear(3, 3).named_parameters(), make())
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    again = other.state_dict()["state"][0]
+    assert again["inner_state.count"] == 2
+    assert torch.equal(again["inner_state.inner_state.adam.nu"], sd["state"][0]["inner_state.inner_state.adam.nu"])
