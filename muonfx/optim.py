@@ -128,6 +128,8 @@ class TransformOptimizer(torch.optim.Optimizer):
         self._base_lrs: list[float | None] = []
         self._tx_states: list[Any] = []
         self._donate: list[bool] = []
+        self._compile_kwargs: dict[str, Any] | None = None
+        self._compiled: dict[Any, Callable[..., Any]] = {}
         #: reuse the previous state's buffers in place after the first step (set False
         #: to allocate fresh state every step, e.g. to keep references to old state)
         self.donate_buffers = True
@@ -287,18 +289,53 @@ class TransformOptimizer(torch.optim.Optimizer):
         state: InjectHyperparamsState = self._tx_states[gi]
         hp = self._hparams(gi)
         state = state._replace(hyperparams={n: hp[n] for n in state.hyperparams if n in hp})
-        tx = self._transform(gi)
+        update = self._update_fn(gi, state)
         partial = len(idx) != len(keys_all)
         sub = restrict(state, set(keys)) if partial else state
         # After a group's first successful step (which surfaces structural errors with
         # nothing changed), the old state is donated: transforms overwrite its buffers
         # instead of allocating a fresh copy of every tensor each step.
-        ctx = donating(tree_tensors(sub)) if self._donate[gi] else contextlib.nullcontext()
+        donate = self._donate[gi] and self._compile_kwargs is None
+        ctx = donating(tree_tensors(sub)) if donate else contextlib.nullcontext()
         with ctx:
-            upd, new_sub = tx.update(build(keys, grads), sub, build(keys, params))
+            upd, new_sub = update(build(keys, grads), sub, build(keys, params))
         new_state = merge(state, new_sub) if partial else new_sub
         updates = aligned(upd, keys, "updates returned by the transform", against="parameters")
         return params, updates, new_state
+
+    def _update_fn(self, gi: int, state: InjectHyperparamsState) -> Callable[..., Any]:
+        tx = self._transform(gi)
+        if self._compile_kwargs is None:
+            return tx.update
+        # Injected hyperparameters reach the update through the state, so one compiled
+        # function serves every value; only a change of a static one (a string, a
+        # bool, a dtype) builds and compiles a new one.
+        static = tuple(sorted((n, repr(v)) for n, v in self._hparams(gi).items() if n not in state.hyperparams))
+        key = (gi, static)
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = self._compiled[key] = torch.compile(tx.update, **self._compile_kwargs)
+        return fn
+
+    def compile(self, **compile_kwargs: Any) -> "TransformOptimizer":
+        """Run each group's update through ``torch.compile`` from the next step on.
+
+        Defaults: ``dynamic=True`` (hyperparameters, step counts and shapes are
+        symbolic, so changing lr, momentum or weight decay between steps, by hand or by
+        a scheduler, recompiles nothing) and ``fullgraph=True`` (muonfx's transforms
+        trace without graph breaks). Other keywords go to ``torch.compile`` (e.g.
+        ``backend``, ``mode``). Compiled updates allocate their outputs (no buffer
+        donation). Returns ``self``.
+
+        Example::
+
+            >>> import torch, muonfx as mfx
+            >>> model = torch.nn.Linear(4, 4)
+            >>> opt = mfx.TransformOptimizer(model.named_parameters(), mfx.adamw).compile(backend="eager")
+        """
+        self._compile_kwargs = {"dynamic": True, "fullgraph": True, **compile_kwargs}
+        self._compiled = {}
+        return self
 
     # -- checkpoints ---------------------------------------------------------
 

@@ -137,6 +137,8 @@ def evaluate(name: str, value: ScalarOrSchedule, count) -> float:
     """
     v = value(count) if callable(value) else value
     f = float(v.item()) if isinstance(v, torch.Tensor) else float(v)
-    if not math.isfinite(f):
+    # comparisons rather than math.isfinite: under torch.compile(dynamic=True) ``f`` is
+    # symbolic, and comparisons become guards instead of graph breaks
+    if not (f == f and -math.inf < f < math.inf):
         raise ValueError(f"hyperparameter {name!r} is {f} at step {_step(count)} (schedule {value!r})")
     return f

@@ -1,0 +1,83 @@
+"""torch.compile: muonfx updates trace without graph breaks, and changing hyperparameters
+between steps recompiles nothing (dynamic=True makes them symbolic)."""
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+from tensordict import TensorDict
+
+import muonfx as mfx
+
+CASES = {
+    "adamw": (mfx.adamw, dict(lr=1e-3, weight_decay=0.01)),
+    "muon": (mfx.muon, dict(lr=0.02, momentum=0.95, weight_decay=0.01, ns_dtype=torch.float32)),
+    "muon_adamw": (mfx.muon_adamw, dict(lr=0.02, momentum=0.95, weight_decay=0.01, adamw_lr=1e-3)),
+}
+
+
+def _params(matrices_only=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    td = TensorDict({
+        "embed": torch.randn(10, 8, generator=gen),
+        "blocks": {"0": {"w": torch.randn(16, 8, generator=gen), "b": torch.randn(16, generator=gen)},
+                   "experts": torch.randn(3, 8, 12, generator=gen)},
+    }, [])
+    return td.exclude(("blocks", "0", "b")) if matrices_only else td
+
+
+def _hp(step, base):
+    hp = dict(base)
+    hp["lr"] = base["lr"] * (1.0 - 0.1 * step)
+    hp["weight_decay"] = 0.01 + 0.02 * step
+    if "momentum" in hp:
+        hp["momentum"] = 0.85 + 0.03 * step
+    return hp
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_update_compiles_once_and_matches_eager(name):
+    torch._dynamo.reset()
+    factory, base = CASES[name]
+    params = _params(matrices_only=name == "muon")
+    tx = mfx.inject_hyperparams(factory)(**base)
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(tx.update, backend=counter, dynamic=True, fullgraph=True)
+    s_eager = tx.init(params)
+    s_comp = tx.init(params)
+    p_eager, p_comp = params.clone(), params.clone()
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        grads = params.apply(lambda t: torch.randn(t.shape, generator=gen))
+        hp = {k: v for k, v in _hp(step, base).items() if k in s_eager.hyperparams}
+        s_eager = s_eager._replace(hyperparams=dict(hp))
+        s_comp = s_comp._replace(hyperparams=dict(hp))
+        u_e, s_eager = tx.update(grads, s_eager, p_eager)
+        u_c, s_comp = compiled(grads, s_comp, p_comp)
+        p_eager, p_comp = mfx.apply_updates(p_eager, u_e), mfx.apply_updates(p_comp, u_c)
+    assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames"
+    for k in p_eager.keys(True, True):
+        torch.testing.assert_close(p_comp[k], p_eager[k], rtol=1e-6, atol=1e-7)
+
+
+def test_adapter_compile_follows_the_scheduler_without_recompiling():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))  # noqa: E731
+    m_eager, m_comp = make(), make()
+    m_comp.load_state_dict(m_eager.state_dict())
+    counter = torch._dynamo.testing.CompileCounter()
+    opts = [mfx.TransformOptimizer(m_eager.named_parameters(), mfx.muon_adamw, lr=0.02, ns_dtype=torch.float32),
+            mfx.TransformOptimizer(m_comp.named_parameters(), mfx.muon_adamw, lr=0.02, ns_dtype=torch.float32
+                                   ).compile(backend=counter)]
+    scheds = [torch.optim.lr_scheduler.CosineAnnealingLR(o, 5) for o in opts]
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    for _ in range(5):
+        for m, o, s in zip((m_eager, m_comp), opts, scheds):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            s.step()
+    assert counter.frame_count == 1
+    for a, b in zip(m_eager.parameters(), m_comp.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
