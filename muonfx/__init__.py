@@ -11,6 +11,8 @@ from .distributed.fsdp import FSDPMuonOptimizer
 from .familiar import MuonOptimizer, create_hybrid_optimizer
 from .optim import TransformOptimizer, lr_multiplier
 from .presets import adamw, default_muon_labels, muon, muon_adamw
+from .recipes import (blockwise, cautious_decay, momentum_warmup, moonlight, muon_cautious, muon_per_head,
+                      muon_with_momentum_warmup, normuon, split_newton_schulz)
 from .transforms import (MomentumState, RowNormalizeState, ScaleByAdamState, ScaleByScheduleState, clip_by_global_norm,
                          decoupled_decay, global_norm, momentum, nesterov, newton_schulz, row_normalize, scale,
                          scale_by_adam, scale_by_learning_rate, scale_by_shape)
@@ -28,6 +30,8 @@ __all__ = [
     "apply_if_finite", "accumulate", "inject_hyperparams",
     "ApplyIfFiniteState", "AccumulateState", "InjectHyperparamsState",
     "muon", "adamw", "muon_adamw", "default_muon_labels",
+    "moonlight", "normuon", "cautious_decay", "muon_cautious", "momentum_warmup", "muon_with_momentum_warmup",
+    "blockwise", "split_newton_schulz", "muon_per_head",
     "schedules", "linalg", "seam",
     "TransformOptimizer", "lr_multiplier", "MuonOptimizer", "create_hybrid_optimizer", "FSDPMuonOptimizer",
 ]

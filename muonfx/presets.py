@@ -31,7 +31,7 @@ def muon(
     adjust_lr: str | None = "original",
     eps: float = 1e-7,
     ns_dtype: torch.dtype | None = None,
-    ns_method: str = "auto",
+    ns_method: str = "standard",
 ) -> GradientTransformation:
     """Muon for matrix parameters (2-D, 3-D expert stacks, conv weights).
 
@@ -45,7 +45,8 @@ def muon(
     ``"spectral"``. Defaults follow Keller Jordan's Muon (lr 0.02, no weight decay);
     torch.optim.Muon's own defaults are lr 1e-3, weight_decay 0.1. ``ns_dtype=None``
     computes in bfloat16 on CUDA and float32 elsewhere; pass ``torch.bfloat16`` to
-    reproduce torch.optim.Muon exactly.
+    reproduce torch.optim.Muon exactly. ``ns_method="auto"`` takes the cheaper
+    Gram-matrix iteration for rectangular float32 matrices (see :func:`newton_schulz`).
 
     Example::
 

@@ -92,7 +92,7 @@ def key_paths(draw, min_leaves: int = 1, max_leaves: int = 5, nested: bool = Tru
     return paths
 
 
-def shapes(min_dims: int = 0, max_dims: int = 4, min_side: int = 1, max_side: int = 8) -> st.SearchStrategy[tuple[int, ...]]:
+def shapes(min_dims: int = 0, max_dims: int = 4, max_side: int = 8, min_side: int = 1) -> st.SearchStrategy[tuple[int, ...]]:
     """Tensor shapes with ``min_dims..max_dims`` dims, each side in ``min_side..max_side``.
 
     ``min_side=0`` also draws empty tensors.

@@ -40,9 +40,11 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--adamw-lr", type=float, help=f"AdamW lr: embeddings, head, norms with muon presets; the "
                                                   f"--compare adamw baseline (default {d['adamw_lr']})")
     g.add_argument("--weight-decay", type=float, help=f"AdamW weight decay (default {d['weight_decay']}); Muon uses none")
-    g.add_argument("--batch-size", type=int, metavar="B", help=f"sequences per step, all ranks together (default {d['batch_size']})")
+    g.add_argument("--batch-size", type=int, metavar="B",
+                   help=f"sequences per step, all ranks together (default {d['batch_size']})")
     g.add_argument("--context", type=int, metavar="T", help="sequence length (default: the model's context)")
-    g.add_argument("--warmup", type=int, metavar="N", help=f"linear warm-up steps, then linear decay to 0 (default {d['warmup']})")
+    g.add_argument("--warmup", type=int, metavar="N",
+                   help=f"linear warm-up steps, then linear decay to 0 (default {d['warmup']})")
     g.add_argument("--grad-clip", type=float, metavar="NORM", help="clip the global gradient norm (default 0: off)")
     g.add_argument("--seed", type=int, help="model init and data order (default 0)")
     g.add_argument("--compare", metavar="NAME",
@@ -53,13 +55,14 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="shard the model with FSDP2 fully_shard (one process per rank: start with torchrun)")
     g.add_argument("--amp", choices=["auto", "bf16", "off"],
                    help="bf16 autocast: auto = on CUDA only (default)")
-    g.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default 0: torch's choice)")
+    g.add_argument("--threads", type=int, metavar="N",
+                   help="torch CPU threads (default 0: torch's choice; on a busy machine 1 is often much faster)")
     g.add_argument("--eval-every", type=int, metavar="N", help=f"validation loss every N steps and at the end "
                                                                 f"(default {d['eval_every']})")
     g.add_argument("--eval-batches", type=int, metavar="N", help=f"validation batches per evaluation, always the same ones "
                                                                   f"(default {d['eval_batches']})")
     g.add_argument("--out", metavar="DIR", help="summary.json (and loss.png with --compare) go here "
-                                                "(default muonfx_runs/<time>-<optimizer>)")
+                                                "(default runs/<time>-<optimizer>)")
     g.add_argument("--save", metavar="PATH", help="checkpoint at the end (and at --stop-at, and on Ctrl-C)")
     g.add_argument("--resume", metavar="PATH", help="continue a --save checkpoint exactly (its settings are the defaults)")
     g.add_argument("--stop-at", type=int, metavar="STEP", help="stop after this step (the schedule still spans --steps); "
@@ -78,6 +81,12 @@ def resolve(args: argparse.Namespace, saved: dict | None = None) -> argparse.Nam
                 setattr(args, k, saved[k])
             else:
                 setattr(args, k, v)
+    if args.lr is None and args.optimizer:  # the concrete values, for the summary and checkpoints
+        from .optimizers import default_lr
+
+        args.lr = default_lr(args.optimizer, args.adamw_lr)
+    if args.context is None and args.model in MODELS:
+        args.context = MODELS[args.model].context
     return args
 
 
@@ -115,7 +124,7 @@ def validate(args: argparse.Namespace) -> str | None:
         import torch
 
         if not torch.cuda.is_available():
-            return "--device cuda: torch sees no CUDA device here (this torch is " + torch.__version__ + "); use --device cpu"
+            return f"--device cuda: torch {torch.__version__} sees no CUDA device here; use --device cpu"
     if args.fsdp and "RANK" not in os.environ:
         return ("--fsdp runs one process per rank: launch with torchrun, e.g. "
                 "'torchrun --nproc_per_node=2 -m muonfx train --fsdp' (gloo on CPU, NCCL on GPUs)")

@@ -129,7 +129,8 @@ def load_corpus(cache_dir: str | Path | None = None, use_cache: bool = True, roo
     return Corpus(data.long(), vocab, len(files), chars, sha, str(root), val_fraction)
 
 
-def sample_batch(split: torch.Tensor, batch_size: int, context: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_batch(split: torch.Tensor, batch_size: int, context: int,
+                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """``batch_size`` random windows of ``context + 1`` tokens: (inputs, next-token targets)."""
     if len(split) <= context + 1:
         raise ValueError(f"the split has {len(split)} tokens, fewer than context + 1 = {context + 1}")

@@ -38,6 +38,8 @@ def setup(device: str, fsdp: bool, threads: int, amp: str) -> Runtime:
     if threads:
         torch.set_num_threads(threads)
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if cuda:
+        torch.set_float32_matmul_precision("high")  # TF32 for the float32 matmuls outside autocast
     if not fsdp:
         dev = torch.device("cuda") if cuda else torch.device("cpu")
         return Runtime(dev, amp=_amp(amp, dev))

@@ -115,7 +115,9 @@ def scale_by_shape(mode: str = "original") -> GradientTransformation:
 
     def update_fn(updates, state, params=None):
         keys, us = leaves(updates)
-        factors = [shape_factor(mode, *matrix_dims(k, u, "scale_by_shape")) for k, u in zip(keys, us)]
+        dims = [matrix_dims(k, u, "scale_by_shape") for k, u in zip(keys, us)]
+        # an empty matrix (a zero side) has nothing to scale; s(A, 0) would divide by zero
+        factors = [shape_factor(mode, a, b) if a and b else 1.0 for a, b in dims]
         return build(keys, foreach("mul", us, factors, reuse=True)), state
 
     return GradientTransformation(init_fn, update_fn)

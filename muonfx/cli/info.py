@@ -1,0 +1,129 @@
+"""``muonfx info``: versions, devices, distributed backends, and whether bf16 matmul works.
+
+The bf16 check runs in a subprocess: on CPUs whose virtual machine forbids AMX
+instructions, oneDNN's bf16 kernels die with SIGILL (killing the process), unless
+``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` is set before torch is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import signal
+import subprocess
+import sys
+
+__all__ = ["run_info", "bf16_matmul_check"]
+
+WORKAROUND = "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16"
+
+_PROBE = """
+import torch
+a = torch.randn(512, 512).to(torch.bfloat16)
+b = torch.nn.functional.linear(a, a)
+c = (a @ a).float()
+assert torch.isfinite(c).all() and torch.isfinite(b.float()).all()
+print("ok")
+"""
+
+
+def _probe(env: dict) -> tuple[bool, str]:
+    try:
+        p = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        return False, "timed out"
+    if p.returncode == 0 and p.stdout.strip().endswith("ok"):
+        return True, "works"
+    if p.returncode < 0:
+        try:
+            sig = signal.Signals(-p.returncode).name
+        except ValueError:
+            sig = f"signal {-p.returncode}"
+        return False, f"the process died with {sig}"
+    tail = (p.stderr.strip().splitlines() or ["?"])[-1]
+    return False, f"failed: {tail}"
+
+
+def bf16_matmul_check() -> list[str]:
+    """Lines describing CPU bf16 matmul, as this environment runs it and with the workaround."""
+    env = dict(os.environ)
+    set_now = env.get("ONEDNN_MAX_CPU_ISA")
+    ok, what = _probe(env)
+    where = f"with ONEDNN_MAX_CPU_ISA={set_now} (set here)" if set_now else "as this environment is"
+    lines = [f"bf16 matmul (CPU) {where}: {what}"]
+    if set_now:
+        bare = {k: v for k, v in env.items() if k != "ONEDNN_MAX_CPU_ISA"}
+        ok_bare, what_bare = _probe(bare)
+        lines.append(f"bf16 matmul (CPU) without ONEDNN_MAX_CPU_ISA: {what_bare}")
+        if not ok_bare and ok:
+            lines.append(f"  -> keep {WORKAROUND} set before Python starts (this CPU's VM forbids AMX)")
+    elif not ok:
+        ok_fix, what_fix = _probe({**env, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"})
+        lines.append(f"bf16 matmul (CPU) with {WORKAROUND}: {what_fix}")
+        if ok_fix:
+            lines.append(f"  -> export {WORKAROUND} before running bf16 on this CPU (its VM forbids AMX); "
+                         "muonfx train computes in float32 on CPUs and does not need it")
+    return lines
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_info(args) -> int:
+    import tensordict
+    import torch
+    import torch.distributed as dist
+
+    from .. import __file__ as pkg_file, __version__
+    from .bench import find_benchmarks
+    from .corpus import default_cache_dir
+
+    print(f"muonfx      {__version__} ({os.path.dirname(pkg_file)})")
+    print(f"torch       {torch.__version__}")
+    print(f"tensordict  {tensordict.__version__}")
+    print(f"python      {platform.python_version()} ({sys.executable})")
+    print(f"platform    {platform.platform()}")
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    print(f"cpu         {os.cpu_count()} cores ({usable} usable), torch threads {torch.get_num_threads()}, "
+          f"{_cpu_name()}")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            pr = torch.cuda.get_device_properties(i)
+            print(f"cuda:{i}      {pr.name}, {pr.total_memory / 2**30:.0f} GiB, capability {pr.major}.{pr.minor}, "
+                  f"bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
+    else:
+        print(f"cuda        none (torch built with CUDA {torch.version.cuda})" if torch.version.cuda
+              else "cuda        none (CPU-only torch build)")
+    if dist.is_available():
+        backends = {n: getattr(dist, f"is_{n}_available", lambda: False)() for n in ("gloo", "nccl", "mpi", "ucc")}
+        print("distributed " + ", ".join(f"{n} {'yes' if ok else 'no'}" for n, ok in backends.items()))
+    else:
+        print("distributed not available in this torch build")
+    extras = []
+    for mod in ("tqdm", "matplotlib"):
+        try:
+            m = __import__(mod)
+            extras.append(f"{mod} {getattr(m, '__version__', '?')}")
+        except ImportError:
+            extras.append(f"{mod} missing")
+    print("optional    " + ", ".join(extras))
+    bench = find_benchmarks()
+    print(f"benchmarks  {bench if bench else 'not found (installed package; they live in the source repository)'}")
+    print(f"cache       {args.cache_dir or default_cache_dir()}")
+    if args.no_bf16_check:
+        print("bf16        not checked (--no-bf16-check)")
+    else:
+        for line in bf16_matmul_check():
+            print(line)
+    return 0

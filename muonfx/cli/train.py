@@ -1,0 +1,178 @@
+"""One training run: the stdlib corpus, a small GPT, a muonfx optimizer, warm-up + linear decay.
+
+:func:`train_run` trains one optimizer and returns its record (loss curves, final
+losses, timing, param groups). Data: at every step a batch of ``--batch-size`` random
+windows is drawn from the training split with a ``torch.Generator`` seeded with
+``--seed`` (under ``--fsdp`` every rank draws the same batch and keeps its own
+``batch_size / world`` rows, so the global batch does not depend on the world
+size). The validation loss is the mean over ``--eval-batches`` fixed batches of the
+validation split (the same ones at every evaluation and for every optimizer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+
+import torch
+
+from .checkpoint import restore, save_checkpoint
+from .corpus import Corpus, sample_batch
+from .model import GPT, MODELS
+from .optimizers import build_optimizer, describe
+from .progress import Progress, format_time
+from .runtime import Runtime, shard_model
+
+__all__ = ["WarmupLinear", "train_run", "evaluate"]
+
+EVAL_SEED = 20240601  # the validation batches' generator seed: fixed, independent of --seed
+
+
+class WarmupLinear:
+    """LambdaLR factor: ``(s + 1) / warmup`` for the first ``warmup`` steps, then linear to 0 at ``total``.
+
+    Example::
+
+        >>> f = WarmupLinear(warmup=2, total=6)
+        >>> [round(f(s), 2) for s in range(7)]
+        [0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
+    """
+
+    def __init__(self, warmup: int, total: int) -> None:
+        self.warmup, self.total = warmup, total
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        return max(0.0, (self.total - step) / max(1, self.total - self.warmup))
+
+
+def _rows(x: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    if not rt.fsdp:
+        return x
+    n = x.shape[0] // rt.world
+    return x[rt.rank * n:(rt.rank + 1) * n]
+
+
+def _autocast(rt: Runtime):
+    return torch.autocast(rt.device.type, dtype=torch.bfloat16) if rt.amp else contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model: GPT, corpus: Corpus, batches: int, batch_size: int, context: int, rt: Runtime) -> float:
+    """Mean loss over the fixed validation batches."""
+    gen = torch.Generator().manual_seed(EVAL_SEED)
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=rt.device)
+    for _ in range(batches):
+        x, y = sample_batch(corpus.val, batch_size, context, gen)
+        with _autocast(rt):
+            total += model.loss(_rows(x, rt).to(rt.device), _rows(y, rt).to(rt.device)).float()
+    model.train(was_training)
+    return float(rt.all_mean(total / batches))
+
+
+def _settings(args, name: str) -> dict:
+    keys = ("lr", "adamw_lr", "weight_decay", "batch_size", "model", "context", "seed", "warmup", "grad_clip",
+            "steps", "eval_every", "eval_batches", "amp")
+    s = {k: getattr(args, k) for k in keys}
+    s["optimizer"] = name
+    return s
+
+
+def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, checkpoint: dict | None = None) -> dict:
+    """Train ``--model`` with optimizer ``name`` for ``args.steps`` steps (or to ``--stop-at``)."""
+    cfg = dataclasses.replace(MODELS[args.model], vocab=corpus.vocab_size)
+    if args.context:
+        cfg = dataclasses.replace(cfg, context=args.context)
+    T, B = cfg.context, args.batch_size
+    torch.manual_seed(args.seed)
+    model = GPT(cfg).to(rt.device)
+    n_params = model.num_params()
+    if rt.fsdp:
+        shard_model(model, rt)
+    opt = build_optimizer(name, model, lr, args.adamw_lr, args.weight_decay)
+    groups = describe(opt)  # before the scheduler scales the lrs
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupLinear(args.warmup, args.steps))
+    gen = torch.Generator().manual_seed(args.seed)
+    history: dict = {"train": [], "val": []}
+    start = 0
+    if checkpoint is not None:
+        start = restore(checkpoint, rt, model, opt, sched, gen)
+        history = checkpoint["history"]
+    stop = args.stop_at or args.steps
+    log = Progress(stop, start, name, enabled=rt.is_main and not args.no_progress)
+    say = log.write if rt.is_main else (lambda line: None)
+    if start == 0:
+        split = ", ".join(f"{g['tx']} lr {g['lr']:g} on {g['tensors']} tensors ({g['params'] / 1e3:.0f}k)"
+                          for g in groups)
+        say(f"[{name}] {args.model}: {n_params / 1e6:.2f}M parameters, {cfg.layers}x{cfg.d}, {cfg.heads} heads, "
+            f"context {T}; batch {B}; {args.steps} steps on {rt.device}"
+            f"{f' x{rt.world} ranks (FSDP2, {rt.backend})' if rt.fsdp else ''}; {split}")
+        v = evaluate(model, corpus, args.eval_batches, B, T, rt)
+        history["val"].append([0, v])
+        say(f"[{name}] step {0:5d} | val {v:.4f}")
+    else:
+        say(f"[{name}] resumed at step {start} of {args.steps}")
+    model.train()
+    t0 = time.perf_counter()
+    step = start
+    pending: list[torch.Tensor] = []
+    sync_every = 1 if rt.device.type == "cpu" else 10
+
+    def save() -> None:
+        if args.save:
+            save_checkpoint(args.save, rt, model, opt, sched, step, gen, history, _settings(args, name), corpus.sha256)
+            say(f"[{name}] saved step {step} to {args.save}")
+
+    try:
+        while step < stop:
+            x, y = sample_batch(corpus.train, B, T, gen)
+            with _autocast(rt):
+                loss = model.loss(_rows(x, rt).to(rt.device), _rows(y, rt).to(rt.device))
+            loss.backward()
+            if args.grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            pending.append(rt.all_mean(loss.detach().float()))
+            if len(pending) >= sync_every or step == stop or step % args.eval_every == 0:
+                losses = torch.stack(pending).tolist()
+                pending = []
+                history["train"].extend([step - len(losses) + 1 + i, v] for i, v in enumerate(losses))
+                if not all(math.isfinite(v) for v in losses):
+                    say(f"[{name}] step {step}: the loss is {losses[-1]}; stopping (lower --lr / --adamw-lr?)")
+                    break
+                log.update(step, losses[-1], len(losses) * B * T)
+            if step % args.eval_every == 0 or step == args.steps:
+                v = evaluate(model, corpus, args.eval_batches, B, T, rt)
+                history["val"].append([step, v])
+                say(f"[{name}] step {step:5d} | train {history['train'][-1][1]:.4f} | val {v:.4f} | "
+                    f"lr x{sched.get_last_lr()[0] / opt.param_groups[0]['initial_lr']:.3f} | "
+                    f"{log.tokens_per_s() / 1e3:.1f}k tok/s")
+    except KeyboardInterrupt:
+        log.close()
+        if not rt.fsdp:  # saving is collective under FSDP; the other ranks may be gone
+            save()
+        raise
+    log.close()
+    seconds = time.perf_counter() - t0
+    if step == stop:
+        save()
+    trained = step - start
+    rec = {
+        "optimizer": name, "lr": opt.param_groups[0]["initial_lr"], "param_groups": groups,
+        "params": n_params, "steps": step, "schedule_steps": args.steps,
+        "final_train_loss": history["train"][-1][1] if history["train"] else None,
+        "final_val_loss": history["val"][-1][1] if history["val"] else None,
+        "seconds": round(seconds, 2), "tokens_per_s": round(trained * B * T / seconds, 1) if seconds > 0 else None,
+        "val_curve": history["val"], "train_curve": history["train"],
+    }
+    say(f"[{name}] done: {trained} steps in {format_time(seconds)}; final train {rec['final_train_loss']:.4f}, "
+        f"val {rec['final_val_loss']:.4f}")
+    return rec

@@ -1,0 +1,473 @@
+"""Variant recipes: published Muon variants, each a short chain of public transforms.
+
+=============================  ===============================================================
+:func:`moonlight`              Muon with AdamW's lr and weight decay (Liu et al., 2025)
+:func:`normuon`                Muon + per-row second-moment normalisation (Li et al., 2025)
+:func:`cautious_decay`         weight decay only where update and parameter agree in sign
+:func:`muon_cautious`          Muon with :func:`cautious_decay` (Chen et al., 2025)
+:func:`momentum_warmup`        the momentum schedule 0.85 -> 0.95 over 300 steps (nanochat)
+:func:`muon_with_momentum_warmup`  Muon with that schedule injected into its state
+:func:`blockwise`              run a matrix transform on blocks of each matrix
+:func:`split_newton_schulz`    Newton-Schulz per block (q, k, v or per head)
+:func:`muon_per_head`          Muon orthogonalising fused QKV weights per block
+=============================  ===============================================================
+
+MoE expert stacks need no recipe: :func:`muonfx.muon` treats a 3-D leaf ``[E, m, n]``
+as ``E`` independent ``m x n`` matrices (each expert orthogonalised and shape-scaled on
+its own, by ``(m, n)``), exactly as if the experts were ``E`` separate parameters::
+
+    >>> import torch, muonfx as mfx
+    >>> from tensordict import TensorDict
+    >>> g = torch.randn(4, 16, 8)                       # 4 experts, 16 x 8 each
+    >>> stacked = TensorDict({"experts": g}, [])
+    >>> separate = TensorDict({f"e{i}": g[i] for i in range(4)}, [])
+    >>> tx = mfx.muon(lr=0.02)
+    >>> out, _ = tx.update(stacked, tx.init(stacked), stacked)
+    >>> ref, _ = tx.update(separate, tx.init(separate), separate)
+    >>> torch.allclose(out["experts"], torch.stack([ref[f"e{i}"] for i in range(4)]), atol=1e-6)
+    True
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Hashable, Sequence, Union
+
+import torch
+
+from .base import EmptyState, GradientTransformation, Key, aligned, build, foreach, key_str, leaves, mark_fresh
+from .combine import MaskSpec, chain, masked, named_chain, partition
+from .linalg import CoefficientSpec
+from .presets import adamw, default_muon_labels, muon
+from .schedules import ScalarOrSchedule, linear
+from .transforms import (decoupled_decay, momentum as _momentum, newton_schulz, row_normalize,
+                         scale_by_learning_rate, scale_by_shape)
+from .transforms._matrix import matrix_dims
+from .wrappers import inject_hyperparams
+
+SplitSizes = Union[int, Sequence[int]]
+
+__all__ = ["moonlight", "normuon", "cautious_decay", "muon_cautious", "momentum_warmup",
+           "muon_with_momentum_warmup", "blockwise", "split_newton_schulz", "muon_per_head"]
+
+
+# ---------------------------------------------------------------------------
+# Moonlight
+# ---------------------------------------------------------------------------
+
+
+def moonlight(
+    lr: ScalarOrSchedule = 1e-3,
+    weight_decay: float = 0.1,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coefficients: CoefficientSpec = "keller",
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+    ns_eps: float = 1e-7,
+    ns_dtype: torch.dtype | None = None,
+    labels: Callable[[str, torch.Tensor], Hashable] | None = None,
+) -> GradientTransformation:
+    """Moonlight's Muon (Liu et al., 2025, "Muon is Scalable for LLM Training").
+
+    One lr and one weight decay for the whole model::
+
+        partition({"muon":  muon(lr, ..., weight_decay, adjust_lr="match_rms_adamw"),
+                   "adamw": adamw(lr, betas, eps, weight_decay)}, labels)
+
+    so a matrix ``A x B`` moves by ``-lr * (0.2 * sqrt(max(A, B)) * NS(M) + wd * W)``.
+    A full-rank orthogonal ``A x B`` matrix has RMS ``1 / sqrt(max(A, B))``: the Muon
+    update's RMS is ``0.2 * lr``, in the range of AdamW's, so AdamW's lr and weight decay
+    carry over. ``labels`` defaults to :func:`~muonfx.default_muon_labels` (embeddings,
+    head, biases and norms get AdamW). Defaults follow Moonlight's released example
+    (lr 1e-3, wd 0.1, momentum 0.95 Nesterov, 5 NS steps, AdamW betas (0.9, 0.95),
+    eps 1e-8). Moonlight keeps momentum in the sum form ``M <- mu M + G``; muonfx's EMA
+    form differs by a positive factor only, which Newton-Schulz normalises away.
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> tx = mfx.moonlight(lr=3e-4, weight_decay=0.1)
+    """
+    return partition(
+        {
+            "muon": muon(lr, momentum, nesterov, ns_steps, ns_coefficients, weight_decay,
+                         "match_rms_adamw", ns_eps, ns_dtype),
+            "adamw": adamw(lr, betas, eps, weight_decay),
+        },
+        labels or default_muon_labels,
+    )
+
+
+# ---------------------------------------------------------------------------
+# NorMuon
+# ---------------------------------------------------------------------------
+
+
+def normuon(
+    lr: ScalarOrSchedule = 0.02,
+    momentum: float = 0.95,
+    beta2: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coefficients: CoefficientSpec = "keller",
+    weight_decay: float = 0.0,
+    adjust_lr: str = "original",
+    eps: float = 1e-10,
+    ns_eps: float = 1e-7,
+    ns_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """NorMuon (Li et al., 2025, "NorMuon: Making Muon more efficient and scalable").
+
+    The named chain::
+
+        "momentum"       momentum(momentum, nesterov)
+        "orthogonalize"  newton_schulz(ns_steps, ns_coefficients, ns_eps, ns_dtype)
+        "row_normalize"  row_normalize(beta2, eps)      per-row RMS equalised, ||.||_F kept
+        "scale_by_shape" scale_by_shape(adjust_lr)
+        "weight_decay"   decoupled_decay(weight_decay)
+        "lr"             scale_by_learning_rate(lr)
+
+    Defaults follow the authors' reference ``NorMuon`` optimizer (lr 0.02, momentum and
+    beta2 0.95, Nesterov, eps 1e-10, no weight decay, Keller's shape scale). Muon's
+    orthogonalised update can leave rows (neurons) with very different magnitudes;
+    NorMuon divides each row by the EMA of its RMS and rescales to the orthogonalised
+    update's Frobenius norm. ``adjust_lr="match_rms_adamw"`` gives the paper's
+    ``0.2``-RMS variant with AdamW-like learning rates.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> tx = mfx.normuon(lr=0.02, beta2=0.95)
+        >>> list(tx.init(TensorDict({"w": torch.zeros(4, 8)}, [])))
+        ['momentum', 'orthogonalize', 'row_normalize', 'scale_by_shape', 'weight_decay', 'lr']
+    """
+    return named_chain(
+        ("momentum", _momentum(momentum, nesterov=nesterov)),
+        ("orthogonalize", newton_schulz(ns_steps, ns_coefficients, eps=ns_eps, dtype=ns_dtype)),
+        ("row_normalize", row_normalize(beta2, eps)),
+        ("scale_by_shape", scale_by_shape(adjust_lr)),
+        ("weight_decay", decoupled_decay(weight_decay)),
+        ("lr", scale_by_learning_rate(lr)),
+    )
+
+
+# ---------------------------------------------------------------------------
+# cautious weight decay
+# ---------------------------------------------------------------------------
+
+
+def cautious_decay(weight_decay: float, mask: MaskSpec | None = None) -> GradientTransformation:
+    """Weight decay only where the update and the parameter agree in sign.
+
+    Formula (elementwise; needs ``params``)::
+
+        out = u + weight_decay * p * [sign(u) == sign(p)]
+
+    Cautious Weight Decay (Chen et al., 2025, arXiv 2510.12402): decay pulls a
+    coordinate towards zero only where the update already moves it that way
+    (``-lr * u`` shrinks ``|p|``), so it never fights the optimizer. The paper's
+    indicator is ``u * p >= 0``; here a zero update gets no decay either (a
+    parameter that received no gradient is left alone). Where the signs agree the
+    result is exactly :func:`~muonfx.decoupled_decay`'s ``u + wd * p``. Place it where
+    ``decoupled_decay`` goes (after any positive scaling, before the lr). ``mask``
+    limits decay to selected leaves, as in ``decoupled_decay``. Elementwise: runs on
+    DTensor shards.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> p = TensorDict({"w": torch.tensor([2.0, 2.0, -2.0, 2.0])}, [])
+        >>> u = TensorDict({"w": torch.tensor([1.0, -1.0, -1.0, 0.0])}, [])
+        >>> out, _ = mfx.cautious_decay(0.1).update(u, mfx.EmptyState(), p)
+        >>> [round(x, 6) for x in out["w"].tolist()]
+        [1.2, -1.0, -1.2, 0.0]
+    """
+    weight_decay = float(weight_decay)
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    if mask is not None:
+        return masked(cautious_decay(weight_decay), mask)
+
+    def init_fn(params):
+        return EmptyState()
+
+    def update_fn(updates, state, params=None):
+        keys, us = leaves(updates)
+        ps = aligned(params, keys, "params (needed by cautious_decay)")
+        if weight_decay == 0.0:
+            return updates, state
+        # gate = sign(p) * sign(u) in {-1, 0, 1} -> [signs agree and u != 0] -> p * gate,
+        # all in p's dtype, so the decay term is exactly wd * p where it applies
+        gated = foreach("sign", ps)
+        foreach("mul_", gated, foreach("sign", us))
+        foreach("clamp_min_", gated, 0.0)
+        foreach("mul_", gated, ps)
+        return build(keys, foreach("add", us, gated, alpha=weight_decay, reuse=True)), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def muon_cautious(
+    lr: ScalarOrSchedule = 0.02,
+    weight_decay: float = 0.01,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coefficients: CoefficientSpec = "keller",
+    adjust_lr: str = "original",
+    eps: float = 1e-7,
+    ns_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """Muon with Cautious Weight Decay (Chen et al., 2025).
+
+    :func:`~muonfx.muon`'s named chain with ``"weight_decay"`` =
+    :func:`cautious_decay`::
+
+        W <- W - lr * (s(A, B) * O + wd * W * [sign(O) == sign(W)]),   O = NS(M)
+
+    The paper reports CWD needs no retuning of ``weight_decay`` relative to decoupled
+    decay; the default 0.01 is a mild Muon setting.
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> tx = mfx.muon_cautious(lr=0.02, weight_decay=0.01)
+    """
+    return named_chain(
+        ("momentum", _momentum(momentum, nesterov=nesterov)),
+        ("orthogonalize", newton_schulz(ns_steps, ns_coefficients, eps=eps, dtype=ns_dtype)),
+        ("scale_by_shape", scale_by_shape(adjust_lr)),
+        ("weight_decay", cautious_decay(weight_decay)),
+        ("lr", scale_by_learning_rate(lr)),
+    )
+
+
+# ---------------------------------------------------------------------------
+# momentum warm-up
+# ---------------------------------------------------------------------------
+
+
+def momentum_warmup(start: float = 0.85, end: float = 0.95, steps: int = 300) -> linear:
+    """The momentum schedule ``start -> end`` linearly over ``steps``, then ``end``.
+
+    Formula: ``mu(t) = start + (end - start) * min(t / steps, 1)``; defaults from
+    nanochat / modded-nanogpt (0.85 -> 0.95 over the first 300 steps).
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> s = mfx.momentum_warmup()
+        >>> [round(s(t), 6) for t in (0, 150, 300, 1000)]
+        [0.85, 0.9, 0.95, 0.95]
+    """
+    return linear(start, end, steps)
+
+
+def muon_with_momentum_warmup(
+    lr: ScalarOrSchedule = 0.02,
+    momentum_start: float = 0.85,
+    momentum_end: float = 0.95,
+    warmup_steps: int = 300,
+    **muon_kwargs,
+) -> GradientTransformation:
+    """Muon whose momentum warms up (nanochat / modded-nanogpt).
+
+    ``inject_hyperparams(muon)(lr=lr, momentum=momentum_warmup(start, end, steps), **muon_kwargs)``:
+    the state is an :class:`~muonfx.InjectHyperparamsState`; ``state.hyperparams["momentum"]``
+    is the value used by the last update (``momentum_start`` right after ``init``).
+    ``muon_kwargs`` are :func:`~muonfx.muon`'s other arguments.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> tx = mfx.muon_with_momentum_warmup(lr=0.02)
+        >>> tx.init(TensorDict({"w": torch.zeros(4, 4)}, [])).hyperparams["momentum"]
+        0.85
+    """
+    return inject_hyperparams(muon)(
+        lr=lr, momentum=momentum_warmup(momentum_start, momentum_end, warmup_steps), **muon_kwargs)
+
+
+# ---------------------------------------------------------------------------
+# blocks of a matrix (fused QKV, per head)
+# ---------------------------------------------------------------------------
+
+
+def _check_split(split_sizes: SplitSizes, who: str) -> None:
+    if isinstance(split_sizes, bool) or not (
+        (isinstance(split_sizes, int) and split_sizes > 0)
+        or (isinstance(split_sizes, Sequence) and len(split_sizes) > 0
+            and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in split_sizes))
+    ):
+        raise ValueError(f"{who}: split_sizes must be a positive int (block size) or a non-empty "
+                         f"sequence of positive ints, got {split_sizes!r}")
+
+
+def _block_sizes(key: Key, length: int, split_sizes: SplitSizes, what: str, who: str) -> list[int]:
+    if isinstance(split_sizes, int):
+        if length % split_sizes:
+            raise ValueError(f"{who}: leaf {key_str(key)!r} has {length} {what}, not a multiple of "
+                             f"the block size {split_sizes}")
+        return [split_sizes] * (length // split_sizes)
+    if sum(split_sizes) != length:
+        raise ValueError(f"{who}: leaf {key_str(key)!r} has {length} {what}, but split_sizes "
+                         f"{list(split_sizes)} sum to {sum(split_sizes)}")
+    return list(split_sizes)
+
+
+def _placed_like(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Give ``out`` the DTensor placements of ``ref`` (duck-typed: no distributed import)."""
+    placements = getattr(ref, "placements", None)
+    if placements is not None and tuple(out.placements) != tuple(placements):
+        out = out.redistribute(ref.device_mesh, placements)
+    return out
+
+
+def blockwise(inner: GradientTransformation, split_sizes: SplitSizes, dim: int = 0) -> GradientTransformation:
+    """Run ``inner`` on blocks of each matrix, as if every block were its own parameter.
+
+    Each leaf's matrix view (2-D as is, 3-D ``[E, A, B]`` per matrix, 4-D+ as
+    ``[out, rest]``) is split along its rows (``dim=0``) or columns (``dim=1``) into
+    blocks of ``split_sizes`` (``torch.split``'s meaning: one block size that must divide
+    the dim, or a list of sizes that must sum to it). ``inner`` sees a TensorDict of
+    the blocks, keyed ``(*key, "block<i>")``, and its outputs are concatenated back::
+
+        out = cat([inner(U_1), ..., inner(U_k)], dim)
+
+    The state is ``inner``'s state over the blocks. Same-shape blocks are batched by the
+    matrix transforms inside (one batched Newton-Schulz for all heads of all layers).
+    On DTensors, blocks along a sharded dim are gathered first (correct, not fast);
+    the output gets the input's placements back.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> g = TensorDict({"qkv": torch.randn(12, 4)}, [])
+        >>> tx = mfx.blockwise(mfx.scale_by_shape("match_rms_adamw"), 4)   # three 4 x 4 blocks
+        >>> out, _ = tx.update(g, tx.init(g))
+        >>> torch.allclose(out["qkv"], 0.4 * g["qkv"])
+        True
+    """
+    _check_split(split_sizes, "blockwise")
+    if dim not in (0, 1, -1, -2):
+        raise ValueError(f"blockwise: dim must be 0 (rows) or 1 (columns) of the matrix view, got {dim!r}")
+    row_or_col = dim % 2
+
+    def split(keys: list[Key], tensors: list[torch.Tensor]):
+        block_keys, blocks, counts = [], [], []
+        for k, t in zip(keys, tensors):
+            matrix_dims(k, t, "blockwise")  # validates ndim >= 2
+            view = t if t.ndim <= 3 else t.flatten(1)
+            axis = view.ndim - 2 + row_or_col
+            sizes = _block_sizes(k, view.shape[axis], split_sizes, ("rows", "columns")[row_or_col],
+                                 "blockwise")
+            parts = view.split(sizes, dim=axis)
+            block_keys.extend(k + (f"block{i}",) for i in range(len(parts)))
+            blocks.extend(parts)
+            counts.append(len(parts))
+        return block_keys, blocks, counts
+
+    def init_fn(params):
+        keys, ps = leaves(params, "params")
+        bkeys, bps, _ = split(keys, ps)
+        return inner.init(build(bkeys, bps))
+
+    def update_fn(updates, state, params=None):
+        keys, us = leaves(updates)
+        bkeys, bus, counts = split(keys, us)
+        bparams = None
+        if params is not None:
+            bparams = build(bkeys, split(keys, aligned(params, keys, "params"))[1])
+        new, state = inner.update(build(bkeys, bus), state, bparams)
+        outs, i = [], 0
+        for u, n in zip(us, counts):
+            view_ndim = min(u.ndim, 3)
+            pieces = [new.get(bkeys[j]) for j in range(i, i + n)]
+            i += n
+            out = torch.cat(pieces, dim=view_ndim - 2 + row_or_col).reshape(u.shape)
+            outs.append(_placed_like(out, u))
+        mark_fresh(outs)  # new tensors: later transforms may scale them in place
+        return build(keys, outs), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def split_newton_schulz(split_sizes: SplitSizes, dim: int = 0, **ns_kwargs) -> GradientTransformation:
+    """Newton-Schulz on blocks of each matrix: ``blockwise(newton_schulz(**ns_kwargs), split_sizes, dim)``.
+
+    For a fused QKV weight ``[3d, d]``, ``split_sizes=d`` orthogonalises q, k and v
+    separately; ``split_sizes=head_dim`` orthogonalises every head. Each block goes
+    to :func:`muonfx.seam.map_matrices` as its own ``[1, m_i, n]`` stack, so all
+    same-shape blocks (of all layers) run as one batch. ``ns_kwargs`` are
+    :func:`~muonfx.newton_schulz`'s (``steps``, ``coefficients``, ``eps``, ...).
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> g = TensorDict({"qkv": torch.randn(24, 8)}, [])
+        >>> out, _ = mfx.split_newton_schulz(8).update(g, mfx.EmptyState())
+        >>> [round(torch.linalg.svdvals(b).max().item(), 1) < 1.2 for b in out["qkv"].split(8)]
+        [True, True, True]
+    """
+    return blockwise(newton_schulz(**ns_kwargs), split_sizes, dim)
+
+
+def muon_per_head(
+    split_sizes: SplitSizes,
+    qkv_pattern: str = r"qkv|c_attn",
+    dim: int = 0,
+    lr: ScalarOrSchedule = 0.02,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    ns_coefficients: CoefficientSpec = "keller",
+    weight_decay: float = 0.0,
+    adjust_lr: str = "original",
+    eps: float = 1e-7,
+    ns_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """Muon that orthogonalises fused attention weights block by block (q/k/v or per head).
+
+    The named chain::
+
+        "momentum"       momentum(momentum, nesterov)
+        "orthogonalize"  partition({
+                             "blocks": blockwise(chain(newton_schulz, scale_by_shape(adjust_lr)),
+                                                 split_sizes, dim),
+                             "whole":  chain(newton_schulz, scale_by_shape(adjust_lr))},
+                           labels: "blocks" where re.search(qkv_pattern, dotted key))
+        "weight_decay"   decoupled_decay(weight_decay)
+        "lr"             scale_by_learning_rate(lr)
+
+    Keys matching ``qkv_pattern`` (GPT-2's ``c_attn``, ``qkv``) are split along
+    ``dim`` (``torch.split`` sizes) and each block is orthogonalised *and shape-scaled*
+    as its own matrix, so a fused ``[3d, d]`` QKV weight moves exactly like separate
+    ``q``, ``k``, ``v`` weights under :func:`~muonfx.muon`. Other matrices get plain
+    Muon. Give it matrices only, as ``muon``.
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> tx = mfx.muon_per_head(split_sizes=64, qkv_pattern=r"attn\\.c_attn")
+    """
+    pattern = re.compile(qkv_pattern)
+
+    def ns_and_scale():
+        return chain(newton_schulz(ns_steps, ns_coefficients, eps=eps, dtype=ns_dtype),
+                     scale_by_shape(adjust_lr))
+
+    return named_chain(
+        ("momentum", _momentum(momentum, nesterov=nesterov)),
+        ("orthogonalize", partition(
+            {"blocks": blockwise(ns_and_scale(), split_sizes, dim), "whole": ns_and_scale()},
+            lambda key, t: "blocks" if pattern.search(key) else "whole")),
+        ("weight_decay", decoupled_decay(weight_decay)),
+        ("lr", scale_by_learning_rate(lr)),
+    )
