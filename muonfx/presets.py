@@ -32,6 +32,7 @@ def muon(
     eps: float = 1e-7,
     ns_dtype: torch.dtype | None = None,
     ns_method: str = "standard",
+    mu_dtype: torch.dtype | None = None,
 ) -> GradientTransformation:
     """Muon for matrix parameters (2-D, 3-D expert stacks, conv weights).
 
@@ -47,6 +48,8 @@ def muon(
     computes in bfloat16 on CUDA and float32 elsewhere; pass ``torch.bfloat16`` to
     reproduce torch.optim.Muon exactly. ``ns_method="auto"`` takes the cheaper
     Gram-matrix iteration for rectangular float32 matrices (see :func:`newton_schulz`).
+    State: one momentum buffer per matrix, in ``mu_dtype`` (e.g. ``torch.bfloat16`` to
+    halve it) or the parameter's dtype.
 
     Example::
 
@@ -54,7 +57,7 @@ def muon(
         >>> tx = mfx.muon(lr=0.02, weight_decay=0.01)
     """
     return named_chain(
-        ("momentum", _momentum(momentum, nesterov=nesterov)),
+        ("momentum", _momentum(momentum, nesterov=nesterov, mu_dtype=mu_dtype)),
         ("orthogonalize", newton_schulz(ns_steps, ns_coefficients, eps=eps, dtype=ns_dtype, method=ns_method)),
         ("scale_by_shape", scale_by_shape("original" if adjust_lr is None else adjust_lr)),
         ("weight_decay", decoupled_decay(weight_decay)),
