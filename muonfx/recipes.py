@@ -92,9 +92,10 @@ def moonlight(
     """
     return partition(
         {
-            "muon": muon(lr, momentum, nesterov, ns_steps, ns_coefficients, weight_decay,
-                         "match_rms_adamw", ns_eps, ns_dtype),
-            "adamw": adamw(lr, betas, eps, weight_decay),
+            "muon": muon(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                         ns_coefficients=ns_coefficients, weight_decay=weight_decay,
+                         adjust_lr="match_rms_adamw", eps=ns_eps, ns_dtype=ns_dtype),
+            "adamw": adamw(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
         },
         labels or default_muon_labels,
     )
