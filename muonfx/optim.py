@@ -168,8 +168,15 @@ class TransformOptimizer(torch.optim.Optimizer):
         if own:
             for name, value in _factory_defaults(factory).items():
                 param_group.setdefault(name, value)
+        given = set(param_group)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        if own:
+            # torch filled in the default transform's hyperparameters; drop the ones this
+            # group's transform does not take, so param_groups show what really runs
+            sig = inspect.signature(factory).parameters
+            for name in [n for n in group if n not in given and n not in sig and n not in _ADAPTER_KEYS]:
+                del group[name]
         start = sum(len(g["params"]) for g in self.param_groups[:-1])
         names = group.get("param_names") or [f"param{start + i}" for i in range(len(group["params"]))]
         keys = [tuple(str(n).split(".")) for n in names]
