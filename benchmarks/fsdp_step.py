@@ -187,7 +187,7 @@ def bench(args) -> None:
         base = results["muonfx"][0]
         for name, (t, b, c) in results.items():
             c_s = "-" if c is None else f"{c:.0f}"
-            note = " (>= gather-all)" if name == "torch.optim.Muon" else ""
+            note = " (estimate: one bf16 all-gather)" if name == "torch.optim.Muon" else ""
             print(f"{name:<18} {t * 1e3:9.1f} {b / 1e6:13.2f} {c_s:>12} {base / t:14.2f}{note}")
 
 

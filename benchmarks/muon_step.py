@@ -11,8 +11,8 @@ Matrix sets (one parameter per matrix for torch; torch.optim.Muon takes 2-D only
   as one 3-D parameter, torch needs one 2-D parameter per expert.
 
 Both optimizers get the same gradients; steps are timed in alternating rounds (median).
-muonfx runs its defaults for the device (float32 Newton-Schulz with the Gram form for
-rectangular matrices on CPU, bf16 on CUDA); torch.optim.Muon runs its bf16 NS.
+muonfx runs its defaults for the device (float32 Newton-Schulz on CPU, bf16 on CUDA) and,
+as extra rows, bf16 NS and the Gram iteration; torch.optim.Muon runs its bf16 NS.
 """
 
 from __future__ import annotations
@@ -48,12 +48,19 @@ def run(kind: str, layers: int, device: torch.device, repeats: int, warmup: int)
             q = torch.nn.Parameter(p.detach().clone())
             q.grad = p.grad.clone()
             torch_params.append(q)
-    ours = mfx.TransformOptimizer(list(mfx_params.items()), mfx.muon, lr=0.02, weight_decay=0.1)
-    theirs = torch.optim.Muon(torch_params, lr=0.02, weight_decay=0.1)
-    t = _common.interleaved({"muonfx": ours.step, "torch": theirs.step}, repeats, warmup, device)
+    variants = {"muonfx default": {}, "muonfx gram": {"ns_method": "auto"},
+                "muonfx bf16": {"ns_dtype": torch.bfloat16}}
+    fns = {}
+    for name, kw in variants.items():
+        copies = [(k, torch.nn.Parameter(p.detach().clone())) for k, p in mfx_params.items()]
+        for (_, c), p in zip(copies, mfx_params.values()):
+            c.grad = p.grad.clone()
+        fns[name] = mfx.TransformOptimizer(copies, mfx.muon, lr=0.02, weight_decay=0.1, **kw).step
+    fns["torch"] = torch.optim.Muon(torch_params, lr=0.02, weight_decay=0.1).step
+    t = _common.interleaved(fns, repeats, warmup, device)
     n = len(torch_params)
-    return [kind, f"{layers} layers, {n} matrices", f"{t['muonfx'] * 1e3:.0f}", f"{t['torch'] * 1e3:.0f}",
-            f"{t['muonfx'] / t['torch']:.2f}"]
+    return [[kind, f"{layers} layers, {n} matrices", name, f"{t[name] * 1e3:.0f}", f"{t['torch'] * 1e3:.0f}",
+             f"{t[name] / t['torch']:.2f}"] for name in variants]
 
 
 def main(argv=None) -> None:
@@ -65,9 +72,9 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    rows = [run(k, args.layers, device, args.repeats, args.warmup) for k in args.sets.split(",")]
+    rows = [r for k in args.sets.split(",") for r in run(k, args.layers, device, args.repeats, args.warmup)]
     print(f"\nMuon step, muonfx vs torch.optim.Muon ({_common.machine()})")
-    print(_common.table(["set", "matrices", "muonfx ms", "torch ms", "muonfx/torch"], rows))
+    print(_common.table(["set", "matrices", "muonfx variant", "muonfx ms", "torch ms", "muonfx/torch"], rows))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Union
 import torch
 from tensordict import TensorDictBase
 
-from .base import GradientTransformation, Key, aligned, build, donating, foreach, key_str, tree_tensors
+from .base import GradientTransformation, Key, aligned, build, donating, foreach, key_str, protect_state, tree_tensors
 from .state_tree import flatten_per_param, merge, restrict, unflatten_per_param
 from .wrappers import InjectHyperparamsState, _is_injectable, inject_hyperparams
 
@@ -45,6 +45,7 @@ def lr_multiplier(tx: GradientTransformation) -> Callable[..., GradientTransform
             out, state = tx.update(updates, state, params)
             if lr == 1.0:
                 return out, state
+            protect_state(state)  # the output may be part of the state (plain momentum)
             keys = [k if isinstance(k, tuple) else (k,) for k in out.keys(include_nested=True, leaves_only=True)]
             return build(keys, foreach("mul", [out.get(k) for k in keys], float(lr), reuse=True)), state
 

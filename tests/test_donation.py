@@ -106,3 +106,18 @@ def test_functional_update_stays_pure():
     tx.update(g, s, p)
     for a, b in zip(copies, (p, g, s["adam"].mu, s["adam"].nu)):
         assert (a == b).all()
+
+
+def test_lr_multiplier_does_not_scale_state_that_is_also_the_output():
+    """Plain momentum returns its new state as the update; the adapter's lr multiplier
+    must not scale that buffer in place (found by the law tests' review)."""
+    results = []
+    for donate in (True, False):
+        w = torch.nn.Parameter(torch.zeros(3))
+        opt = mfx.TransformOptimizer([("w", w)], mfx.momentum(0.9), lr=0.5)
+        opt.donate_buffers = donate
+        for _ in range(3):
+            w.grad = torch.ones(3)
+            opt.step()
+        results.append(w.detach().clone())
+    assert torch.equal(results[0], results[1])
