@@ -5,13 +5,18 @@
   blocks that must not run.
 * The docstring examples of every muonfx module pass under ``doctest``.
 * docs/api.md has a section for every public name, and mkdocs.yml lists every page.
+* The site builds with ``mkdocs build --strict`` (no broken links or anchors).
 """
 
 from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.util
+import os
 import re
+import subprocess
+import sys
 import textwrap
 import traceback
 from pathlib import Path
@@ -189,3 +194,18 @@ def test_mkdocs_nav_lists_every_page():
     pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
     assert pages <= in_nav, f"pages missing from mkdocs.yml nav: {sorted(pages - in_nav)}"
     assert in_nav <= pages, f"mkdocs.yml nav names missing pages: {sorted(in_nav - pages)}"
+
+
+def test_mkdocs_build_strict(tmp_path):
+    """The site builds with --strict: every page in the nav, no broken links or anchors."""
+    if importlib.util.find_spec("mkdocs") is None:
+        if os.environ.get("CI"):
+            pytest.fail("mkdocs is not installed: pip install -e '.[dev]'")
+        pytest.skip("mkdocs is not installed (pip install -e '.[dev]')")
+    site = tmp_path / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
+    assert (site / "index.html").exists()
