@@ -56,7 +56,7 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--amp", choices=["auto", "bf16", "off"],
                    help="bf16 autocast: auto = on CUDA only (default)")
     g.add_argument("--threads", type=int, metavar="N",
-                   help="torch CPU threads (default 0: torch's choice; on a busy machine 1 is often much faster)")
+                   help="torch CPU threads (default 0: torch's choice less the cores the load average says are busy)")
     g.add_argument("--eval-every", type=int, metavar="N", help=f"validation loss every N steps and at the end "
                                                                 f"(default {d['eval_every']})")
     g.add_argument("--eval-batches", type=int, metavar="N", help=f"validation batches per evaluation, always the same ones "

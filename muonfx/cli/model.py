@@ -11,6 +11,10 @@ default; ~0.8M parameters with the 166-character vocabulary); ``small`` 6 layers
 d=256, 8 heads, context 256; ``gpt2`` the GPT-2 124M configuration (12 layers,
 d=768, 12 heads, context 1024, biases, tied embedding/head) for real hardware. With
 a character vocabulary instead of GPT-2's 50257 tokens it has ~86M parameters.
+
+tiny and small use PyTorch's default initialisation (as ``examples/fsdp_muon.py``;
+on the stdlib corpus it trains AdamW markedly faster in 600 steps than GPT-2's
+N(0, 0.02) init: val 1.80 against 2.10, while Muon barely cares); gpt2 uses GPT-2's.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class GPTConfig:
     context: int
     bias: bool = False
     tie_weights: bool = False
+    init: str = "torch"  # "torch": PyTorch's default init; "gpt2": N(0, 0.02), scaled residual projections
     vocab: int = 256
 
     def to_dict(self) -> dict:
@@ -42,7 +47,7 @@ class GPTConfig:
 MODELS = {
     "tiny": GPTConfig(layers=4, d=128, heads=4, context=128),
     "small": GPTConfig(layers=6, d=256, heads=8, context=256),
-    "gpt2": GPTConfig(layers=12, d=768, heads=12, context=1024, bias=True, tie_weights=True),
+    "gpt2": GPTConfig(layers=12, d=768, heads=12, context=1024, bias=True, tie_weights=True, init="gpt2"),
 }
 
 
@@ -107,7 +112,12 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d, cfg.vocab, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight
-        # GPT-2's initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers)
+        if cfg.init == "gpt2":
+            self._gpt2_init()
+
+    def _gpt2_init(self) -> None:
+        """GPT-2's initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers)."""
+        cfg = self.cfg
         for name, p in self.named_parameters():
             if p.ndim >= 2:
                 std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith("c_proj.weight") else 0.02

@@ -72,17 +72,20 @@ def plot_losses(runs: dict, path: Path, title: str) -> str:
         return "matplotlib is not installed: loss.png has curves but no labels (pip install matplotlib)"
     fig = Figure(figsize=(8, 5), dpi=100)
     ax = fig.subplots()
+    lows = []
     for i, (name, rec) in enumerate(runs.items()):
         c = tuple(v / 255 for v in COLORS[i % len(COLORS)])
         tr = rec["train_curve"]
         if tr:
-            ax.plot([s for s, _ in tr], _smooth([v for _, v in tr], 20), color=c, alpha=0.3, lw=1)
+            smooth = _smooth([v for _, v in tr], 20)
+            lows.append(min(smooth))
+            ax.plot([s for s, _ in tr], smooth, color=c, alpha=0.3, lw=1)
         va = rec["val_curve"]
         ax.plot([s for s, _ in va], [v for _, v in va], color=c, marker="o", ms=3, lw=2,
                 label=f"{name} (val {rec['final_val_loss']:.3f})")
     vals = [v for rec in runs.values() for _, v in rec["val_curve"][1:]]
     if vals:
-        ax.set_ylim(min(vals) - 0.1, max(vals) + 0.5)
+        ax.set_ylim(min(vals + lows) - 0.05, max(vals) + 0.5)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (val: solid, train: faint)")
     ax.set_title(title, fontsize=10)

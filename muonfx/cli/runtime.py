@@ -34,10 +34,24 @@ class Runtime:
         return t / self.world
 
 
+def auto_threads() -> int:
+    """torch's thread count, less the cores other processes keep busy (1-minute load average).
+
+    On a busy machine oversubscribed OpenMP threads make small models several times slower
+    than one thread does; on a quiet one this is torch's own choice.
+    """
+    n = torch.get_num_threads()
+    try:
+        cores = len(os.sched_getaffinity(0))
+        free = cores - os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return n
+    return max(1, min(n, int(free + 0.5)))
+
+
 def setup(device: str, fsdp: bool, threads: int, amp: str) -> Runtime:
-    if threads:
-        torch.set_num_threads(threads)
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    torch.set_num_threads(threads or (torch.get_num_threads() if cuda else auto_threads()))
     if cuda:
         torch.set_float32_matmul_precision("high")  # TF32 for the float32 matmuls outside autocast
     if not fsdp:

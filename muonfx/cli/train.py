@@ -111,6 +111,7 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
                           for g in groups)
         say(f"[{name}] {args.model}: {n_params / 1e6:.2f}M parameters, {cfg.layers}x{cfg.d}, {cfg.heads} heads, "
             f"context {T}; batch {B}; {args.steps} steps on {rt.device}"
+            f"{f' ({torch.get_num_threads()} thread(s))' if rt.device.type == 'cpu' else ''}"
             f"{f' x{rt.world} ranks (FSDP2, {rt.backend})' if rt.fsdp else ''}; {split}")
         v = evaluate(model, corpus, args.eval_batches, B, T, rt)
         history["val"].append([0, v])
@@ -119,6 +120,7 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
         say(f"[{name}] resumed at step {start} of {args.steps}")
     model.train()
     t0 = time.perf_counter()
+    eval_seconds = 0.0
     step = start
     pending: list[torch.Tensor] = []
     sync_every = 1 if rt.device.type == "cpu" else 10
@@ -150,7 +152,9 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
                     break
                 log.update(step, losses[-1], len(losses) * B * T)
             if step % args.eval_every == 0 or step == args.steps:
+                te = time.perf_counter()
                 v = evaluate(model, corpus, args.eval_batches, B, T, rt)
+                eval_seconds += time.perf_counter() - te
                 history["val"].append([step, v])
                 say(f"[{name}] step {step:5d} | train {history['train'][-1][1]:.4f} | val {v:.4f} | "
                     f"lr x{sched.get_last_lr()[0] / opt.param_groups[0]['initial_lr']:.3f} | "
@@ -162,6 +166,7 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
         raise
     log.close()
     seconds = time.perf_counter() - t0
+    train_seconds = max(seconds - eval_seconds, 1e-9)
     if step == stop:
         save()
     trained = step - start
@@ -170,7 +175,8 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
         "params": n_params, "steps": step, "schedule_steps": args.steps,
         "final_train_loss": history["train"][-1][1] if history["train"] else None,
         "final_val_loss": history["val"][-1][1] if history["val"] else None,
-        "seconds": round(seconds, 2), "tokens_per_s": round(trained * B * T / seconds, 1) if seconds > 0 else None,
+        "seconds": round(seconds, 2), "eval_seconds": round(eval_seconds, 2),
+        "tokens_per_s": round(trained * B * T / train_seconds, 1),  # training steps only, evaluations excluded
         "val_curve": history["val"], "train_curve": history["train"],
     }
     say(f"[{name}] done: {trained} steps in {format_time(seconds)}; final train {rec['final_train_loss']:.4f}, "
