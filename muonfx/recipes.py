@@ -388,7 +388,7 @@ def blockwise(inner: GradientTransformation, split_sizes: SplitSizes, dim: int =
         new, state = inner.update(build(bkeys, bus), state, bparams)
         outs, i = [], 0
         for u, n in zip(us, counts):
-            view_ndim = min(u.ndim, 3)
+            view_ndim = u.ndim if u.ndim <= 3 else 2  # the split view: 4-D+ leaves are [out, in*kh*kw]
             pieces = [new.get(bkeys[j]) for j in range(i, i + n)]
             i += n
             out = torch.cat(pieces, dim=view_ndim - 2 + row_or_col).reshape(u.shape)
