@@ -179,7 +179,7 @@ def test_compare_writes_a_png_and_a_json(env, tmp_path):
     assert cmp["baseline"] == "adamw" and cmp["target_val_loss"] == s["runs"]["adamw"]["final_val_loss"]
     assert set(cmp["steps_to_reach"]) == {"muon_adamw", "adamw"}
     assert s["runs"]["adamw"]["param_groups"] == [
-        {"tx": "adamw", "lr": 3e-3, "tensors": 28, "params": s["runs"]["adamw"]["params"]}]
+        {"tx": "adamw", "lr": 1e-2, "tensors": 28, "params": s["runs"]["adamw"]["params"]}]
     assert "adamw's final val loss" in text
 
 

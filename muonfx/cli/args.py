@@ -36,9 +36,10 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "gpt2: the GPT-2 124M configuration 12x768, ctx 1024 (GPUs)")
     g.add_argument("--steps", type=int, metavar="N", help=f"optimizer steps, the schedule's length (default {d['steps']})")
     g.add_argument("--lr", type=float, help="learning rate of --optimizer: Muon's for muon presets (default 0.02); "
-                                            "AdamW's for --optimizer adamw (default: --adamw-lr)")
-    g.add_argument("--adamw-lr", type=float, help=f"AdamW lr: embeddings, head, norms with muon presets; the "
-                                                  f"--compare adamw baseline (default {d['adamw_lr']})")
+                                            "AdamW's for --optimizer adamw and the --compare adamw baseline "
+                                            "(default 0.01, the best of a small sweep)")
+    g.add_argument("--adamw-lr", type=float, help=f"AdamW lr of the hybrids' embeddings, head, norms and biases "
+                                                  f"(default {d['adamw_lr']})")
     g.add_argument("--weight-decay", type=float, help=f"AdamW weight decay (default {d['weight_decay']}); Muon uses none")
     g.add_argument("--batch-size", type=int, metavar="B",
                    help=f"sequences per step, all ranks together (default {d['batch_size']})")
