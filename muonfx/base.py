@@ -41,6 +41,7 @@ __all__ = [
     "protect",
     "mark_fresh",
     "protect_state",
+    "may_overwrite",
     "tree_tensors",
 ]
 
@@ -245,6 +246,11 @@ def _is_writable(t: torch.Tensor) -> bool:
 
 
 _REUSE_DTYPES = (torch.float32, torch.float64)
+
+
+def may_overwrite(t: torch.Tensor) -> bool:
+    """True inside :func:`donating` when ``t`` may be overwritten with a result of its dtype."""
+    return _DONATION.writable is not None and t.dtype in _REUSE_DTYPES and _is_writable(t)
 
 
 def _may_reuse(lists: Sequence[Any]) -> bool:

@@ -134,6 +134,10 @@ class TransformOptimizer(torch.optim.Optimizer):
         #: reuse the previous state's buffers in place after the first step (set False
         #: to allocate fresh state every step, e.g. to keep references to old state)
         self.donate_buffers = True
+        #: also let the transforms compute the update in the gradient buffers (p.grad then
+        #: holds garbage after step(); zero_grad(set_to_none=True) discards it). With Muon
+        #: the step's extra memory is then one same-shape group's, not a copy of the model.
+        self.donate_grads = False
         if isinstance(params, torch.Tensor):
             raise TypeError("params must be an iterable of tensors, (name, tensor) pairs or dicts, not a Tensor")
         params = list(params)
@@ -304,7 +308,8 @@ class TransformOptimizer(torch.optim.Optimizer):
         # nothing changed), the old state is donated: transforms overwrite its buffers
         # instead of allocating a fresh copy of every tensor each step.
         donate = self._donate[gi] and self._compile_kwargs is None
-        ctx = donating(tree_tensors(sub)) if donate else contextlib.nullcontext()
+        donated = list(tree_tensors(sub)) + (list(grads) if self.donate_grads else [])
+        ctx = donating(donated) if donate else contextlib.nullcontext()
         with ctx:
             upd, new_sub = update(build(keys, grads), sub, build(keys, params))
         new_state = merge(state, new_sub) if partial else new_sub

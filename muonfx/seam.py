@@ -65,11 +65,15 @@ def _split_by_backend(tensors: Sequence[torch.Tensor]):
     return list(groups.values())
 
 
-def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor],
+                       overwrite: Sequence[bool] | None = None) -> list[torch.Tensor]:
     """Batch same-shape stacks into one call of ``fn`` each; results in input order.
 
     A group with a single stack is passed as it is (no copy). Larger groups are
-    concatenated along dim 0, transformed once, and split back into views.
+    concatenated along dim 0, transformed once, and split back into views. Where
+    ``overwrite[i]`` is true the result is copied into ``stacks[i]`` as soon as its group
+    is done (and ``stacks[i]`` returned), so the extra memory is one group's, not the
+    model's.
     """
     out: list[torch.Tensor | None] = [None] * len(stacks)
     groups: dict[tuple, list[int]] = {}
@@ -79,28 +83,37 @@ def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor]) -> list[tor
         groups.setdefault((tuple(s.shape[1:]), s.dtype, s.device), []).append(i)
     for idx in groups.values():
         if len(idx) == 1:
-            out[idx[0]] = fn(stacks[idx[0]])
-            continue
-        batch = torch.cat([stacks[i] for i in idx], dim=0)
-        res = fn(batch)
-        for i, piece in zip(idx, res.split([stacks[i].shape[0] for i in idx], dim=0)):
-            out[i] = piece
+            pieces = [fn(stacks[idx[0]])]
+        else:
+            res = fn(torch.cat([stacks[i] for i in idx], dim=0))
+            pieces = list(res.split([stacks[i].shape[0] for i in idx], dim=0))
+        for i, piece in zip(idx, pieces):
+            if overwrite is not None and overwrite[i] and piece.dtype == stacks[i].dtype:
+                out[i] = stacks[i].copy_(piece)
+            else:
+                out[i] = piece
+        del pieces
     return out  # type: ignore[return-value]
 
 
-def map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor],
+                 overwrite: Sequence[bool] | None = None) -> list[torch.Tensor]:
     """Apply the matrix function ``fn`` to each ``[k, m, n]`` stack in ``stacks``.
 
     ``fn`` must treat the matrices of a batch independently: ``fn(cat(a, b)) ==
     cat(fn(a), fn(b))``. Tensors claimed by a registered backend (e.g. DTensor
-    shards) are served by it; the rest are batched locally.
+    shards) are served by it; the rest are batched locally. ``overwrite[i]`` allows
+    writing the result into ``stacks[i]`` (local stacks only).
     """
     if not _BACKENDS:
-        return local_map_matrices(fn, stacks)
+        return local_map_matrices(fn, stacks, overwrite)
     out: list[torch.Tensor | None] = [None] * len(stacks)
     for backend, idx in _split_by_backend(stacks):
         sub = [stacks[i] for i in idx]
-        res = local_map_matrices(fn, sub) if backend is None else backend.map_matrices(fn, sub)
+        if backend is None:
+            res = local_map_matrices(fn, sub, None if overwrite is None else [overwrite[i] for i in idx])
+        else:
+            res = backend.map_matrices(fn, sub)
         for i, r in zip(idx, res):
             out[i] = r
     return out  # type: ignore[return-value]

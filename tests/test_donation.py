@@ -121,3 +121,43 @@ def test_lr_multiplier_does_not_scale_state_that_is_also_the_output():
             opt.step()
         results.append(w.detach().clone())
     assert torch.equal(results[0], results[1])
+
+
+def test_donated_grads_carry_the_whole_muon_update_in_place():
+    """With the state and the gradients donated, every transform of Muon works in the
+    gradient buffers (Newton-Schulz writes each same-shape group back as it finishes):
+    the returned updates are the gradient tensors, with the pure result's values."""
+    gen = torch.Generator().manual_seed(5)
+    params = TensorDict({"a": torch.randn(16, 8, generator=gen), "b": torch.randn(16, 8, generator=gen),
+                         "c": torch.randn(3, 6, 10, generator=gen)}, [])
+    grads = params.apply(lambda t: torch.randn(t.shape, generator=gen))
+    tx = mfx.muon(lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
+    state = tx.init(params)
+    want, want_state = tx.update(grads, state, params)
+    donated_grads = grads.clone()
+    donated_state = tx.init(params)
+    with donating(list(donated_grads.values(True, True)) + list(donated_state["momentum"].mu.values(True, True))):
+        got, got_state = tx.update(donated_grads, donated_state, params)
+    for k in ("a", "b", "c"):
+        assert got[k].data_ptr() == donated_grads[k].data_ptr()
+        assert torch.equal(got[k], want[k])
+        assert torch.equal(got_state["momentum"].mu[k], want_state["momentum"].mu[k])
+
+
+@pytest.mark.parametrize("make, shapes", [
+    (lambda: mfx.muon(lr=0.02, weight_decay=0.1, ns_dtype=torch.float32), ((8, 4), (6, 6), (8, 4))),
+    (lambda: mfx.muon(lr=0.02, nesterov=False, ns_dtype=torch.float32), ((8, 4), (6, 6), (2, 3, 4))),
+    (lambda: mfx.muon_adamw(lr=0.02, ns_dtype=torch.float32), ((8, 4), (6, 6), (5,))),
+])
+def test_donate_grads_gives_the_same_training(make, shapes):
+    results = []
+    for donate_grads in (True, False):
+        opt, named = _opt(make(), shapes=shapes)
+        opt.donate_grads = donate_grads
+        gen = torch.Generator().manual_seed(6)
+        for _ in range(4):
+            _grads(named, gen)
+            opt.step()
+        results.append([p.detach().clone() for _, p in named])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -7,7 +7,7 @@ from functools import partial
 import torch
 
 from .. import seam
-from ..base import EmptyState, GradientTransformation, build, leaves, mark_fresh
+from ..base import EmptyState, GradientTransformation, build, leaves, mark_fresh, may_overwrite
 from ..linalg import CoefficientSpec, newton_schulz_batched, resolve
 from ._matrix import as_stack
 
@@ -72,7 +72,10 @@ def newton_schulz(
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
         stacks = [as_stack(k, g, "newton_schulz") for k, g in zip(keys, gs)]
-        outs = [o.reshape(g.shape) for o, g in zip(seam.map_matrices(fn, stacks), gs)]
+        # inside an adapter's donating block, results go straight into their (scratch)
+        # input buffers, group by group: the step's extra memory is one group's
+        overwrite = [may_overwrite(g) for g in gs]
+        outs = [o.reshape(g.shape) for o, g in zip(seam.map_matrices(fn, stacks, overwrite), gs)]
         mark_fresh(outs)  # new tensors: later transforms may scale them in place
         return build(keys, outs), state
 
