@@ -232,9 +232,9 @@ def test_split_newton_schulz_batches_same_shape_blocks(monkeypatch):
     calls = []
     real = seam.map_matrices
 
-    def spy(fn, stacks):
+    def spy(fn, stacks, *args, **kwargs):
         calls.append([tuple(s.shape) for s in stacks])
-        return real(fn, stacks)
+        return real(fn, stacks, *args, **kwargs)
 
     monkeypatch.setattr(seam, "map_matrices", spy)
     g = td(a=torch.randn(12, 4), b=torch.randn(8, 4), experts=torch.randn(2, 8, 4))
