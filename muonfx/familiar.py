@@ -11,7 +11,22 @@ from .linalg import CoefficientSpec
 from .optim import TransformOptimizer
 from .presets import adamw, default_muon_labels, muon
 
-__all__ = ["MuonOptimizer", "create_hybrid_optimizer"]
+__all__ = ["MuonOptimizer", "create_hybrid_optimizer", "model_labels"]
+
+
+def model_labels(model: torch.nn.Module) -> Callable[[str, torch.Tensor], Hashable]:
+    """A label function for ``model``: ``"adamw"`` for the parameters of its
+    ``nn.Embedding``/``nn.EmbeddingBag`` modules (whatever their names), otherwise
+    :func:`muonfx.default_muon_labels` (0-D/1-D tensors and embedding/head names)."""
+    embedding_params = {
+        id(p) for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+        for p in m.parameters(recurse=False)
+    }
+
+    def labels(name: str, p: torch.Tensor) -> Hashable:
+        return "adamw" if id(p) in embedding_params else default_muon_labels(name, p)
+
+    return labels
 
 
 class MuonOptimizer(TransformOptimizer):
@@ -93,15 +108,7 @@ def create_hybrid_optimizer(
         >>> [len(g["params"]) for g in opt.param_groups]
         [2, 3]
     """
-    embedding_params = {
-        id(p) for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
-        for p in m.parameters(recurse=False)
-    }
-
-    def by_module_and_name(name: str, p: torch.Tensor) -> Hashable:
-        return "adamw" if id(p) in embedding_params else default_muon_labels(name, p)
-
-    label_fn = labels or by_module_and_name
+    label_fn = labels or model_labels(model)
     groups: dict[str, list] = {"muon": [], "adamw": []}
     for name, p in model.named_parameters():
         if not p.requires_grad:

@@ -533,3 +533,16 @@ def test_other_learning_rates_follow_lr_under_a_scheduler():
         p.grad = torch.zeros_like(p)
     opt.step()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_embeddings_go_to_adamw_by_module_type_whatever_their_name():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(10, 8)      # a name the key patterns do not know
+            self.mix = nn.Linear(8, 8)
+
+    for build in (lambda m: mfx.create_hybrid_optimizer(m), lambda m: mfx.FSDPMuonOptimizer(m)):
+        opt = build(Model())
+        groups = {tuple(g["param_names"]) for g in opt.param_groups}
+        assert groups == {("mix.weight",), ("tok.weight", "mix.bias")}, groups

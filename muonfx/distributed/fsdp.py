@@ -10,7 +10,8 @@ import torch
 from ..base import GradientTransformation
 from ..combine import named_chain
 from ..optim import TransformOptimizer
-from ..presets import adamw, default_muon_labels
+from ..familiar import model_labels
+from ..presets import adamw
 from ..transforms import (decoupled_decay, momentum as _momentum, newton_schulz, row_normalize, scale,
                           scale_by_learning_rate, scale_by_shape)
 from ..wrappers import accumulate
@@ -87,7 +88,8 @@ def unshard(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 class FSDPMuonOptimizer(TransformOptimizer):
     """The predecessor's FSDP optimizer, as a :class:`muonfx.TransformOptimizer`.
 
-    Matrices (2-D and more, except embeddings and the output head) get
+    Matrices (2-D and more, except embeddings, found by module type or name, and the
+    output head) get
     :func:`fsdp_muon`; other parameters get AdamW (``adamw_lr``, ``adamw_betas``,
     ``adamw_weight_decay``). Works on ``fully_shard``-ed models, plain models and
     mixes; the matrix work is split across ranks by the DTensor seam backend.
@@ -132,8 +134,9 @@ class FSDPMuonOptimizer(TransformOptimizer):
             by_id = {id(p): n for n, p in model.named_parameters()}
             named = [(by_id.get(id(p), f"param{i}"), p) for i, p in enumerate(named)]
         named = [(n, p) for n, p in named if p.requires_grad]
-        muon_params = [(n, p) for n, p in named if default_muon_labels(n, p) == "muon"]
-        other = [(n, p) for n, p in named if default_muon_labels(n, p) != "muon"]
+        label = model_labels(model)
+        muon_params = [(n, p) for n, p in named if label(n, p) == "muon"]
+        other = [(n, p) for n, p in named if label(n, p) != "muon"]
         groups = []
         if muon_params:
             groups.append(dict(
