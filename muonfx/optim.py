@@ -13,11 +13,10 @@ import inspect
 from typing import Any, Callable, Iterable, Union
 
 import torch
-from tensordict import TensorDictBase
 
 from .base import GradientTransformation, Key, aligned, build, donating, foreach, key_str, protect_state, tree_tensors
 from .state_tree import flatten_per_param, merge, restrict, unflatten_per_param
-from .wrappers import InjectHyperparamsState, _is_injectable, inject_hyperparams
+from .wrappers import InjectHyperparamsState, inject_hyperparams, signature
 
 __all__ = ["TransformOptimizer", "lr_multiplier"]
 
@@ -60,14 +59,14 @@ _ADAPTER_KEYS = frozenset({"params", "param_names", "name", "sparse_grad", "init
 def _factory_defaults(factory: Callable[..., Any]) -> dict[str, Any]:
     """The factory's keyword defaults that can live in ``param_groups`` (and be saved)."""
     out = {}
-    for name, p in inspect.signature(factory).parameters.items():
+    for name, p in signature(factory).parameters.items():
         if p.default is not inspect.Parameter.empty and _serialisable(p.default):
             out[name] = p.default
     return out
 
 
 def _check_known(factory: Callable[..., Any], given: dict[str, Any], what: str) -> None:
-    sig = inspect.signature(factory)
+    sig = signature(factory)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
         return
     unknown = sorted(n for n in given if n not in sig.parameters and n not in _ADAPTER_KEYS)
@@ -179,7 +178,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         if own:
             # torch filled in the default transform's hyperparameters; drop the ones this
             # group's transform does not take, so param_groups show what really runs
-            sig = inspect.signature(factory).parameters
+            sig = signature(factory).parameters
             for name in [n for n in group if n not in given and n not in sig and n not in _ADAPTER_KEYS]:
                 del group[name]
         start = sum(len(g["params"]) for g in self.param_groups[:-1])
@@ -217,7 +216,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         scheduler (or DCP's lr=0 initialisation step) drives every part of the update.
         """
         group = self.param_groups[gi]
-        sig = inspect.signature(self._group_factories[gi])
+        sig = signature(self._group_factories[gi])
         hp = {n: group[n] for n in sig.parameters if n in group}
         base = self._base_lrs[gi]
         if "lr" in hp and isinstance(base, (int, float)) and base != 0:
@@ -228,8 +227,8 @@ class TransformOptimizer(torch.optim.Optimizer):
                         hp[n] = v * ratio
         return hp
 
-    def _transform(self, gi: int) -> GradientTransformation:
-        return inject_hyperparams(self._group_factories[gi])(**self._hparams(gi))
+    def _transform(self, gi: int, hp: dict[str, Any] | None = None) -> GradientTransformation:
+        return inject_hyperparams(self._group_factories[gi])(**(self._hparams(gi) if hp is None else hp))
 
     def transform_state(self, group: int = 0) -> Any:
         """The functional state of a param group's transform (an InjectHyperparamsState)."""
@@ -301,33 +300,33 @@ class TransformOptimizer(torch.optim.Optimizer):
         state: InjectHyperparamsState = self._tx_states[gi]
         hp = self._hparams(gi)
         state = state._replace(hyperparams={n: hp[n] for n in state.hyperparams if n in hp})
-        update = self._update_fn(gi, state)
+        update = self._update_fn(gi, state, hp)
         partial = len(idx) != len(keys_all)
         sub = restrict(state, set(keys)) if partial else state
         # After a group's first successful step (which surfaces structural errors with
         # nothing changed), the old state is donated: transforms overwrite its buffers
         # instead of allocating a fresh copy of every tensor each step.
-        donate = self._donate[gi] and self._compile_kwargs is None
-        donated = list(tree_tensors(sub)) + (list(grads) if self.donate_grads else [])
-        ctx = donating(donated) if donate else contextlib.nullcontext()
+        if self._donate[gi] and self._compile_kwargs is None:
+            ctx = donating(list(tree_tensors(sub)) + (list(grads) if self.donate_grads else []))
+        else:
+            ctx = contextlib.nullcontext()
         with ctx:
             upd, new_sub = update(build(keys, grads), sub, build(keys, params))
         new_state = merge(state, new_sub) if partial else new_sub
         updates = aligned(upd, keys, "updates returned by the transform", against="parameters")
         return params, updates, new_state
 
-    def _update_fn(self, gi: int, state: InjectHyperparamsState) -> Callable[..., Any]:
-        tx = self._transform(gi)
+    def _update_fn(self, gi: int, state: InjectHyperparamsState, hp: dict[str, Any]) -> Callable[..., Any]:
         if self._compile_kwargs is None:
-            return tx.update
+            return self._transform(gi, hp).update
         # Injected hyperparameters reach the update through the state, so one compiled
         # function serves every value; only a change of a static one (a string, a
         # bool, a dtype) builds and compiles a new one.
-        static = tuple(sorted((n, repr(v)) for n, v in self._hparams(gi).items() if n not in state.hyperparams))
+        static = tuple(sorted((n, repr(v)) for n, v in hp.items() if n not in state.hyperparams))
         key = (gi, static)
         fn = self._compiled.get(key)
         if fn is None:
-            fn = self._compiled[key] = torch.compile(tx.update, **self._compile_kwargs)
+            fn = self._compiled[key] = torch.compile(self._transform(gi, hp).update, **self._compile_kwargs)
         return fn
 
     def compile(self, **compile_kwargs: Any) -> "TransformOptimizer":

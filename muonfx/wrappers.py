@@ -3,6 +3,7 @@ finite checks, gradient accumulation and injected (schedulable) hyperparameters.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import numbers
 from typing import Any, Callable, NamedTuple
@@ -172,6 +173,12 @@ class InjectHyperparamsState(NamedTuple):
     inner_state: Any
 
 
+@functools.lru_cache(maxsize=256)
+def signature(factory: Callable[..., Any]) -> inspect.Signature:
+    """``inspect.signature``, cached: adapters rebuild injected transforms every step."""
+    return inspect.signature(factory)
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
@@ -204,7 +211,7 @@ def inject_hyperparams(
         ...     lr=0.02, momentum=mfx.schedules.linear(0.85, 0.95, 300))
         >>> # state.hyperparams["lr"] = 0.01 between steps changes the lr
     """
-    sig = inspect.signature(factory)
+    sig = signature(factory)
 
     def make(*args: Any, **kwargs: Any) -> GradientTransformation:
         bound = sig.bind(*args, **kwargs)

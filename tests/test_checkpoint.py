@@ -417,12 +417,7 @@ def test_zero_grad_zero_lr_step_changes_nothing(tx, hp):
     model = Matrices()
     opt = mfx.TransformOptimizer(model.named_parameters(), tx, **hp)
     before = params_of(model)
-    for g in opt.param_groups:
-        g["lr"] = 0.0
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    assert_params_equal(params_of(model), before)
+    assert_zero_lr_zero_grad_step_changes_nothing(model, opt)
     # after real steps too (non-zero momentum / moments, decay > 0)
     for g in opt.param_groups:
         g["lr"] = hp["lr"]
@@ -433,17 +428,11 @@ def test_zero_grad_zero_lr_step_changes_nothing(tx, hp):
         opt.step()
     moved = params_of(model)
     assert any(not torch.equal(moved[n], before[n]) for n in before)
-    for g in opt.param_groups:
-        g["lr"] = 0.0
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    assert_params_equal(params_of(model), moved)
+    assert_zero_lr_zero_grad_step_changes_nothing(model, opt)
 
 
-def test_zero_grad_zero_lr_step_hybrid_changes_nothing():
-    model = make_model(0)
-    opt = mfx.create_hybrid_optimizer(model, muon_weight_decay=0.1, adamw_weight_decay=0.1)
+def assert_zero_lr_zero_grad_step_changes_nothing(model, opt):
+    """DCP's state initialisation: every group's lr 0, zero grads, one step."""
     before = params_of(model)
     for g in opt.param_groups:
         g["lr"] = 0.0
@@ -451,6 +440,12 @@ def test_zero_grad_zero_lr_step_hybrid_changes_nothing():
         p.grad = torch.zeros_like(p)
     opt.step()
     assert_params_equal(params_of(model), before)
+
+
+def test_zero_grad_zero_lr_step_hybrid_changes_nothing():
+    model = make_model(0)
+    opt = mfx.create_hybrid_optimizer(model, muon_weight_decay=0.1, adamw_weight_decay=0.1)
+    assert_zero_lr_zero_grad_step_changes_nothing(model, opt)
 
 
 def test_nested_inject_hyperparams_state_round_trips():
