@@ -216,3 +216,58 @@ def test_mkdocs_build_strict(tmp_path):
 def test_prose_only_pages_really_have_no_code_to_run():
     for rel in PROSE_ONLY:
         assert not python_blocks((ROOT / rel).read_text(encoding="utf-8"), rel), rel
+
+
+# ---------------------------------------------------------------------------
+# shell blocks: every `muonfx ...` command shown in the docs parses and validates
+# (the commands themselves run in their short form in tests/test_cli.py)
+# ---------------------------------------------------------------------------
+
+_SHELL_OPEN = re.compile(r"^[ \t]*```(bash|sh|shell|console)[ \t]*$")
+
+
+def _muonfx_commands():
+    out = []
+    for rel in ALL_DOC_FILES + ["examples/README.md"]:
+        lines = (ROOT / rel).read_text(encoding="utf-8").splitlines()
+        inside = False
+        for n, line in enumerate(lines, 1):
+            if _SHELL_OPEN.match(line):
+                inside = True
+                continue
+            if inside and line.strip().startswith("```"):
+                inside = False
+                continue
+            cmd = line.split("#", 1)[0].strip()
+            if inside and (cmd.startswith("muonfx ") or cmd.startswith("python -m muonfx ")):
+                out.append((f"{rel}:{n}", cmd))
+    return out
+
+
+def test_docs_show_muonfx_commands():
+    assert len(_muonfx_commands()) >= 5
+
+
+@pytest.mark.parametrize("where,cmd", _muonfx_commands())
+def test_muonfx_commands_in_docs_parse(where, cmd):
+    import shlex
+
+    from muonfx.cli import build_parser
+    from muonfx.cli.args import resolve, validate
+
+    argv = shlex.split(cmd)
+    argv = argv[3:] if argv[:3] == ["python", "-m", "muonfx"] else argv[1:]
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        if e.code == 0:  # --help
+            return
+        pytest.fail(f"{where}: `{cmd}` does not parse (exit {e.code})")
+    if args.command == "train":
+        # what depends on this machine rather than on the command: a GPU, a checkpoint file
+        if args.device == "cuda" and not torch.cuda.is_available():
+            args.device = "cpu"
+        if args.resume is not None and not Path(args.resume).exists():
+            args.resume = None
+        err = validate(resolve(args))
+        assert err is None, f"{where}: `{cmd}`: {err}"
