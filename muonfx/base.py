@@ -43,6 +43,11 @@ __all__ = [
     "protect_state",
     "may_overwrite",
     "tree_tensors",
+    "folding_final_scale",
+    "take_final",
+    "give_final",
+    "defer_scale",
+    "final_scales",
 ]
 
 
@@ -269,7 +274,31 @@ def _may_reuse(lists: Sequence[Any]) -> bool:
     return True
 
 
-def foreach(op: str, *lists: Sequence[Any], reuse: bool = False, **kwargs: Any) -> list[torch.Tensor]:
+def _fits_into(into: Sequence[torch.Tensor] | None, first: Sequence[torch.Tensor], owned: bool) -> bool:
+    """True when each result may be written into ``into`` with torch's ``out=`` form.
+
+    Only plain CPU float32/float64 tensors of the result's shape and dtype qualify:
+    there a fresh allocation costs page faults (several passes over the memory), while
+    CUDA's caching allocator makes allocation free and ``_foreach`` kernels are fused.
+    ``owned=False`` tensors must also be writable in the current :func:`donating` block.
+    """
+    if into is None or len(into) != len(first):
+        return False
+    if not owned and _DONATION.writable is None:
+        return False
+    for t, f in zip(into, first):
+        if (type(t) is not torch.Tensor or t.device.type != "cpu" or t.dtype not in _REUSE_DTYPES
+                or t.dtype != f.dtype or t.shape != f.shape or (not owned and not _is_writable(t))):
+            return False
+    return True
+
+
+def _pick(arg: Any, i: int) -> Any:
+    return arg[i] if isinstance(arg, (list, tuple)) else arg
+
+
+def foreach(op: str, *lists: Sequence[Any], reuse: bool = False, into: Sequence[torch.Tensor] | None = None,
+            owned: bool = False, **kwargs: Any) -> list[torch.Tensor]:
     """Call ``torch._foreach_<op>`` on aligned lists, grouped by tensor kind.
 
     torch's fused ``_foreach`` kernels take lists of one kind: plain tensors and
@@ -280,11 +309,25 @@ def foreach(op: str, *lists: Sequence[Any], reuse: bool = False, **kwargs: Any) 
 
     ``reuse=True`` says the caller no longer needs the first list's old values: inside
     a :func:`donating` block the op then runs in place when allowed.
+
+    ``into`` names tensors (one per result) whose old values the caller no longer
+    needs, such as a buffer the op reads itself (``foreach("div", m, d, into=d)``
+    computes ``m / d`` into ``d``) or gradients after their last use. Results are
+    written there with torch's ``out=`` form when that pays (plain CPU float tensors
+    of the result's shape and dtype, see :func:`_fits_into`) and the tensors may be
+    overwritten: ``owned=True`` says the caller made them in this update; otherwise
+    they must be donated or fresh in the current :func:`donating` block. When not
+    used, the op allocates as usual: the values are the same either way.
     """
     first = lists[0]
     n = len(first)
     if n == 0:
         return []
+    if not op.endswith("_") and _fits_into(into, first, owned):
+        fn = getattr(torch, op)
+        out = [fn(*[_pick(lst, i) for lst in lists], out=into[i], **kwargs) for i in range(n)]
+        mark_fresh(out)
+        return out
     inplace = op.endswith("_")
     if reuse and not inplace and _may_reuse(lists):
         op, inplace = op + "_", True
@@ -306,6 +349,78 @@ def foreach(op: str, *lists: Sequence[Any], reuse: bool = False, **kwargs: Any) 
                     out[i] = r
     if not inplace:
         mark_fresh(out)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# folding the final scalar multiply into the apply step
+# ---------------------------------------------------------------------------
+
+
+class _Final(threading.local):
+    """Which update function produces the adapter's final output (see :func:`folding_final_scale`)."""
+
+    target: Callable[..., Any] | None = None
+    scales: dict[int, tuple[weakref.ref, float]] | None = None
+
+
+_FINAL = _Final()
+
+
+@contextlib.contextmanager
+def folding_final_scale(update_fn: Callable[..., Any]) -> Iterator[None]:
+    """Adapter side: let a scalar multiply that ends ``update_fn``'s output be deferred.
+
+    Inside the block, a scaling transform that is provably the last operation on the
+    output (handed the token by :func:`take_final` / :func:`give_final` through aware
+    combinators) returns its input unchanged and records its factor instead; the
+    adapter reads the factors with :func:`final_scales` and applies
+    ``p += factor * u`` in one pass. Outside such a block, or for transforms reached
+    through a combinator that does not pass the token on, nothing is deferred.
+    """
+    prev = (_FINAL.target, _FINAL.scales)
+    _FINAL.target, _FINAL.scales = update_fn, {}
+    try:
+        yield
+    finally:
+        _FINAL.target, _FINAL.scales = prev
+
+
+def take_final(update_fn: Callable[..., Any]) -> bool:
+    """True when ``update_fn``'s output is the adapter's final output (the token is consumed)."""
+    if _FINAL.target is not update_fn or update_fn is None:
+        return False
+    _FINAL.target = None
+    return _FINAL.scales is not None
+
+
+def give_final(update_fn: Callable[..., Any]) -> None:
+    """Combinator side: the next call of ``update_fn`` produces the final output."""
+    _FINAL.target = update_fn
+
+
+def defer_scale(tensors: Sequence[torch.Tensor], factor: float) -> None:
+    """Record that the final output ``tensors`` are to be multiplied by ``factor``
+    (on top of a factor already deferred for them)."""
+    scales = _FINAL.scales
+    assert scales is not None, "defer_scale outside folding_final_scale"
+    seen: set[int] = set()
+    for t in tensors:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        rec = scales.get(id(t))
+        prior = rec[1] if rec is not None and rec[0]() is t else 1.0
+        scales[id(t)] = (weakref.ref(t), prior * factor)
+
+
+def final_scales(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """Adapter side: the deferred factor of each final output tensor (1.0 when none)."""
+    scales = _FINAL.scales or {}
+    out = []
+    for t in tensors:
+        rec = scales.get(id(t))
+        out.append(rec[1] if rec is not None and rec[0]() is t else 1.0)
     return out
 
 

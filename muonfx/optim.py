@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterable, Union
 
 import torch
 
-from .base import GradientTransformation, Key, aligned, build, donating, foreach, key_str, protect_state, tree_tensors
+from .base import (GradientTransformation, Key, aligned, build, defer_scale, donating, final_scales,
+                   folding_final_scale, foreach, give_final, key_str, protect_state, take_final, tree_tensors)
 from .state_tree import flatten_per_param, merge, restrict, unflatten_per_param
 from .wrappers import InjectHyperparamsState, inject_hyperparams, signature
 
@@ -41,8 +42,14 @@ def lr_multiplier(tx: GradientTransformation) -> Callable[..., GradientTransform
 
     def with_lr(lr: float = 1.0) -> GradientTransformation:
         def update_fn(updates, state, params=None):
+            last = take_final(update_fn)
+            if last:
+                give_final(tx.update)
             out, state = tx.update(updates, state, params)
             if lr == 1.0:
+                return out, state
+            if last:  # the adapter folds lr into its p += lr * u
+                defer_scale(list(out.values(include_nested=True, leaves_only=True)), float(lr))
                 return out, state
             protect_state(state)  # the output may be part of the state (plain momentum)
             keys = [k if isinstance(k, tuple) else (k,) for k in out.keys(include_nested=True, leaves_only=True)]
@@ -285,8 +292,19 @@ class TransformOptimizer(torch.optim.Optimizer):
         for gi, res in enumerate(results):
             if res is None:
                 continue
-            params, updates, new_state = res
-            foreach("add_", params, updates)
+            params, updates, scales, new_state = res
+            # p += s * u, one pass per parameter; s is the final scalar factor (the -lr of
+            # scale_by_learning_rate) that the transform deferred to this step, else 1
+            by_scale: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+            for p, u, s in zip(params, updates, scales):
+                ps, us = by_scale.setdefault(s, ([], []))
+                ps.append(p)
+                us.append(u)
+            for s, (ps, us) in by_scale.items():
+                if s == 1.0:
+                    foreach("add_", ps, us)
+                else:
+                    foreach("add_", ps, us, alpha=s)
             self._tx_states[gi] = new_state
             self._donate[gi] = self.donate_buffers
             self._sync_torch_state(gi)
@@ -310,11 +328,15 @@ class TransformOptimizer(torch.optim.Optimizer):
             ctx = donating(list(tree_tensors(sub)) + (list(grads) if self.donate_grads else []))
         else:
             ctx = contextlib.nullcontext()
-        with ctx:
+        # Eager steps let a final scalar multiply (the learning rate) be folded into the
+        # parameter update instead of costing a pass of its own.
+        fold = folding_final_scale(update) if self._compile_kwargs is None else contextlib.nullcontext()
+        with ctx, fold:
             upd, new_sub = update(build(keys, grads), sub, build(keys, params))
+            updates = aligned(upd, keys, "updates returned by the transform", against="parameters")
+            scales = final_scales(updates)
         new_state = merge(state, new_sub) if partial else new_sub
-        updates = aligned(upd, keys, "updates returned by the transform", against="parameters")
-        return params, updates, new_state
+        return params, updates, scales, new_state
 
     def _update_fn(self, gi: int, state: InjectHyperparamsState, hp: dict[str, Any]) -> Callable[..., Any]:
         if self._compile_kwargs is None:

@@ -12,7 +12,7 @@ import torch
 from tensordict import TensorDict
 
 from . import seam
-from .base import GradientTransformation, aligned, build, foreach, leaves, protect_state
+from .base import GradientTransformation, aligned, build, foreach, give_final, leaves, protect_state, take_final
 from .schedules import evaluate
 
 __all__ = ["apply_if_finite", "ApplyIfFiniteState", "accumulate", "AccumulateState",
@@ -238,7 +238,10 @@ def inject_hyperparams(
             if missing:
                 raise ValueError(f"inject_hyperparams: state lacks hyperparameters {sorted(missing)}")
             hp = values_at(state.count, state.hyperparams)
-            new_u, new_inner = factory(**static, **hp).update(updates, state.inner_state, params)
+            tx = factory(**static, **hp)
+            if take_final(update_fn):
+                give_final(tx.update)
+            new_u, new_inner = tx.update(updates, state.inner_state, params)
             return new_u, InjectHyperparamsState(state.count + 1, hp, new_inner)
 
         return GradientTransformation(init_fn, update_fn)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ..base import EmptyState, GradientTransformation, build, foreach, leaves
+from ..base import EmptyState, GradientTransformation, build, defer_scale, foreach, leaves, take_final
 from ..schedules import ScalarOrSchedule, evaluate
 from ._matrix import matrix_dims
 
@@ -30,6 +30,9 @@ def scale(factor: float) -> GradientTransformation:
 
     def update_fn(updates, state, params=None):
         keys, us = leaves(updates)
+        if take_final(update_fn):  # an adapter folds the factor into p += factor * u
+            defer_scale(us, factor)
+            return build(keys, us), state
         return build(keys, foreach("mul", us, factor, reuse=True)), state
 
     return GradientTransformation(init_fn, update_fn)
@@ -74,6 +77,9 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     def update_fn(updates, state, params=None):
         value = evaluate("lr", lr, state.count)
         keys, us = leaves(updates)
+        if take_final(update_fn):
+            defer_scale(us, -value)
+            return build(keys, us), ScaleByScheduleState(state.count + 1)
         return build(keys, foreach("mul", us, -value, reuse=True)), ScaleByScheduleState(state.count + 1)
 
     return GradientTransformation(init_fn, update_fn)

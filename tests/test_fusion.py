@@ -1,0 +1,194 @@
+"""Fused fast paths compute the plain path's function: the final scale folded into the
+apply step, results written into dead buffers (``foreach(..., into=...)``)."""
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import muonfx as mfx
+from muonfx.base import (GradientTransformation, build, donating, final_scales, folding_final_scale, foreach,
+                         key_str, leaves)
+from muonfx.optim import lr_multiplier
+
+
+def _td(shapes, seed, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return TensorDict({k: torch.randn(*s, generator=gen) * scale for k, s in shapes.items()}, [])
+
+
+SHAPES = {"w": (6, 4), "b": (5,), "m": (3, 3)}
+
+
+def _run_folded(tx, grads, params):
+    """What the adapter sees: the updates, the deferred factors, and the factor-applied result."""
+    state = tx.init(params)
+    with folding_final_scale(tx.update):
+        upd, _ = tx.update(grads, state, params)
+        keys, us = leaves(upd)
+        scales = final_scales(us)
+    keys = [key_str(k) for k in keys]
+    applied = {k: params.get(k) + s * u for k, u, s in zip(keys, us, scales)}
+    return dict(zip(keys, us)), dict(zip(keys, scales)), applied
+
+
+def _plain(tx, grads, params):
+    upd, _ = tx.update(grads, tx.init(params), params)
+    return upd
+
+
+def test_final_learning_rate_is_deferred_and_applies_the_same():
+    params, grads = _td(SHAPES, 0), _td(SHAPES, 1)
+    tx = mfx.adamw(lr=0.1, weight_decay=0.1)
+    us, scales, applied = _run_folded(tx, grads, params)
+    plain = _plain(tx, grads, params)
+    assert set(scales.values()) == {-0.1}  # the lr multiply was deferred for every leaf
+    for k in SHAPES:
+        torch.testing.assert_close(us[k] * -0.1, plain.get(k))
+        torch.testing.assert_close(applied[k], params.get(k) + plain.get(k))
+
+
+def test_schedule_lr_is_deferred_with_its_current_value():
+    params, grads = _td(SHAPES, 0), _td(SHAPES, 1)
+    tx = mfx.chain(mfx.momentum(0.9), mfx.scale_by_learning_rate(mfx.schedules.linear(0.5, 0.0, 10)))
+    _, scales, _ = _run_folded(tx, grads, params)
+    assert set(scales.values()) == {-0.5}
+
+
+def test_only_the_last_scale_of_a_chain_is_deferred():
+    params, grads = _td(SHAPES, 0), _td(SHAPES, 1)
+    tx = mfx.chain(mfx.scale(3.0), mfx.momentum(0.5), mfx.scale(-0.25))
+    us, scales, applied = _run_folded(tx, grads, params)
+    plain = _plain(tx, grads, params)
+    assert set(scales.values()) == {-0.25}
+    for k in SHAPES:
+        torch.testing.assert_close(us[k] * -0.25, plain.get(k))  # the first scale ran, the last did not
+        torch.testing.assert_close(applied[k], params.get(k) + plain.get(k))
+
+
+def _doubling_wrapper(inner: GradientTransformation) -> GradientTransformation:
+    """A user's wrapper that knows nothing of folding: it post-processes its inner output."""
+
+    def update_fn(updates, state, params=None):
+        out, state = inner.update(updates, state, params)
+        keys, us = leaves(out)
+        return build(keys, [2.0 * u for u in us]), state
+
+    return GradientTransformation(inner.init, update_fn)
+
+
+@pytest.mark.parametrize("wrap", [
+    _doubling_wrapper,
+    lambda tx: mfx.accumulate(tx, 1),
+    lambda tx: mfx.apply_if_finite(tx, 3),
+])
+def test_nothing_is_deferred_through_a_wrapper_that_does_not_pass_the_token(wrap):
+    params, grads = _td(SHAPES, 0), _td(SHAPES, 1)
+    tx = wrap(mfx.chain(mfx.momentum(0.9), mfx.scale(-0.1)))
+    us, scales, _ = _run_folded(tx, grads, params)
+    plain = _plain(tx, grads, params)
+    assert set(scales.values()) == {1.0}
+    for k in SHAPES:
+        torch.testing.assert_close(us[k], plain.get(k), rtol=0, atol=0)
+
+
+def test_partition_and_masked_defer_per_leaf():
+    params, grads = _td(SHAPES, 0), _td(SHAPES, 1)
+    tx = mfx.partition(
+        {"mat": mfx.mask_by_ndim(mfx.chain(mfx.momentum(0.9), mfx.scale(-0.5)), 2),
+         "vec": mfx.chain(mfx.scale_by_adam(), mfx.scale(-0.01))},
+        lambda k, t: "mat" if t.ndim == 2 else "vec")
+    us, scales, applied = _run_folded(tx, grads, params)
+    plain = _plain(tx, grads, params)
+    assert scales == {"w": -0.5, "m": -0.5, "b": -0.01}
+    for k in SHAPES:
+        torch.testing.assert_close(applied[k], params.get(k) + plain.get(k))
+    # a leaf masked out of the inner chain passes through unscaled
+    tx2 = mfx.mask_by_ndim(mfx.chain(mfx.momentum(0.9), mfx.scale(-0.5)), 2)
+    us2, scales2, _ = _run_folded(tx2, grads, params)
+    assert scales2["b"] == 1.0 and torch.equal(us2["b"], grads.get("b"))
+
+
+def test_lr_multiplier_composes_with_a_deferred_scale():
+    params, grads = _td(SHAPES, 0), _td(SHAPES, 1)
+    inner = mfx.chain(mfx.momentum(0.9), mfx.scale(-0.1))
+    tx = lr_multiplier(inner)(lr=0.5)
+    _, scales, applied = _run_folded(tx, grads, params)
+    plain = _plain(tx, grads, params)
+    assert all(v == pytest.approx(-0.05) for v in scales.values())
+    for k in SHAPES:
+        torch.testing.assert_close(applied[k], params.get(k) + plain.get(k))
+
+
+def test_outside_an_adapter_nothing_is_deferred():
+    params, grads = _td(SHAPES, 0), _td(SHAPES, 1)
+    tx = mfx.adamw(lr=0.1, weight_decay=0.0)
+    out, _ = tx.update(grads, tx.init(params), params)
+    ref = mfx.scale_by_adam().update(grads, mfx.scale_by_adam().init(params))[0]
+    for k in SHAPES:
+        torch.testing.assert_close(out.get(k), -0.1 * ref.get(k))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: mfx.adamw(lr=1e-2, weight_decay=0.1),
+    lambda: mfx.muon_adamw(lr=0.02, weight_decay=0.1, ns_dtype=torch.float32),
+    lambda: mfx.chain(mfx.momentum(0.9, nesterov=True), mfx.scale_by_learning_rate(0.05)),
+])
+def test_adapter_with_folding_tracks_the_functional_loop(make):
+    """10 steps through the adapter (fold, donation) against update + apply_updates."""
+    shapes = {"w": (8, 4), "v": (6, 6), "b": (5,)}
+    params = _td(shapes, 0)
+    named = [(k, torch.nn.Parameter(params.get(k).clone())) for k in shapes]
+    opt = mfx.TransformOptimizer(named, make())
+    tx = make()
+    ref, state = params.clone(), tx.init(params)
+    for step in range(10):
+        grads = _td(shapes, 100 + step)
+        upd, state = tx.update(grads, state, ref)
+        ref = mfx.apply_updates(ref, upd)
+        for k, p in named:
+            p.grad = grads.get(k).clone()
+        opt.step()
+    for k, p in named:
+        torch.testing.assert_close(p.detach(), ref.get(k), rtol=1e-5, atol=1e-6)
+
+
+# -- into ------------------------------------------------------------------------------
+
+
+def test_into_is_ignored_outside_donation_unless_owned():
+    a, d = torch.rand(4) + 1, torch.rand(4) + 1
+    before = d.clone()
+    out = foreach("div", [a], [d], into=[d])  # d is not ours and nothing is donated
+    assert out[0].data_ptr() != d.data_ptr() and torch.equal(d, before)
+    torch.testing.assert_close(out[0], a / d)
+    out = foreach("div", [a], [d], into=[d], owned=True)
+    assert out[0].data_ptr() == d.data_ptr()
+    torch.testing.assert_close(out[0], a / before)
+
+
+def test_into_writes_donated_buffers_and_only_matching_ones():
+    v, g = torch.rand(3, 2), torch.rand(3, 2)
+    with donating([g]):
+        out = foreach("sqrt", [v], into=[g])
+    assert out[0].data_ptr() == g.data_ptr()
+    torch.testing.assert_close(out[0], v.sqrt())
+    # wrong shape, a 16-bit dtype, or a tensor that is not donated: a fresh result
+    for bad, donated in ((torch.rand(6), True), (torch.rand(3, 2, dtype=torch.bfloat16), True),
+                         (torch.rand(3, 2), False)):
+        with donating([bad] if donated else []):
+            out = foreach("sqrt", [v], into=[bad])
+        assert out[0].data_ptr() != bad.data_ptr()
+        torch.testing.assert_close(out[0], v.sqrt())
+
+
+def test_adam_computes_in_donated_gradients():
+    params, grads = _td(SHAPES, 0), _td(SHAPES, 1)
+    tx = mfx.scale_by_adam()
+    state = tx.init(params)
+    expected, _ = tx.update(grads.clone(), state, params)
+    gs = [grads.get(k) for k in SHAPES]
+    with donating(gs):
+        out, _ = tx.update(grads, state, params)
+    for k, g in zip(SHAPES, gs):
+        assert out.get(k).data_ptr() == g.data_ptr()  # no fresh buffer: the grads were the scratch
+        torch.testing.assert_close(out.get(k), expected.get(k))
