@@ -12,7 +12,8 @@ Matrix sets (one parameter per matrix for torch; torch.optim.Muon takes 2-D only
 
 Both optimizers get the same gradients; steps are timed in alternating rounds (median).
 muonfx runs its defaults for the device (float32 Newton-Schulz on CPU, bf16 on CUDA) and,
-as extra rows, bf16 NS and the Gram iteration; torch.optim.Muon runs its bf16 NS.
+as extra rows, the Gram iteration (float32, rectangular only), bf16 NS, and bf16 with the
+Gram iteration on every matrix (restarts every 2 steps); torch.optim.Muon runs its bf16 NS.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def run(kind: str, layers: int, device: torch.device, repeats: int, warmup: int)
             q.grad = p.grad.clone()
             torch_params.append(q)
     variants = {"muonfx default": {}, "muonfx gram": {"ns_method": "auto"},
-                "muonfx bf16": {"ns_dtype": torch.bfloat16}}
+                "muonfx bf16": {"ns_dtype": torch.bfloat16},
+                "muonfx bf16 gram": {"ns_dtype": torch.bfloat16, "ns_method": "gram"}}
     fns = {}
     for name, kw in variants.items():
         copies = [(k, torch.nn.Parameter(p.detach().clone())) for k, p in mfx_params.items()]

@@ -192,3 +192,20 @@ def test_adam_computes_in_donated_gradients():
     for k, g in zip(SHAPES, gs):
         assert out.get(k).data_ptr() == g.data_ptr()  # no fresh buffer: the grads were the scratch
         torch.testing.assert_close(out.get(k), expected.get(k))
+
+
+# -- Newton-Schulz output layout -------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(3, 40, 20), (3, 20, 40), (2, 16, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_newton_schulz_returns_a_fresh_contiguous_tensor_in_the_input_dtype(shape, dtype):
+    from muonfx.linalg import newton_schulz_batched, resolve
+    g = torch.randn(*shape)
+    before = g.clone()
+    out = newton_schulz_batched(g, resolve("keller", 5), dtype=dtype)
+    assert out.dtype == g.dtype and out.shape == g.shape and out.is_contiguous()
+    assert out.data_ptr() != g.data_ptr() and torch.equal(g, before)
+    # the cast-and-lay-out in one pass gives the values of the plain cast
+    ref = newton_schulz_batched(g.double(), resolve("keller", 5), dtype=dtype)
+    torch.testing.assert_close(out, ref.float(), rtol=0, atol=0)

@@ -113,4 +113,8 @@ def newton_schulz_batched(
         x = _standard(x, schedule.steps)
     if tall:
         x = x.mT
-    return x.to(g.dtype).contiguous()
+    if x.dtype == g.dtype:
+        return x.contiguous()
+    # one pass: cast back and lay out contiguously (a transposed result would otherwise
+    # be cast, then copied again by a separate .contiguous())
+    return torch.empty(x.shape, dtype=g.dtype, device=x.device).copy_(x)
