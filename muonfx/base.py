@@ -37,6 +37,7 @@ __all__ = [
     "build",
     "check_keys",
     "foreach",
+    "scaled_div",
     "donating",
     "protect",
     "mark_fresh",
@@ -349,6 +350,28 @@ def foreach(op: str, *lists: Sequence[Any], reuse: bool = False, into: Sequence[
                     out[i] = r
     if not inplace:
         mark_fresh(out)
+    return out
+
+
+def scaled_div(num: Sequence[torch.Tensor], den: Sequence[torch.Tensor], scale: float,
+               overwrite_den: bool = False) -> list[torch.Tensor]:
+    """``scale * num / den`` per leaf.
+
+    ``overwrite_den=True`` says the caller made ``den`` in this update and no longer
+    needs it: on the CPU the result is then written into it in one pass
+    (``addcdiv`` of a 0-d zero, the scale folded in), instead of a division into fresh
+    memory and a second pass for the scale.
+    """
+    if not num:
+        return []
+    if overwrite_den and _fits_into(den, num, owned=True):
+        zero = torch.zeros((), dtype=den[0].dtype)
+        out = [torch.addcdiv(zero, n, d, value=scale, out=d) for n, d in zip(num, den)]
+        mark_fresh(out)
+        return out
+    out = foreach("div", num, den)
+    if scale != 1.0:
+        foreach("mul_", out, scale)
     return out
 
 

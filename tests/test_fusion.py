@@ -209,3 +209,22 @@ def test_newton_schulz_returns_a_fresh_contiguous_tensor_in_the_input_dtype(shap
     # the cast-and-lay-out in one pass gives the values of the plain cast
     ref = newton_schulz_batched(g.double(), resolve("keller", 5), dtype=dtype)
     torch.testing.assert_close(out, ref.float(), rtol=0, atol=0)
+
+
+def test_scaled_div_one_pass_form_equals_the_plain_form():
+    from muonfx.base import scaled_div
+    gen = torch.Generator().manual_seed(3)
+    num = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
+    den = [torch.rand(5, 3, generator=gen) + 0.5, torch.rand(7, generator=gen) + 0.5]
+    keep = [d.clone() for d in den]
+    plain = scaled_div(num, den, 0.25)  # den not ours: fresh results, den untouched
+    assert all(torch.equal(d, k) for d, k in zip(den, keep))
+    fused = scaled_div(num, den, 0.25, overwrite_den=True)
+    for f, d, p, n, k in zip(fused, den, plain, num, keep):
+        assert f.data_ptr() == d.data_ptr()  # written into the denominator's buffer
+        torch.testing.assert_close(f, p)
+        torch.testing.assert_close(f, 0.25 * n / k)
+    # a 16-bit denominator is not overwritten (in-place 16-bit arithmetic would round differently)
+    den16 = [d.to(torch.bfloat16) for d in keep]
+    out = scaled_div([n.to(torch.bfloat16) for n in num], den16, 0.25, overwrite_den=True)
+    assert all(o.data_ptr() != d.data_ptr() for o, d in zip(out, den16))
