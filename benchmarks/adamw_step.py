@@ -37,18 +37,19 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--compile", action="store_true", help="add a row for opt.compile() (inductor; compiles first)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     gen = torch.Generator().manual_seed(0)
-    named, donated, copies = [], [], []
+    named, donated, compiled, copies = [], [], [], []
     for k, s in gpt2_shapes(args.layers).items():
         p = torch.nn.Parameter(torch.randn(*s, generator=gen).to(device) * 0.02)
         p.grad = torch.randn(*s, generator=gen).to(device)
         named.append((k, p))
-        for dst in (donated, copies):
+        for dst in (donated, compiled, copies) if args.compile else (donated, copies):
             q = torch.nn.Parameter(p.detach().clone())
             q.grad = p.grad.clone()
-            dst.append((k, q) if dst is donated else q)
+            dst.append(q if dst is copies else (k, q))
     n = sum(p.numel() for _, p in named)
     ours = mfx.TransformOptimizer(named, mfx.adamw, lr=1e-3, weight_decay=0.01)
     # donate_grads: the update is computed in the gradient buffers (grads hold garbage
@@ -56,12 +57,16 @@ def main(argv=None) -> None:
     ours_dg = mfx.TransformOptimizer(donated, mfx.adamw, lr=1e-3, weight_decay=0.01)
     ours_dg.donate_grads = True
     theirs = torch.optim.AdamW(copies, lr=1e-3, weight_decay=0.01, foreach=True)
-    t = _common.interleaved({"muonfx": ours.step, "donated": ours_dg.step, "torch": theirs.step},
-                            args.repeats, args.warmup, device)
+    fns = {"muonfx": ours.step, "donated": ours_dg.step, "torch": theirs.step}
+    variants = [("default", "muonfx"), ("donate_grads=True", "donated")]
+    if args.compile:
+        fns["compiled"] = mfx.TransformOptimizer(compiled, mfx.adamw, lr=1e-3, weight_decay=0.01).compile().step
+        variants.append(("opt.compile()", "compiled"))
+    t = _common.interleaved(fns, args.repeats, args.warmup, device)
     print(f"\nAdamW step, muonfx chain vs torch.optim.AdamW(foreach=True) ({_common.machine()})")
     rows = [[variant, f"{n / 1e6:.1f} M", len(named), f"{t[k] * 1e3:.0f}", f"{t['torch'] * 1e3:.0f}",
              f"{t[k] / t['torch']:.2f}"]
-            for variant, k in (("default", "muonfx"), ("donate_grads=True", "donated"))]
+            for variant, k in variants]
     print(_common.table(["muonfx variant", "params", "tensors", "muonfx ms", "torch ms", "muonfx/torch"], rows))
 
 

@@ -16,7 +16,7 @@ import torch
 
 from .base import (GradientTransformation, Key, aligned, build, defer_scale, donating, final_scales,
                    folding_final_scale, foreach, give_final, key_str, protect_state, take_final, tree_tensors)
-from .state_tree import flatten_per_param, merge, restrict, unflatten_per_param
+from .state_tree import flatten_per_param, merge, restrict, unflatten_per_param, write_back
 from .wrappers import InjectHyperparamsState, inject_hyperparams, signature
 
 __all__ = ["TransformOptimizer", "lr_multiplier"]
@@ -58,6 +58,13 @@ def lr_multiplier(tx: GradientTransformation) -> Callable[..., GradientTransform
         return GradientTransformation(tx.init, update_fn)
 
     return with_lr
+
+
+class _Stepped:
+    """A group's new state from a compiled step, which has already updated the parameters."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
 
 
 _ADAPTER_KEYS = frozenset({"params", "param_names", "name", "sparse_grad", "initial_lr"})
@@ -134,7 +141,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         self._group_keys: list[list[Key]] = []
         self._base_lrs: list[float | None] = []
         self._tx_states: list[Any] = []
-        self._donate: list[bool] = []
+        self._stepped: list[bool] = []  # per group: has it made its first (eager) step?
         self._compile_kwargs: dict[str, Any] | None = None
         self._compiled: dict[Any, Callable[..., Any]] = {}
         #: reuse the previous state's buffers in place after the first step (set False
@@ -212,7 +219,7 @@ class TransformOptimizer(torch.optim.Optimizer):
             self._base_lrs.pop()
             raise
         self._tx_states.append(state)
-        self._donate.append(False)
+        self._stepped.append(False)
         self._sync_torch_state(len(self.param_groups) - 1)
 
     def _hparams(self, gi: int) -> dict[str, Any]:
@@ -287,10 +294,16 @@ class TransformOptimizer(torch.optim.Optimizer):
         for gi, (idx, grads) in enumerate(plans):
             if not idx:
                 results.append(None)
-                continue
-            results.append(self._group_update(gi, idx, grads))
+            elif self._compile_kwargs is not None and self._stepped[gi]:
+                results.append(_Stepped(self._compiled_step(gi, idx, grads)))  # updates in place as it goes
+            else:
+                results.append(self._group_update(gi, idx, grads))
         for gi, res in enumerate(results):
             if res is None:
+                continue
+            if isinstance(res, _Stepped):  # a compiled step: parameters already updated
+                self._tx_states[gi] = res.state
+                self._sync_torch_state(gi)
                 continue
             params, updates, scales, new_state = res
             # p += s * u, one pass per parameter; s is the final scalar factor (the -lr of
@@ -306,7 +319,7 @@ class TransformOptimizer(torch.optim.Optimizer):
                 else:
                     foreach("add_", ps, us, alpha=s)
             self._tx_states[gi] = new_state
-            self._donate[gi] = self.donate_buffers
+            self._stepped[gi] = True
             self._sync_torch_state(gi)
         return loss
 
@@ -324,7 +337,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         # After a group's first successful step (which surfaces structural errors with
         # nothing changed), the old state is donated: transforms overwrite its buffers
         # instead of allocating a fresh copy of every tensor each step.
-        if self._donate[gi] and self._compile_kwargs is None:
+        if self._stepped[gi] and self.donate_buffers and self._compile_kwargs is None:
             ctx = donating(list(tree_tensors(sub)) + (list(grads) if self.donate_grads else []))
         else:
             ctx = contextlib.nullcontext()
@@ -339,27 +352,57 @@ class TransformOptimizer(torch.optim.Optimizer):
         return params, updates, scales, new_state
 
     def _update_fn(self, gi: int, state: InjectHyperparamsState, hp: dict[str, Any]) -> Callable[..., Any]:
-        if self._compile_kwargs is None:
-            return self._transform(gi, hp).update
+        return self._transform(gi, hp).update
+
+    def _compiled_step(self, gi: int, idx: list[int], grads: list[torch.Tensor]) -> Any:
+        """One group's step as one compiled function that writes the new state into the
+        old buffers and adds the update to the parameters: inductor fuses the whole
+        elementwise chain and stores into the existing tensors (no fresh copies)."""
+        group = self.param_groups[gi]
+        keys_all = self._group_keys[gi]
+        keys = [keys_all[i] for i in idx]
+        params = [group["params"][i] for i in idx]
+        state: InjectHyperparamsState = self._tx_states[gi]
+        hp = self._hparams(gi)
+        state = state._replace(hyperparams={n: hp[n] for n in state.hyperparams if n in hp})
         # Injected hyperparameters reach the update through the state, so one compiled
         # function serves every value; only a change of a static one (a string, a
         # bool, a dtype) builds and compiles a new one.
         static = tuple(sorted((n, repr(v)) for n, v in hp.items() if n not in state.hyperparams))
-        key = (gi, static)
-        fn = self._compiled.get(key)
+        donate = self.donate_buffers  # False: the new state gets fresh tensors, old ones stay intact
+        fn = self._compiled.get((gi, static, donate))
         if fn is None:
-            fn = self._compiled[key] = torch.compile(self._transform(gi, hp).update, **self._compile_kwargs)
-        return fn
+            update = self._transform(gi, hp).update
+
+            def step_in_place(grads_td, sub, params_td, plist, keys):
+                upd, new_sub = update(grads_td, sub, params_td)
+                if donate:
+                    new_sub = write_back(sub, new_sub)
+                for p, u in zip(plist, aligned(upd, keys, "updates returned by the transform", against="parameters")):
+                    p.add_(u)
+                return new_sub
+
+            fn = self._compiled[(gi, static, donate)] = torch.compile(step_in_place, **self._compile_kwargs)
+        partial = len(idx) != len(keys_all)
+        sub = restrict(state, set(keys)) if partial else state
+        new_sub = fn(build(keys, grads), sub, build(keys, params), params, keys)
+        return merge(state, new_sub) if partial else new_sub
 
     def compile(self, **compile_kwargs: Any) -> "TransformOptimizer":
-        """Run each group's update through ``torch.compile`` from the next step on.
+        """Run each group's step through ``torch.compile`` (after its first, eager step).
+
+        The compiled function computes the update, writes the new state into the old
+        buffers and adds the update to the parameters, so inductor fuses the
+        elementwise chain into a few kernels that store into the existing tensors.
+        Groups are then updated one after another (an error in a later group's step
+        leaves earlier groups stepped); the first step of each group stays eager and
+        surfaces structural errors with nothing changed.
 
         Defaults: ``dynamic=True`` (hyperparameters, step counts and shapes are
         symbolic, so changing lr, momentum or weight decay between steps, by hand or by
         a scheduler, recompiles nothing) and ``fullgraph=True`` (muonfx's transforms
         trace without graph breaks). Other keywords go to ``torch.compile`` (e.g.
-        ``backend``, ``mode``). Compiled updates allocate their outputs (no buffer
-        donation). Returns ``self``.
+        ``backend``, ``mode``). Returns ``self``.
 
         Example::
 
