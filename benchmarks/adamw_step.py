@@ -11,6 +11,7 @@ gradients; steps are timed in alternating rounds (median).
 from __future__ import annotations
 
 import argparse
+import os
 
 import _common
 import torch
@@ -60,7 +61,7 @@ def main(argv=None) -> None:
     fns = {"muonfx": ours.step, "donated": ours_dg.step, "torch": theirs.step}
     variants = [("default", "muonfx"), ("donate_grads=True", "donated")]
     if args.compile:
-        fns["compiled"] = mfx.TransformOptimizer(compiled, mfx.adamw, lr=1e-3, weight_decay=0.01).compile().step
+        fns["compiled"] = mfx.TransformOptimizer(compiled, mfx.adamw, lr=1e-3, weight_decay=0.01).compile(**({"backend": os.environ["MFX_BACKEND"]} if "MFX_BACKEND" in os.environ else {})).step
         variants.append(("opt.compile()", "compiled"))
     t = _common.interleaved(fns, args.repeats, args.warmup, device)
     print(f"\nAdamW step, muonfx chain vs torch.optim.AdamW(foreach=True) ({_common.machine()})")

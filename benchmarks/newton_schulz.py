@@ -1,7 +1,7 @@
 """Newton-Schulz: achieved GFLOP/s against this machine's matmul peak, and accuracy.
 
     python benchmarks/newton_schulz.py                # both tables
-    python benchmarks/newton_schulz.py --only speed   # or: --only accuracy
+    python benchmarks/newton_schulz.py --only speed   # or: --only accuracy, --only restarts
 
 Speed: the batched NS (muonfx.linalg.newton_schulz_batched) on same-shape groups of
 GPT-2-small matrices, in float32 and bf16, standard and Gram forms. Achieved GFLOP/s
@@ -12,6 +12,10 @@ plain ``bmm`` of the largest square size, measured in the same run, same dtype.
 Accuracy: relative Frobenius error to the exact polar factor ``U V^T`` (SVD, float64)
 and the singular-value band, for each coefficient schedule on a Gaussian matrix and on
 one with a power-law spectrum (condition ~1e3), NS computed in float32 and bf16.
+
+Restarts: the Gram iteration in bf16 by restart pattern (segment length 2 = the default
+2+2+1, 3 = 3+2, 5 = no restart) against the standard bf16 iteration, as relative
+Frobenius error to the float64 standard iteration (the same function, exactly computed).
 """
 
 from __future__ import annotations
@@ -75,9 +79,30 @@ def accuracy(m: int, n: int) -> str:
                       _common.table(["schedule", "input", "relF f32", "band f32", "relF bf16", "band bf16"], rows)])
 
 
+def restarts(m: int, n: int, count: int = 4) -> str:
+    gen = torch.Generator().manual_seed(0)
+    gauss = torch.randn(count, m, n, generator=gen, dtype=torch.float64)
+    q1 = torch.linalg.qr(torch.randn(count, m, m, generator=gen, dtype=torch.float64))[0]
+    q2 = torch.linalg.qr(torch.randn(count, n, m, generator=gen, dtype=torch.float64))[0]
+    power = (q1 * torch.logspace(0, -3, m, dtype=torch.float64)) @ q2.mT
+    rows = []
+    for name in ("keller", "polar_express"):
+        sched = resolve(name, 5)
+        for label, x in (("gaussian", gauss), ("power-law 1e3", power)):
+            ref = newton_schulz_batched(x, sched, dtype=torch.float64)
+            err = lambda o: f"{((o.double() - ref).norm() / ref.norm()).item():.1e}"  # noqa: E731
+            g = x.float()
+            cells = [name, label, err(newton_schulz_batched(g, sched, dtype=torch.bfloat16))]
+            cells += [err(newton_schulz_batched(g, sched, dtype=torch.bfloat16, method="gram", restart=r))
+                      for r in (2, 3, 5)]
+            rows.append(cells)
+    return "\n".join([f"\nbf16 Gram restarts, {count}x{m}x{n}, 5 steps (relF to the float64 standard iteration)",
+                      _common.table(["schedule", "input", "standard", "gram 2+2+1", "gram 3+2", "gram, none"], rows)])
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["speed", "accuracy"], default=None)
+    ap.add_argument("--only", choices=["speed", "accuracy", "restarts"], default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--size", default="512x2048", help="accuracy matrix size MxN")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -87,6 +112,8 @@ def main(argv=None) -> None:
     if args.only in (None, "accuracy"):
         m, n = (int(v) for v in args.size.split("x"))
         print(accuracy(m, n))
+    if args.only in (None, "restarts"):
+        print(restarts(768, 3072))
 
 
 if __name__ == "__main__":
