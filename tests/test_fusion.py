@@ -228,3 +228,18 @@ def test_scaled_div_one_pass_form_equals_the_plain_form():
     den16 = [d.to(torch.bfloat16) for d in keep]
     out = scaled_div([n.to(torch.bfloat16) for n in num], den16, 0.25, overwrite_den=True)
     assert all(o.data_ptr() != d.data_ptr() for o, d in zip(out, den16))
+
+
+@pytest.mark.parametrize("shape", [(5, 12, 20), (7, 20, 12)])
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_chunked_newton_schulz_equals_one_batch(shape, method):
+    """Chunks are only a schedule: each matrix gets exactly the one-batch result."""
+    from muonfx.linalg import newton_schulz_batched, resolve
+    g = torch.randn(*shape, dtype=torch.float64)
+    whole = newton_schulz_batched(g, resolve("polar_express", 5), method=method, chunk=shape[0])
+    for chunk in (1, 2, 3):
+        out = newton_schulz_batched(g, resolve("polar_express", 5), method=method, chunk=chunk)
+        assert out.is_contiguous() and out.dtype == g.dtype
+        torch.testing.assert_close(out, whole, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="chunk"):
+        newton_schulz_batched(g, resolve("keller", 5), chunk=0)
