@@ -323,17 +323,22 @@ class TransformOptimizer(torch.optim.Optimizer):
             self._sync_torch_state(gi)
         return loss
 
-    def _group_update(self, gi: int, idx: list[int], grads: list[torch.Tensor]):
-        group = self.param_groups[gi]
+    def _group_inputs(self, gi: int, idx: list[int]):
+        """The group's keys and parameters with gradients, its state carrying the current
+        hyperparameters, those hyperparameters, and the sub-state of those parameters."""
         keys_all = self._group_keys[gi]
         keys = [keys_all[i] for i in idx]
-        params = [group["params"][i] for i in idx]
+        params = [self.param_groups[gi]["params"][i] for i in idx]
         state: InjectHyperparamsState = self._tx_states[gi]
         hp = self._hparams(gi)
         state = state._replace(hyperparams={n: hp[n] for n in state.hyperparams if n in hp})
-        update = self._update_fn(gi, state, hp)
         partial = len(idx) != len(keys_all)
         sub = restrict(state, set(keys)) if partial else state
+        return keys, params, state, hp, partial, sub
+
+    def _group_update(self, gi: int, idx: list[int], grads: list[torch.Tensor]):
+        keys, params, state, hp, partial, sub = self._group_inputs(gi, idx)
+        update = self._update_fn(gi, state, hp)
         # After a group's first successful step (which surfaces structural errors with
         # nothing changed), the old state is donated: transforms overwrite its buffers
         # instead of allocating a fresh copy of every tensor each step.
@@ -358,13 +363,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         """One group's step as one compiled function that writes the new state into the
         old buffers and adds the update to the parameters: inductor fuses the whole
         elementwise chain and stores into the existing tensors (no fresh copies)."""
-        group = self.param_groups[gi]
-        keys_all = self._group_keys[gi]
-        keys = [keys_all[i] for i in idx]
-        params = [group["params"][i] for i in idx]
-        state: InjectHyperparamsState = self._tx_states[gi]
-        hp = self._hparams(gi)
-        state = state._replace(hyperparams={n: hp[n] for n in state.hyperparams if n in hp})
+        keys, params, state, hp, partial, sub = self._group_inputs(gi, idx)
         # Injected hyperparameters reach the update through the state, so one compiled
         # function serves every value; only a change of a static one (a string, a
         # bool, a dtype) builds and compiles a new one.
@@ -383,8 +382,6 @@ class TransformOptimizer(torch.optim.Optimizer):
                 return new_sub
 
             fn = self._compiled[(gi, static, donate)] = torch.compile(step_in_place, **self._compile_kwargs)
-        partial = len(idx) != len(keys_all)
-        sub = restrict(state, set(keys)) if partial else state
         new_sub = fn(build(keys, grads), sub, build(keys, params), params, keys)
         return merge(state, new_sub) if partial else new_sub
 
