@@ -7,7 +7,8 @@ shards. Two kinds of work need more, and go through this module only:
   A matrix function takes a batch ``[N, m, n]`` and returns a batch of the same
   shape, treating each of the ``N`` matrices independently (Newton-Schulz, per-row
   statistics). Locally, stacks of the same ``(m, n)``, dtype and device are
-  concatenated and transformed as one batch.
+  concatenated and transformed as one batch (on the CPU, in batches of about
+  :data:`CPU_BATCH_ELEMENTS` elements).
 * :func:`global_sum` sums a per-tensor scalar over all leaves (global norms,
   non-finite counts). Locally it is a plain sum.
 
@@ -26,7 +27,7 @@ MatrixFn = Callable[[torch.Tensor], torch.Tensor]
 ScalarFn = Callable[[torch.Tensor], torch.Tensor]
 
 __all__ = ["MatrixFn", "ScalarFn", "Backend", "register_backend", "unregister_backend",
-           "map_matrices", "global_sum", "local_map_matrices"]
+           "map_matrices", "global_sum", "local_map_matrices", "CPU_BATCH_ELEMENTS"]
 
 
 class Backend(Protocol):
@@ -65,15 +66,39 @@ def _split_by_backend(tensors: Sequence[torch.Tensor]):
     return list(groups.values())
 
 
+#: On the CPU, same-shape stacks are concatenated into batches of at most about this many
+#: elements (a stack larger than that goes alone, uncopied): past it, batching gains
+#: nothing there and the concatenation and the batch's temporaries only cost memory
+#: traffic. On other devices a whole same-shape group is one batch.
+CPU_BATCH_ELEMENTS = 1 << 21
+
+
+def _batches(idx: list[int], stacks: Sequence[torch.Tensor]) -> list[list[int]]:
+    if stacks[idx[0]].device.type != "cpu" or torch.compiler.is_compiling():
+        return [idx]
+    out: list[list[int]] = []
+    size = 0
+    for i in idx:
+        n = stacks[i].numel()
+        if out and size + n <= CPU_BATCH_ELEMENTS:
+            out[-1].append(i)
+            size += n
+        else:
+            out.append([i])
+            size = n
+    return out
+
+
 def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor],
                        overwrite: Sequence[bool] | None = None) -> list[torch.Tensor]:
-    """Batch same-shape stacks into one call of ``fn`` each; results in input order.
+    """Batch same-shape stacks into calls of ``fn``; results in input order.
 
-    A group with a single stack is passed as it is (no copy). Larger groups are
-    concatenated along dim 0, transformed once, and split back into views. Where
-    ``overwrite[i]`` is true the result is copied into ``stacks[i]`` as soon as its group
-    is done (and ``stacks[i]`` returned), so the extra memory is one group's, not the
-    model's.
+    A batch with a single stack is passed as it is (no copy). Larger batches are
+    concatenated along dim 0, transformed once, and split back into views. On the CPU a
+    batch holds at most about :data:`CPU_BATCH_ELEMENTS` elements, elsewhere the whole
+    same-shape group. Where ``overwrite[i]`` is true the result is copied into
+    ``stacks[i]`` as soon as its batch is done (and ``stacks[i]`` returned), so the
+    extra memory is one batch's, not the model's.
     """
     out: list[torch.Tensor | None] = [None] * len(stacks)
     groups: dict[tuple, list[int]] = {}
@@ -81,7 +106,7 @@ def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor],
         if s.ndim != 3:
             raise ValueError(f"map_matrices takes [k, m, n] stacks, got shape {tuple(s.shape)}")
         groups.setdefault((tuple(s.shape[1:]), s.dtype, s.device), []).append(i)
-    for idx in groups.values():
+    for idx in (b for group in groups.values() for b in _batches(group, stacks)):
         if len(idx) == 1:
             pieces = [fn(stacks[idx[0]])]
         else:

@@ -243,3 +243,32 @@ def test_chunked_newton_schulz_equals_one_batch(shape, method):
         torch.testing.assert_close(out, whole, rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="chunk"):
         newton_schulz_batched(g, resolve("keller", 5), chunk=0)
+
+
+# -- seam batching -----------------------------------------------------------------------
+
+
+def test_seam_batches_are_cache_sized_on_the_cpu_and_whole_elsewhere():
+    from muonfx import seam
+    calls = []
+
+    def fn(batch):
+        calls.append(batch.shape[0])
+        return batch * 2
+
+    small = [torch.randn(1, 64, 64) for _ in range(6)]           # 4096 elements each
+    big = torch.randn(2, 1024, 1024)                              # above the limit: alone, uncopied
+    limit = seam.CPU_BATCH_ELEMENTS
+    seam.CPU_BATCH_ELEMENTS = 3 * 4096
+    try:
+        out = seam.local_map_matrices(fn, small + [big])
+    finally:
+        seam.CPU_BATCH_ELEMENTS = limit
+    assert sorted(calls) == [2, 3, 3]  # 6 small stacks in batches of <= 3, the big one alone
+    for o, s in zip(out, small + [big]):
+        torch.testing.assert_close(o, s * 2)
+    # another device: one batch per same-shape group
+    calls.clear()
+    meta = [torch.empty(1, 64, 64, device="meta") for _ in range(6)]
+    seam.local_map_matrices(fn, meta)
+    assert calls == [6]
