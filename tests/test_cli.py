@@ -87,12 +87,27 @@ def test_bf16_check_explains_the_sigill_workaround(monkeypatch):
         return (True, "works") if env.get("ONEDNN_MAX_CPU_ISA") else (False, "the process died with SIGILL")
 
     monkeypatch.setattr(cli_info, "_probe", fake_probe)
+    monkeypatch.setattr(cli_info, "_speed_probe", lambda env: None)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     text = "\n".join(cli_info.bf16_matmul_check())
     assert "SIGILL" in text and "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16" in text and "export" in text
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     text = "\n".join(cli_info.bf16_matmul_check())
     assert "works" in text and "SIGILL" in text and "keep ONEDNN_MAX_CPU_ISA" in text
+
+
+def test_bf16_check_advises_the_faster_newton_schulz_dtype(monkeypatch):
+    monkeypatch.setattr(cli_info, "_probe", lambda env: (True, "works"))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    monkeypatch.setattr(cli_info, "_speed_probe", lambda env: (190.0, 430.0))  # AVX-512 bf16
+    text = "\n".join(cli_info.bf16_matmul_check())
+    assert "float32 190 GFLOP/s, bf16 430 GFLOP/s" in text and "ns_dtype=torch.bfloat16" in text
+    monkeypatch.setattr(cli_info, "_speed_probe", lambda env: (153.0, 69.0))   # bf16 emulated
+    text = "\n".join(cli_info.bf16_matmul_check())
+    assert "keep the float32 default" in text and "ns_dtype=torch.bfloat16" not in text
+    # the real probe returns two positive rates
+    rates = cli_info._speed_probe(dict(os.environ))
+    assert rates is not None and all(r > 0 for r in rates)
 
 
 def test_bench_lists_and_reports_a_missing_directory(tmp_path, capsys):
