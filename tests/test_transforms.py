@@ -479,16 +479,22 @@ def test_accumulate_bf16_grads_sum_in_float32():
     assert out["w"].dtype == torch.bfloat16 and out["w"].item() == 1.5
 
 
-def test_accumulate_one_is_inner():
-    gen = torch.Generator().manual_seed(1)
-    p = td(w=torch.randn(4, 6, generator=gen))
-    a, b = mfx.accumulate(mfx.adamw(), 1), mfx.adamw()
+def _run_side_by_side(a, b, shape, seed, steps=3):
+    """Run ``a`` and ``b`` on the same params and gradients; assert equal updates each
+    step and return both final states."""
+    gen = torch.Generator().manual_seed(seed)
+    p = td(w=torch.randn(*shape, generator=gen))
     sa, sb = a.init(p), b.init(p)
-    for _ in range(3):
-        g = td(w=torch.randn(4, 6, generator=gen))
+    for _ in range(steps):
+        g = td(w=torch.randn(*shape, generator=gen))
         ua, sa = a.update(g, sa, p)
         ub, sb = b.update(g, sb, p)
         assert torch.equal(ua["w"], ub["w"])
+    return sa, sb
+
+
+def test_accumulate_one_is_inner():
+    _run_side_by_side(mfx.accumulate(mfx.adamw(), 1), mfx.adamw(), (4, 6), seed=1)
 
 
 # ---------------------------------------------------------------------------
@@ -518,16 +524,9 @@ def test_inject_hyperparams_readable_and_writable():
 
 
 def test_inject_hyperparams_matches_plain_transform():
-    gen = torch.Generator().manual_seed(2)
-    p = td(w=torch.randn(6, 4, generator=gen))
     a = mfx.inject_hyperparams(mfx.muon)(lr=0.02, momentum=0.9, weight_decay=0.1, ns_dtype=torch.float32)
     b = mfx.muon(lr=0.02, momentum=0.9, weight_decay=0.1, ns_dtype=torch.float32)
-    sa, sb = a.init(p), b.init(p)
-    for _ in range(3):
-        g = td(w=torch.randn(6, 4, generator=gen))
-        ua, sa = a.update(g, sa, p)
-        ub, sb = b.update(g, sb, p)
-        assert torch.equal(ua["w"], ub["w"])
+    sa, sb = _run_side_by_side(a, b, (6, 4), seed=2)
     assert torch.equal(sa.inner_state["momentum"].mu["w"], sb["momentum"].mu["w"])
 
 
