@@ -12,7 +12,7 @@ from typing import Any, Callable, Hashable, Mapping, NamedTuple, Union
 import torch
 from tensordict import TensorDictBase, is_leaf_nontensor
 
-from .base import GradientTransformation, Key, build, check_keys, give_final, key_str, leaves, protect_state, take_final
+from .base import GradientTransformation, Key, build, check_keys, key_str, leaves
 
 Predicate = Callable[[str, torch.Tensor], bool]
 MaskSpec = Union[Predicate, TensorDictBase, Mapping[str, bool]]
@@ -42,13 +42,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     def update_fn(updates, state, params=None):
         if len(state) != len(transforms):
             raise ValueError(f"chain: state has {len(state)} entries for {len(transforms)} transforms")
-        last = take_final(update_fn)
         new_state = []
-        for i, (t, s) in enumerate(zip(transforms, state)):
-            if last and i == len(transforms) - 1:
-                give_final(t.update)  # the last transform makes the chain's output
+        for t, s in zip(transforms, state):
             updates, s = t.update(updates, s, params)
-            protect_state(s)  # later transforms may not overwrite tensors kept as state
             new_state.append(s)
         return updates, tuple(new_state)
 
@@ -83,13 +79,9 @@ def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransform
     def update_fn(updates, state, params=None):
         if set(state) != set(names):
             raise ValueError(f"named_chain: state names {sorted(state)} differ from the chain's {names}")
-        last = take_final(update_fn)
         new_state = {}
-        for i, (n, t) in enumerate(named):
-            if last and i == len(named) - 1:
-                give_final(t.update)
+        for n, t in named:
             updates, new_state[n] = t.update(updates, state[n], params)
-            protect_state(new_state[n])
         return updates, new_state
 
     return GradientTransformation(init_fn, update_fn)
@@ -181,8 +173,6 @@ def masked(inner: GradientTransformation, mask: MaskSpec) -> GradientTransformat
         keys, us, ps, labels = _split(updates, params, mask, "mask")
         pick = [bool(m) for m in labels]
         sub_p = _sub(keys, ps, pick) if ps is not None else None
-        if take_final(update_fn):
-            give_final(inner.update)  # masked-out leaves pass through unscaled
         new_u, new_inner = inner.update(_sub(keys, us, pick), state.inner_state, sub_p)
         out = [new_u.get(k) if p else u for k, u, p in zip(keys, us, pick)]
         return build(keys, out), MaskedState(new_inner)
@@ -249,14 +239,11 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], labels: Lab
     def update_fn(updates, state, params=None):
         keys, us, ps, lbls = _split(updates, params, labels, "labels")
         _check(keys, lbls)
-        last = take_final(update_fn)
         out: dict[Key, torch.Tensor] = {}
         new_states = {}
         for lbl, t in transforms.items():
             pick = [x == lbl for x in lbls]
             sub_p = _sub(keys, ps, pick) if ps is not None else None
-            if last:
-                give_final(t.update)  # each label's output is final for its leaves
             new_u, new_states[lbl] = t.update(_sub(keys, us, pick), state.inner_states[lbl], sub_p)
             for k, p in zip(keys, pick):
                 if p:

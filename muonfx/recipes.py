@@ -35,7 +35,7 @@ from typing import Callable, Hashable, Sequence, Union
 
 import torch
 
-from .base import EmptyState, GradientTransformation, Key, aligned, build, foreach, key_str, leaves, mark_fresh
+from .base import EmptyState, GradientTransformation, Key, aligned, build, foreach, key_str, leaves
 from .combine import MaskSpec, chain, masked, named_chain, partition
 from .linalg import CoefficientSpec
 from .presets import adamw, default_muon_labels, muon
@@ -207,7 +207,7 @@ def cautious_decay(weight_decay: float, mask: MaskSpec | None = None) -> Gradien
         foreach("mul_", gated, foreach("sign", us))
         foreach("clamp_min_", gated, 0.0)
         foreach("mul_", gated, ps)
-        return build(keys, foreach("add", us, gated, alpha=weight_decay, reuse=True)), state
+        return build(keys, foreach("add", us, gated, alpha=weight_decay)), state
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -393,7 +393,6 @@ def blockwise(inner: GradientTransformation, split_sizes: SplitSizes, dim: int =
             i += n
             out = torch.cat(pieces, dim=view_ndim - 2 + row_or_col).reshape(u.shape)
             outs.append(_placed_like(out, u))
-        mark_fresh(outs)  # new tensors: later transforms may scale them in place
         return build(keys, outs), state
 
     return GradientTransformation(init_fn, update_fn)

@@ -7,8 +7,8 @@ shards. Two kinds of work need more, and go through this module only:
   A matrix function takes a batch ``[N, m, n]`` and returns a batch of the same
   shape, treating each of the ``N`` matrices independently (Newton-Schulz, per-row
   statistics). Locally, stacks of the same ``(m, n)``, dtype and device are
-  concatenated and transformed as one batch (on the CPU, in batches of about
-  :data:`CPU_BATCH_ELEMENTS` elements).
+  transformed in batches bounded in bytes (:mod:`muonfx.linalg.batching`, the one
+  batching policy).
 * :func:`global_sum` sums a per-tensor scalar over all leaves (global norms,
   non-finite counts). Locally it is a plain sum.
 
@@ -23,11 +23,13 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from .linalg.batching import batch_bytes, plan_batches
+
 MatrixFn = Callable[[torch.Tensor], torch.Tensor]
 ScalarFn = Callable[[torch.Tensor], torch.Tensor]
 
 __all__ = ["MatrixFn", "ScalarFn", "Backend", "register_backend", "unregister_backend",
-           "map_matrices", "global_sum", "local_map_matrices", "CPU_BATCH_ELEMENTS"]
+           "map_matrices", "global_sum", "local_map_matrices"]
 
 
 class Backend(Protocol):
@@ -66,79 +68,54 @@ def _split_by_backend(tensors: Sequence[torch.Tensor]):
     return list(groups.values())
 
 
-#: On the CPU, same-shape stacks are concatenated into batches of at most about this many
-#: elements (a stack larger than that goes alone, uncopied): past it, batching gains
-#: nothing there and the concatenation and the batch's temporaries only cost memory
-#: traffic. On other devices a whole same-shape group is one batch.
-CPU_BATCH_ELEMENTS = 1 << 21
+def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Apply ``fn`` to same-shape matrices in batches bounded in bytes; results in input order.
 
-
-def _batches(idx: list[int], stacks: Sequence[torch.Tensor]) -> list[list[int]]:
-    if stacks[idx[0]].device.type != "cpu" or torch.compiler.is_compiling():
-        return [idx]
-    out: list[list[int]] = []
-    size = 0
-    for i in idx:
-        n = stacks[i].numel()
-        if out and size + n <= CPU_BATCH_ELEMENTS:
-            out[-1].append(i)
-            size += n
-        else:
-            out.append([i])
-            size = n
-    return out
-
-
-def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor],
-                       overwrite: Sequence[bool] | None = None) -> list[torch.Tensor]:
-    """Batch same-shape stacks into calls of ``fn``; results in input order.
-
-    A batch with a single stack is passed as it is (no copy). Larger batches are
-    concatenated along dim 0, transformed once, and split back into views. On the CPU a
-    batch holds at most about :data:`CPU_BATCH_ELEMENTS` elements, elsewhere the whole
-    same-shape group. Where ``overwrite[i]`` is true the result is copied into
-    ``stacks[i]`` as soon as its batch is done (and ``stacks[i]`` returned), so the
-    extra memory is one batch's, not the model's.
+    Stacks of the same ``(m, n)``, dtype and device are cut into batches of at most
+    :func:`muonfx.linalg.batch_bytes` bytes (see :func:`muonfx.linalg.plan_batches`).
+    A batch that is one whole stack goes as it is (no copy); other batches are
+    concatenated along dim 0, and a stack cut over several batches is put back
+    together. Inputs are never modified.
     """
-    out: list[torch.Tensor | None] = [None] * len(stacks)
+    out: list = [None] * len(stacks)
     groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(stacks):
         if s.ndim != 3:
             raise ValueError(f"map_matrices takes [k, m, n] stacks, got shape {tuple(s.shape)}")
         groups.setdefault((tuple(s.shape[1:]), s.dtype, s.device), []).append(i)
-    for idx in (b for group in groups.values() for b in _batches(group, stacks)):
-        if len(idx) == 1:
-            pieces = [fn(stacks[idx[0]])]
-        else:
-            res = fn(torch.cat([stacks[i] for i in idx], dim=0))
-            pieces = list(res.split([stacks[i].shape[0] for i in idx], dim=0))
-        for i, piece in zip(idx, pieces):
-            if overwrite is not None and overwrite[i] and piece.dtype == stacks[i].dtype:
-                out[i] = stacks[i].copy_(piece)
+    for (mn, dtype, device), idx in groups.items():
+        mat_bytes = mn[0] * mn[1] * stacks[idx[0]].element_size()
+        counts = [stacks[i].shape[0] for i in idx]
+        pieces: dict[int, list[torch.Tensor]] = {}
+        for batch in plan_batches(counts, mat_bytes, batch_bytes(device)):
+            parts = []
+            for j, a, b in batch:
+                parts.append(stacks[idx[j]] if (a, b) == (0, counts[j]) else stacks[idx[j]][a:b])
+            if len(parts) == 1:
+                res = (fn(parts[0]),)
             else:
-                out[i] = piece
-        del pieces
-    return out  # type: ignore[return-value]
+                res = fn(torch.cat(parts, dim=0)).split([b - a for _, a, b in batch], dim=0)
+            for (j, _, _), r in zip(batch, res):
+                pieces.setdefault(idx[j], []).append(r)
+        for i, ps in pieces.items():
+            out[i] = ps[0] if len(ps) == 1 else torch.cat(ps, dim=0)
+    return out
 
 
-def map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor],
-                 overwrite: Sequence[bool] | None = None) -> list[torch.Tensor]:
+def map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Apply the matrix function ``fn`` to each ``[k, m, n]`` stack in ``stacks``.
 
     ``fn`` must treat the matrices of a batch independently: ``fn(cat(a, b)) ==
     cat(fn(a), fn(b))``. Tensors claimed by a registered backend (e.g. DTensor
-    shards) are served by it; the rest are batched locally. ``overwrite[i]`` allows
-    writing the result into ``stacks[i]`` (local stacks only).
+    shards) are served by it; the rest are batched locally (:func:`local_map_matrices`).
+    Returns new tensors; the inputs are never modified.
     """
     if not _BACKENDS:
-        return local_map_matrices(fn, stacks, overwrite)
+        return local_map_matrices(fn, stacks)
     out: list[torch.Tensor | None] = [None] * len(stacks)
     for backend, idx in _split_by_backend(stacks):
         sub = [stacks[i] for i in idx]
-        if backend is None:
-            res = local_map_matrices(fn, sub, None if overwrite is None else [overwrite[i] for i in idx])
-        else:
-            res = backend.map_matrices(fn, sub)
+        res = local_map_matrices(fn, sub) if backend is None else backend.map_matrices(fn, sub)
         for i, r in zip(idx, res):
             out[i] = r
     return out  # type: ignore[return-value]

@@ -26,7 +26,7 @@ from tensordict import TensorDictBase
 from .base import Key, build, key_str
 from .wrappers import InjectHyperparamsState
 
-__all__ = ["flatten_per_param", "unflatten_per_param", "restrict", "merge", "state_tensors", "write_back"]
+__all__ = ["flatten_per_param", "unflatten_per_param", "restrict", "merge", "state_tensors"]
 
 _ELIDED = ("inner_state", "inner_states")
 
@@ -208,45 +208,6 @@ def merge(full: Any, sub: Any) -> Any:
     if isinstance(full, (tuple, list)):
         return type(full)(merge(a, b) for a, b in zip(full, sub))
     return sub
-
-
-def write_back(old: Any, new: Any) -> Any:
-    """Copy ``new``'s tensors into ``old``'s buffers where they match; return the state
-    with those buffers.
-
-    Both states have the same structure (the state before and after one update). A
-    tensor of ``new`` with the shape and dtype of the tensor at the same place in
-    ``old`` is copied into it (``old`` is mutated) and ``old``'s tensor takes its
-    place; anything else (scalars, other shapes) is taken from ``new``. Under
-    ``torch.compile`` this turns a functional update into one that writes its state
-    in place, so inductor stores results into the existing buffers.
-    """
-    if isinstance(new, torch.Tensor):
-        if (isinstance(old, torch.Tensor) and old is not new and old.shape == new.shape
-                and old.dtype == new.dtype and old.device == new.device):
-            old.copy_(new)
-            return old
-        return new
-    if isinstance(new, TensorDictBase):
-        if not isinstance(old, TensorDictBase):
-            return new
-        keys = _td_keys(new)
-        if set(keys) != set(_td_keys(old)):
-            return new
-        return build(keys, [write_back(old.get(k), new.get(k)) for k in keys])
-    if _is_namedtuple(new):
-        if type(old) is not type(new):
-            return new
-        return type(new)(*[write_back(o, n) for o, n in zip(old, new)])
-    if isinstance(new, (tuple, list)):
-        if not isinstance(old, (tuple, list)) or len(old) != len(new):
-            return new
-        return type(new)(write_back(o, n) for o, n in zip(old, new))
-    if isinstance(new, dict):
-        if not isinstance(old, dict):
-            return new
-        return {k: write_back(old[k], v) if k in old else v for k, v in new.items()}
-    return new
 
 
 def state_tensors(state: Any) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ import torch
 from tensordict import TensorDict
 
 from . import seam
-from .base import GradientTransformation, aligned, build, foreach, give_final, leaves, protect_state, take_final
+from .base import GradientTransformation, aligned, build, foreach, leaves
 from .schedules import evaluate
 
 __all__ = ["apply_if_finite", "ApplyIfFiniteState", "accumulate", "AccumulateState",
@@ -70,7 +70,6 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int =
         return ApplyIfFiniteState(0, True, 0, inner.init(params))
 
     def update_fn(updates, state, params=None):
-        protect_state(state.inner_state)  # a skipped step must return this state intact
         new_u, new_inner = inner.update(updates, state.inner_state, params)
         keys, us = leaves(new_u)
         bad = int(seam.global_sum(_count_nonfinite, us).item()) if us else 0
@@ -138,8 +137,7 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
         accs = aligned(state.acc, keys, "accumulate state (acc)")
-        total = foreach("add", accs, [g if g.dtype == a.dtype else g.to(a.dtype) for g, a in zip(gs, accs)],
-                        reuse=True)
+        total = foreach("add", accs, [g if g.dtype == a.dtype else g.to(a.dtype) for g, a in zip(gs, accs)])
         if state.mini_step + 1 < every_k:
             zeros = build(keys, [torch.zeros_like(g) for g in gs])
             return zeros, AccumulateState(state.mini_step + 1, build(keys, total), state.inner_state)
@@ -239,8 +237,6 @@ def inject_hyperparams(
                 raise ValueError(f"inject_hyperparams: state lacks hyperparameters {sorted(missing)}")
             hp = values_at(state.count, state.hyperparams)
             tx = factory(**static, **hp)
-            if take_final(update_fn):
-                give_final(tx.update)
             new_u, new_inner = tx.update(updates, state.inner_state, params)
             return new_u, InjectHyperparamsState(state.count + 1, hp, new_inner)
 

@@ -97,7 +97,7 @@ def describe(opt: torch.optim.Optimizer) -> list[dict]:
     """Per param group: transform name, lr, number of tensors and of parameters."""
     out = []
     for gi, g in enumerate(opt.param_groups):
-        factory = opt._group_factories[gi] if hasattr(opt, "_group_factories") else None
+        factory = opt.records[gi].factory if hasattr(opt, "records") else None
         out.append({
             "tx": getattr(factory, "__name__", "?"),
             "lr": g["lr"],

@@ -71,13 +71,6 @@ def gram_pays_off(m: int, n: int, steps: int) -> bool:
     return steps > 1 and 4 * m * m * n + (8 * steps - 6) * m ** 3 < steps * (4 * m * m * n + 2 * m ** 3)
 
 
-#: On the CPU a batch is processed in chunks of about this many matrix elements, so that
-#: each chunk's iterates stay in cache between the products (measured on the project's
-#: 2-core VM: 8 % faster for 16x512x1024 in bf16, 7 % for 4x768x3072 in float32 than one
-#: batch). Elsewhere (CUDA) the whole batch goes at once: large batches fill the device.
-CPU_CHUNK_ELEMENTS = 1 << 21
-
-
 def newton_schulz_batched(
     g: torch.Tensor,
     schedule: Schedule,
@@ -85,7 +78,6 @@ def newton_schulz_batched(
     dtype: torch.dtype | None = None,
     method: str = "standard",
     restart: int | None = None,
-    chunk: int | None = None,
 ) -> torch.Tensor:
     """Orthogonalise each matrix of ``g`` (``[N, m, n]``); returns a new tensor like ``g``.
 
@@ -95,18 +87,14 @@ def newton_schulz_batched(
     flops, see :func:`gram_pays_off`; standard in 16-bit dtypes, where Gram loses about
     2x accuracy). ``restart`` (Gram only) re-forms ``X`` every that many steps;
     ``None`` means never in float32/float64 and every 2 steps in 16-bit dtypes, as
-    published for bf16. ``chunk``: matrices per batched call (default: about
-    :data:`CPU_CHUNK_ELEMENTS` elements per chunk on the CPU, the whole batch on other
-    devices and under ``torch.compile``);
-    matrices are independent, so it changes speed and working memory, not the result.
+    published for bf16. The whole batch is one call: how many matrices a batch holds
+    is decided by :mod:`muonfx.linalg.batching` (the seam plans the batches).
     ``g`` is never modified, even when it already has the compute dtype.
     """
     if g.ndim != 3:
         raise ValueError(f"newton_schulz_batched takes [N, m, n], got {tuple(g.shape)}")
     if method not in ("standard", "gram", "auto"):
         raise ValueError(f"unknown Newton-Schulz method {method!r}; use 'standard', 'gram' or 'auto'")
-    if chunk is not None and chunk < 1:
-        raise ValueError(f"newton_schulz_batched: chunk must be >= 1, got {chunk}")
     cdtype = dtype if dtype is not None else default_compute_dtype(g)
     m, n = min(g.shape[-2], g.shape[-1]), max(g.shape[-2], g.shape[-1])
     use_gram = method == "gram" or (
@@ -114,21 +102,12 @@ def newton_schulz_batched(
     )
     if use_gram and restart is None and cdtype in (torch.bfloat16, torch.float16):
         restart = 2
-    if chunk is None:
-        # under torch.compile the whole batch is one graph op (shapes may be symbolic)
-        whole = g.device.type != "cpu" or torch.compiler.is_compiling()
-        chunk = g.shape[0] if whole else max(1, CPU_CHUNK_ELEMENTS // max(1, m * n))
-    if chunk >= g.shape[0]:
-        return _orthogonalize(g, schedule, eps, cdtype, use_gram, restart, None)
-    out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-    for i in range(0, g.shape[0], chunk):
-        _orthogonalize(g[i:i + chunk], schedule, eps, cdtype, use_gram, restart, out[i:i + chunk])
-    return out
+    return _orthogonalize(g, schedule, eps, cdtype, use_gram, restart)
 
 
 def _orthogonalize(g: torch.Tensor, schedule: Schedule, eps: float, cdtype: torch.dtype, use_gram: bool,
-                   restart: int | None, out: torch.Tensor | None) -> torch.Tensor:
-    """One batched call; the result goes to ``out`` (contiguous, ``g``'s dtype) if given."""
+                   restart: int | None) -> torch.Tensor:
+    """One batched call; a new contiguous tensor of ``g``'s dtype."""
     x = g.to(cdtype)
     tall = x.shape[-2] > x.shape[-1]
     if tall:
@@ -139,8 +118,6 @@ def _orthogonalize(g: torch.Tensor, schedule: Schedule, eps: float, cdtype: torc
     x = _gram(x, schedule.steps, restart) if use_gram else _standard(x, schedule.steps)
     if tall:
         x = x.mT
-    if out is not None:
-        return out.copy_(x)
     if x.dtype == g.dtype:
         return x.contiguous()
     # one pass: cast back and lay out contiguously (a transposed result would otherwise

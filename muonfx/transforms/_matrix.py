@@ -43,3 +43,25 @@ def as_stack(key: Key, t: torch.Tensor, who: str) -> torch.Tensor:
         return t
     a, b = matrix_dims(key, t, who)
     return t.reshape(1, a, b)
+
+
+def matrix_shapes(keys: list[Key], ts: list[torch.Tensor], who: str) -> list[tuple[int, int]]:
+    """``(A, B)`` of every leaf's matrix view, in one call (the per-leaf work inline)."""
+    out = []
+    for k, t in zip(keys, ts):
+        nd = t.ndim
+        if nd == 2:
+            out.append((t.shape[0], t.shape[1]))
+        elif nd == 3:
+            out.append((t.shape[1], t.shape[2]))
+        else:
+            out.append(matrix_dims(k, t, who))  # 4-D+, or the error for 0-D/1-D
+    return out
+
+
+def as_stacks(keys: list[Key], ts: list[torch.Tensor], who: str) -> list[torch.Tensor]:
+    """Every leaf viewed as a ``[k, A, B]`` stack (see :func:`as_stack`), in one call."""
+    out = []
+    for (a, b), t in zip(matrix_shapes(keys, ts, who), ts):
+        out.append(t if t.ndim == 3 else t.reshape(1, a, b))
+    return out

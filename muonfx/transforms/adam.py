@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 from tensordict import TensorDict
 
-from ..base import GradientTransformation, aligned, build, foreach, leaves, scaled_div
+from ..base import GradientTransformation, aligned, build, foreach, leaves
 
 
 class ScaleByAdamState(NamedTuple):
@@ -64,16 +64,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         ms_c = [m if m.dtype == g.dtype else m.to(g.dtype) for m, g in zip(ms, gs)]
         vs_c = [v if v.dtype == g.dtype else v.to(g.dtype) for v, g in zip(vs, gs)]
         t = state.count + 1
-        new_m = foreach("lerp", ms_c, gs, 1.0 - b1, reuse=True)
-        new_v = foreach("mul", vs_c, b2, reuse=True)
-        foreach("addcmul_", new_v, gs, gs, value=1.0 - b2)
-        # out = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps) = (sqrt(bc2) / bc1) * m / (sqrt(v) + eps * sqrt(bc2)),
-        # computed in one scratch buffer: the gradients when the adapter donates them
-        # (they are not read after this point), else a fresh one. Three passes over it.
+        new_m = foreach("lerp", ms_c, gs, 1.0 - b1)
+        new_v = foreach("mul", vs_c, b2)
+        foreach("addcmul_", new_v, gs, gs, value=1.0 - b2)  # new_v is this update's own tensor
+        # out = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps) = (sqrt(bc2) / bc1) * m / (sqrt(v) + eps * sqrt(bc2))
         bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
-        out = foreach("sqrt", new_v, into=gs)
-        foreach("add_", out, eps * math.sqrt(bc2))
-        out = scaled_div(new_m, out, math.sqrt(bc2) / bc1, overwrite_den=True)
+        den = foreach("sqrt", new_v)
+        foreach("add_", den, eps * math.sqrt(bc2))
+        out = foreach("div", new_m, den)
+        foreach("mul_", out, math.sqrt(bc2) / bc1)
         store = lambda new, old: [n if n.dtype == o.dtype else n.to(o.dtype) for n, o in zip(new, old)]  # noqa: E731
         return build(keys, out), ScaleByAdamState(t, build(keys, store(new_m, ms)), build(keys, store(new_v, vs)))
 

@@ -49,7 +49,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         # tensor / tensor: `float / tensor` is reciprocal * float, which is not exactly 1
         # when norm <= max_norm; this way the updates pass through bit for bit.
         factor = torch.as_tensor(max_norm, dtype=norm.dtype, device=norm.device) / torch.clamp(norm, min=max_norm)
-        out = foreach("mul", us, factor.to(us[0].device), reuse=True)
+        out = foreach("mul", us, factor.to(us[0].device))
         # a 0-D leaf times the 0-D factor promotes like two tensors (f32 * f64 -> f64,
         # bf16 * f32 -> f32): cast back so every update keeps its dtype
         return build(keys, [o if o.dtype == u.dtype else o.to(u.dtype) for o, u in zip(out, us)]), state

@@ -40,6 +40,6 @@ def decoupled_decay(weight_decay: float, mask: MaskSpec | None = None) -> Gradie
         ps = aligned(params, keys, "params (needed by decoupled_decay)")
         if weight_decay == 0.0:
             return updates, state
-        return build(keys, foreach("add", us, ps, alpha=weight_decay, reuse=True)), state
+        return build(keys, foreach("add", us, ps, alpha=weight_decay)), state
 
     return GradientTransformation(init_fn, update_fn)

@@ -7,9 +7,9 @@ from functools import partial
 import torch
 
 from .. import seam
-from ..base import EmptyState, GradientTransformation, build, leaves, mark_fresh, may_overwrite
+from ..base import EmptyState, GradientTransformation, build, leaves
 from ..linalg import CoefficientSpec, newton_schulz_batched, resolve
-from ._matrix import as_stack
+from ._matrix import as_stacks
 
 
 def newton_schulz(
@@ -48,7 +48,7 @@ def newton_schulz(
     Leaves: 2-D are matrices, 3-D are batches of matrices (MoE experts), 4-D+ are
     viewed as ``[out, in*kh*kw]``. 0-D/1-D leaves raise ``ValueError`` naming the key;
     route them with :func:`mask_by_ndim` or :func:`partition`. Same-shape matrices are
-    orthogonalised as one batch through :func:`muonfx.seam.map_matrices`.
+    orthogonalised in batches (bounded in bytes) through :func:`muonfx.seam.map_matrices`.
 
     Example::
 
@@ -71,12 +71,7 @@ def newton_schulz(
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
-        stacks = [as_stack(k, g, "newton_schulz") for k, g in zip(keys, gs)]
-        # inside an adapter's donating block, results go straight into their (scratch)
-        # input buffers, group by group: the step's extra memory is one group's
-        overwrite = [may_overwrite(g) for g in gs]
-        outs = [o.reshape(g.shape) for o, g in zip(seam.map_matrices(fn, stacks, overwrite), gs)]
-        mark_fresh(outs)  # new tensors: later transforms may scale them in place
-        return build(keys, outs), state
+        outs = seam.map_matrices(fn, as_stacks(keys, gs, "newton_schulz"))
+        return build(keys, [o.reshape(g.shape) for o, g in zip(outs, gs)]), state
 
     return GradientTransformation(init_fn, update_fn)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ..base import EmptyState, GradientTransformation, build, defer_scale, foreach, leaves, take_final
+from ..base import EmptyState, GradientTransformation, build, foreach, leaves
 from ..schedules import ScalarOrSchedule, evaluate
-from ._matrix import matrix_dims
+from ._matrix import matrix_shapes
 
 SHAPE_MODES = ("original", "match_rms_adamw", "spectral")
 
@@ -30,10 +30,7 @@ def scale(factor: float) -> GradientTransformation:
 
     def update_fn(updates, state, params=None):
         keys, us = leaves(updates)
-        if take_final(update_fn):  # an adapter folds the factor into p += factor * u
-            defer_scale(us, factor)
-            return build(keys, us), state
-        return build(keys, foreach("mul", us, factor, reuse=True)), state
+        return build(keys, foreach("mul", us, factor)), state
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -77,10 +74,7 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     def update_fn(updates, state, params=None):
         value = evaluate("lr", lr, state.count)
         keys, us = leaves(updates)
-        if take_final(update_fn):
-            defer_scale(us, -value)
-            return build(keys, us), ScaleByScheduleState(state.count + 1)
-        return build(keys, foreach("mul", us, -value, reuse=True)), ScaleByScheduleState(state.count + 1)
+        return build(keys, foreach("mul", us, -value)), ScaleByScheduleState(state.count + 1)
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -121,9 +115,14 @@ def scale_by_shape(mode: str = "original") -> GradientTransformation:
 
     def update_fn(updates, state, params=None):
         keys, us = leaves(updates)
-        dims = [matrix_dims(k, u, "scale_by_shape") for k, u in zip(keys, us)]
-        # an empty matrix (a zero side) has nothing to scale; s(A, 0) would divide by zero
-        factors = [shape_factor(mode, a, b) if a and b else 1.0 for a, b in dims]
-        return build(keys, foreach("mul", us, factors, reuse=True)), state
+        known: dict[tuple[int, int], float] = {}
+        factors = []
+        for ab in matrix_shapes(keys, us, "scale_by_shape"):
+            f = known.get(ab)
+            if f is None:
+                # an empty matrix (a zero side) has nothing to scale; s(A, 0) would divide by zero
+                f = known[ab] = shape_factor(mode, *ab) if ab[0] and ab[1] else 1.0
+            factors.append(f)
+        return build(keys, foreach("mul", us, factors)), state
 
     return GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,90 @@
+"""The adapter's checkpoints: torch's ``state_dict`` format over a functional state.
+
+``state_dict()["state"][index]`` holds each parameter's slice of its group's
+transform state, flattened to names like ``"momentum.mu"``, ``"adam.nu"``, ``"count"``
+(see :mod:`muonfx.state_tree`); it loads with ``torch.load(..., weights_only=True)``.
+Loading checks everything first and changes nothing unless all of it fits.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+
+from ..base import key_str
+from ..state_tree import unflatten_per_param
+from .groups import GroupRecord, serialisable
+
+__all__ = ["torch_state", "param_groups_for_saving", "load"]
+
+
+def torch_state(records: list[GroupRecord], param_groups: list[dict]) -> dict[torch.Tensor, dict[str, Any]]:
+    """``{parameter: {flat name: tensor | number}}`` of every group (torch's ``opt.state``)."""
+    from ..state_tree import flatten_per_param
+
+    out: dict[torch.Tensor, dict[str, Any]] = {}
+    for rec, group in zip(records, param_groups):
+        flat = flatten_per_param(rec.state, rec.keys)
+        for p, k in zip(group["params"], rec.keys):
+            out[p] = flat[k]
+    return out
+
+
+def param_groups_for_saving(groups: list[dict]) -> list[dict]:
+    """Group entries that ``weights_only=True`` can load (a schedule function is left out)."""
+    return [{k: v for k, v in g.items() if serialisable(v)} for g in groups]
+
+
+def _check_value(gi: int, name: str, saved: Any, current: Any) -> None:
+    """``ValueError`` naming the group and key when a saved hyperparameter cannot
+    stand where the current one does (a string for a number, NaN, another length)."""
+    if isinstance(current, bool) or not isinstance(current, (numbers.Real, tuple, list, torch.Tensor)):
+        return
+    if isinstance(current, (tuple, list)):
+        if not isinstance(saved, (tuple, list)) or len(saved) != len(current):
+            raise ValueError(f"param group {gi}: saved {name!r} is {saved!r}; expected {len(current)} numbers")
+        for i, (s, c) in enumerate(zip(saved, current)):
+            _check_value(gi, f"{name}[{i}]", s, c)
+        return
+    if isinstance(saved, torch.Tensor) and saved.numel() == 1:
+        saved = saved.item()
+    if isinstance(saved, bool) or not isinstance(saved, numbers.Real) or not math.isfinite(float(saved)):
+        raise ValueError(f"param group {gi}: saved {name!r} is {saved!r}, not a finite number")
+
+
+def load(records: list[GroupRecord], param_groups: list[dict], state_dict: dict[str, Any]) -> None:
+    """Load ``state_dict`` into ``records`` and ``param_groups``, or raise ``ValueError``
+    saying what differs (group, parameter, entry) and change nothing."""
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ValueError("optimizer state_dict must have 'state' and 'param_groups'")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer has {len(param_groups)}")
+    new_states = []
+    for gi, (rec, group, saved) in enumerate(zip(records, param_groups, saved_groups)):
+        ids = list(saved["params"])
+        if len(ids) != len(group["params"]):
+            raise ValueError(
+                f"param group {gi}: state_dict has {len(ids)} parameters, this optimizer has {len(group['params'])}"
+            )
+        names = saved.get("param_names")
+        mine = group.get("param_names")
+        if names is not None and mine is not None and list(names) != list(mine):
+            diff = [(a, b) for a, b in zip(names, mine) if a != b][:5]
+            raise ValueError(f"param group {gi}: parameter names differ (saved, current): {diff}")
+        for k, v in saved.items():
+            if k in group and k not in ("params", "param_names"):
+                _check_value(gi, k, v, group[k])
+        flat = {k: dict(state_dict["state"].get(pid, {})) for k, pid in zip(rec.keys, ids)}
+        names_map = {k: key_str(k) for k in rec.keys}
+        new_states.append(unflatten_per_param(rec.state, rec.keys, flat, names_map))
+    # everything checked: now change things
+    for rec, group, saved, state in zip(records, param_groups, saved_groups, new_states):
+        for k, v in saved.items():
+            if k not in ("params", "param_names"):
+                group[k] = v
+        hp = rec.hyperparams(group)
+        rec.state = state._replace(hyperparams={n: hp[n] for n in state.hyperparams if n in hp})

@@ -1,0 +1,230 @@
+"""The executor: the one place that knows how a step runs on real memory.
+
+Transforms compute; the executor executes. A step is two phases:
+
+1. **compute**: for every param group, call its (pure) transform on fresh
+   TensorDicts of gradients, parameters and state. Nothing is written. Any error
+   (a bad hyperparameter, a schedule returning NaN, a 1-D parameter in a Muon group,
+   a transform's own exception) ends the step here, leaving every parameter, state
+   tensor and param group exactly as it was.
+2. **commit**: write each group's new state into its old state buffers (``copy_``;
+   the buffers keep their identity, so references held by users, ``opt.state`` and
+   checkpoints stay valid) and add the updates to the parameters (``p += u``, one
+   ``_foreach_add_`` per group). Tensors of the new state or updates that share
+   memory with an old state buffer or a parameter are copied first, so no write can
+   change a value that a later write reads.
+
+How phase 1 runs is the executor's choice: eagerly (the reference, correct
+everywhere), or through ``torch.compile`` (:meth:`Executor.compile`; cached per
+group and per set of static hyperparameters, ``dynamic=True`` so lr, momentum or
+weight decay changes recompile nothing). Matrix work is batched under a byte budget
+by :mod:`muonfx.linalg.batching`. DTensor shards run their elementwise work on the
+local tensors (:func:`muonfx.base.foreach`); only the seam sees whole matrices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from tensordict import TensorDictBase
+
+from ..base import Key, build, foreach, key_str
+from ..state_tree import merge, restrict
+from ..wrappers import inject_hyperparams
+from .groups import GroupRecord
+
+__all__ = ["Executor", "GroupWork", "write_back"]
+
+
+@dataclass
+class GroupWork:
+    """One group's share of a step: its record, hyperparameters, and the parameters
+    (positions ``idx`` in the group) that have gradients."""
+
+    record: GroupRecord
+    hp: dict[str, Any]
+    idx: list[int]
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+
+
+def _storages(tensors: Any) -> list[int]:
+    """The storage address of each tensor (of its local shard for a DTensor)."""
+    out = []
+    for t in tensors:
+        if type(t).__name__ == "DTensor":
+            t = t.to_local()
+        out.append(t.untyped_storage().data_ptr())
+    return out
+
+
+# containers that may hold tensors (field-less states such as EmptyState() are skipped)
+_TREE = (torch.Tensor, TensorDictBase, dict, tuple, list)
+
+
+def _pairs(old: Any, new: Any, out: list) -> None:
+    """Collect ``(old tensor, new tensor)`` at the same places of two states."""
+    if isinstance(new, TensorDictBase):
+        if isinstance(old, TensorDictBase):
+            for k, v in new.items(include_nested=True, leaves_only=True):
+                out.append((old.get(k, None), v))
+    elif isinstance(new, dict):
+        if isinstance(old, dict):
+            for k, v in new.items():
+                if isinstance(v, _TREE) and not (isinstance(v, tuple) and not v):
+                    _pairs(old.get(k), v, out)
+    elif isinstance(new, (tuple, list)):
+        if isinstance(old, (tuple, list)) and len(old) == len(new):
+            for o, n in zip(old, new):
+                if isinstance(n, _TREE) and not (isinstance(n, tuple) and not n):
+                    _pairs(o, n, out)
+    elif isinstance(new, torch.Tensor):
+        out.append((old, new))
+
+
+def _rebuild(new: Any, taken: dict[int, torch.Tensor]) -> Any:
+    """``new`` with each tensor replaced by ``taken[id(tensor)]`` where present."""
+    if isinstance(new, TensorDictBase):
+        keys, vals = [], []
+        for k, v in new.items(include_nested=True, leaves_only=True):
+            keys.append((k,) if type(k) is str else tuple(k))
+            vals.append(taken.get(id(v), v))
+        return build(keys, vals)
+    if isinstance(new, torch.Tensor):
+        return taken.get(id(new), new)
+    if isinstance(new, tuple) and hasattr(new, "_fields"):
+        if not new:
+            return new
+        return type(new)(*[_rebuild(v, taken) if isinstance(v, _TREE) and not (isinstance(v, tuple) and not v) else v for v in new])
+    if isinstance(new, dict):
+        return {k: _rebuild(v, taken) if isinstance(v, _TREE) and not (isinstance(v, tuple) and not v) else v for k, v in new.items()}
+    if isinstance(new, (tuple, list)):
+        return type(new)([_rebuild(v, taken) if isinstance(v, _TREE) else v for v in new])
+    return new
+
+
+def write_back(old: Any, new: Any, hazards: set[int] | None = None, pairs: list | None = None) -> Any:
+    """Copy ``new``'s tensors into ``old``'s buffers where they match; return the
+    state with those buffers (``old``'s tensors are written, ``new``'s are not).
+
+    A tensor of ``new`` with the shape, dtype, device and type of the tensor at the same
+    place of ``old`` is copied into it, and that buffer takes its place; anything else
+    (scalars, other shapes) is taken from ``new``. A tensor of ``new`` that shares
+    memory with a tensor of ``old`` (or with a storage in ``hazards``) and is not the
+    buffer it goes to is copied first, so the order of the writes does not matter.
+    (The executor passes ``pairs``, see :func:`_pairs`, and ``hazards`` already
+    holding ``old``'s storages, computed once for the whole commit.)
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx.optim.executor import write_back
+        >>> buf = torch.zeros(2)
+        >>> kept = write_back((buf,), (torch.ones(2),))
+        >>> kept[0] is buf, buf.tolist()
+        (True, [1.0, 1.0])
+    """
+    if pairs is None:
+        pairs = []
+        _pairs(old, new, pairs)
+        hazards = set(_storages([o for o, _ in pairs if isinstance(o, torch.Tensor)])) | (hazards or set())
+    if not pairs:
+        return new
+    unsafe = hazards or set()
+    taken: dict[int, torch.Tensor] = {}
+    dst, src = [], []
+    for (o, n), addr in zip(pairs, _storages([n for _, n in pairs])):
+        if n is o:
+            continue
+        s = n.clone() if addr in unsafe else n
+        if (isinstance(o, torch.Tensor) and o.shape == s.shape and o.dtype == s.dtype
+                and o.device == s.device and type(o) is type(s)):
+            dtensor = type(o).__name__ == "DTensor"
+            dst.append(o.to_local() if dtensor else o)
+            src.append(s.to_local() if dtensor else s)
+            taken[id(n)] = o
+        elif s is not n:
+            taken[id(n)] = s
+    if dst:
+        torch._foreach_copy_(dst, src)
+    return _rebuild(new, taken) if taken else new
+
+
+class Executor:
+    """Runs the adapter's steps: pure compute for every group, then one commit.
+
+    ``compile(**kwargs)`` switches phase 1 to ``torch.compile`` (after each group's
+    first, eager step, which surfaces structural errors with clear messages).
+    """
+
+    def __init__(self) -> None:
+        self.compile_kwargs: dict[str, Any] | None = None
+        self._compiled: dict[Any, Callable[..., Any]] = {}
+
+    def compile(self, **kwargs: Any) -> None:
+        self.compile_kwargs = {"dynamic": True, "fullgraph": True, **kwargs}
+        self._compiled = {}
+
+    # -- phase 1 ---------------------------------------------------------------
+
+    def _update_fn(self, rec: GroupRecord, hp: dict[str, Any]) -> Callable[..., Any]:
+        tx = rec.transform(hp)
+        if self.compile_kwargs is None or not rec.stepped:
+            return tx.update
+        fn = self._compiled.get(id(tx))
+        if fn is None:
+            # traced from the plain factory: the compiled graph rebuilds nothing at run time
+            plain = inject_hyperparams(rec.factory)(**hp)
+            fn = self._compiled[id(tx)] = torch.compile(plain.update, **self.compile_kwargs)
+        return fn
+
+    def compute(self, w: GroupWork) -> tuple[list[torch.Tensor], Any]:
+        """The group's updates (aligned with ``w.params``) and its whole new state."""
+        rec = w.record
+        keys_all = rec.keys
+        partial = len(w.idx) != len(keys_all)
+        keys: list[Key] = [keys_all[i] for i in w.idx] if partial else keys_all
+        state = rec.current_state(w.hp)
+        sub = restrict(state, set(keys)) if partial else state
+        upd, new_sub = self._update_fn(rec, w.hp)(build(keys, w.grads), sub, build(keys, w.params))
+        if not isinstance(upd, TensorDictBase):
+            raise TypeError(f"the transform returned updates of type {type(upd).__name__}, not a TensorDict")
+        updates = []
+        for k, p in zip(keys, w.params):
+            u = upd.get(k, None)
+            if not isinstance(u, torch.Tensor):
+                raise ValueError(f"the transform returned no update tensor for parameter {key_str(k)!r}")
+            if u.shape != p.shape:
+                raise ValueError(f"the transform's update for parameter {key_str(k)!r} has shape "
+                                 f"{tuple(u.shape)}, the parameter {tuple(p.shape)}")
+            updates.append(u)
+        if len(upd.keys(include_nested=True, leaves_only=True)) != len(keys):
+            raise ValueError("the transform returned updates for keys that are not parameters of this group")
+        return updates, (merge(state, new_sub) if partial else new_sub)
+
+    # -- phase 2 ---------------------------------------------------------------
+
+    def commit(self, w: GroupWork, updates: list[torch.Tensor], new_state: Any) -> None:
+        """Write the new state into the old buffers and add the updates to the parameters."""
+        rec = w.record
+        pairs: list = []
+        _pairs(rec.state, new_state, pairs)
+        unsafe = set(_storages(w.params))
+        unsafe.update(_storages([o for o, _ in pairs if isinstance(o, torch.Tensor)]))
+        us = []
+        for p, u, addr in zip(w.params, updates, _storages(updates)):
+            # an update sharing memory with an old state buffer or a parameter is copied
+            # before either is written
+            us.append(u.clone() if addr in unsafe and u is not p else u)
+        rec.state = write_back(rec.state, new_state, unsafe, pairs)
+        foreach("add_", w.params, us)
+        rec.stepped = True
+
+    def step(self, work: list[GroupWork]) -> None:
+        """Compute every group's update, then (only if all succeeded) commit them all."""
+        results = [self.compute(w) for w in work]
+        with torch.no_grad():
+            for w, (updates, new_state) in zip(work, results):
+                self.commit(w, updates, new_state)

@@ -1,0 +1,181 @@
+"""A param group's record for the adapter: its transform factory, keys, state, and
+how its hyperparameters are read from ``param_groups``."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Union
+
+import torch
+
+from ..base import GradientTransformation, Key, foreach, leaves
+from ..wrappers import InjectHyperparamsState, inject_hyperparams, signature
+
+__all__ = ["GroupRecord", "lr_multiplier", "as_factory", "factory_defaults", "check_known", "serialisable",
+           "ADAPTER_KEYS"]
+
+TxOrFactory = Union[GradientTransformation, Callable[..., GradientTransformation]]
+
+#: param-group keys that belong to the adapter, not to the transform factory
+ADAPTER_KEYS = frozenset({"params", "param_names", "name", "sparse_grad", "initial_lr"})
+
+
+def lr_multiplier(tx: GradientTransformation) -> Callable[..., GradientTransformation]:
+    """A factory ``(lr=1.0) -> tx`` whose output is multiplied by ``lr``.
+
+    :class:`muonfx.TransformOptimizer` uses it for pre-built transforms, so that
+    ``group["lr"]`` (and any lr scheduler) scales the whole update: ``out = lr * tx(u)``.
+    With ``lr == 1`` the update is exactly ``tx``'s.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> tx = mfx.lr_multiplier(mfx.scale(-1.0))(lr=0.5)
+        >>> u = TensorDict({"w": torch.ones(2)}, [])
+        >>> tx.update(u, tx.init(u))[0]["w"].tolist()
+        [-0.5, -0.5]
+    """
+
+    def with_lr(lr: float = 1.0) -> GradientTransformation:
+        def update_fn(updates, state, params=None):
+            out, state = tx.update(updates, state, params)
+            if lr == 1.0:
+                return out, state
+            keys, us = leaves(out)
+            return type(out)(dict(zip(keys, foreach("mul", us, float(lr)))), batch_size=[]), state
+
+        return GradientTransformation(tx.init, update_fn)
+
+    return with_lr
+
+
+def as_factory(tx: TxOrFactory) -> Callable[..., GradientTransformation]:
+    factory = lr_multiplier(tx) if isinstance(tx, GradientTransformation) else tx
+    if not callable(factory):
+        raise TypeError(f"tx must be a GradientTransformation or a factory returning one, got {type(tx).__name__}")
+    return factory
+
+
+def serialisable(v: Any) -> bool:
+    """True for values that ``torch.load(weights_only=True)`` reads back."""
+    if isinstance(v, (bool, int, float, str, type(None), torch.dtype, torch.Tensor)):
+        return True
+    if isinstance(v, (tuple, list)):
+        return all(serialisable(x) for x in v)
+    return False
+
+
+def factory_defaults(factory: Callable[..., Any]) -> dict[str, Any]:
+    """The factory's keyword defaults that can live in ``param_groups`` (and be saved)."""
+    out = {}
+    for name, p in signature(factory).parameters.items():
+        if p.default is not inspect.Parameter.empty and serialisable(p.default):
+            out[name] = p.default
+    return out
+
+
+def check_known(factory: Callable[..., Any], given: dict[str, Any], what: str) -> None:
+    """``TypeError`` naming the keys of ``given`` that ``factory`` does not take."""
+    sig = signature(factory)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    unknown = sorted(n for n in given if n not in sig.parameters and n not in ADAPTER_KEYS)
+    if unknown:
+        raise TypeError(
+            f"{what} {unknown} are not arguments of {getattr(factory, '__name__', factory)!r}; "
+            f"it takes {list(sig.parameters)}"
+        )
+
+
+_NUMBERS = (int, float, torch.Tensor)
+_PLAIN = (str, bool, type(None), torch.dtype, tuple)
+
+
+def _reuse_last(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
+    """``factory``, returning its last transform again when called with equal arguments.
+
+    :func:`muonfx.inject_hyperparams` builds its inner transform from the current
+    hyperparameters at every update; between steps they rarely change, and a factory
+    is a pure function of its arguments, so the last transform serves as it is.
+    """
+    last: list = []
+
+    @functools.wraps(factory)
+    def build(*args: Any, **kwargs: Any) -> GradientTransformation:
+        if last:
+            try:
+                if last[0] == args and last[1] == kwargs:
+                    return last[2]
+            except (RuntimeError, TypeError, ValueError):  # e.g. multi-element tensors
+                pass
+        tx = factory(*args, **kwargs)
+        last[:] = [args, kwargs, tx]
+        return tx
+
+    return build
+
+
+@dataclass
+class GroupRecord:
+    """What the adapter keeps for one param group.
+
+    Attributes:
+        factory: the transform factory (hyperparameters are its keyword arguments).
+        keys: the TensorDict key of every parameter of the group, in order.
+        base_lr: ``lr`` at creation (other ``*_lr`` hyperparameters follow its ratio).
+        state: the transform's state (an :class:`InjectHyperparamsState`).
+        stepped: whether the group has made a step (compiled steps start after it).
+        transforms: the group's transforms, one per set of static hyperparameters
+            (numbers live in the state, so changing lr or momentum rebuilds nothing).
+    """
+
+    factory: Callable[..., GradientTransformation]
+    keys: list[Key]
+    base_lr: float | None
+    state: Any = None
+    stepped: bool = False
+    transforms: dict[Any, GradientTransformation] = field(default_factory=dict)
+
+    def hyperparams(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The group's hyperparameters as the transform sees them.
+
+        Other learning rates of a factory (``adamw_lr`` of ``mfx.muon_adamw``, any
+        ``*_lr``) follow ``lr``: they are multiplied by ``lr / lr_at_creation``, so a
+        scheduler (or DCP's lr=0 initialisation step) drives every part of the update.
+        """
+        hp = {n: group[n] for n in signature(self.factory).parameters if n in group}
+        base = self.base_lr
+        if "lr" in hp and base:
+            ratio = float(hp["lr"]) / base
+            if ratio != 1.0:
+                for n, v in hp.items():
+                    if n.endswith("_lr") and isinstance(v, (int, float)) and not isinstance(v, bool):
+                        hp[n] = v * ratio
+        return hp
+
+    def transform(self, hp: dict[str, Any]) -> GradientTransformation:
+        """The injected transform for ``hp``, built once per set of static values."""
+        # numbers live in the state; anything else (strings, dtypes, schedules,
+        # tuples such as betas) is part of the key
+        key = []
+        for n, v in hp.items():
+            if isinstance(v, _NUMBERS) and not isinstance(v, bool):
+                continue
+            key.append((n, v if isinstance(v, _PLAIN) else id(v)))
+        key = tuple(key)
+        tx = self.transforms.get(key)
+        if tx is None:
+            tx = self.transforms[key] = inject_hyperparams(_reuse_last(self.factory))(**hp)
+        return tx
+
+    def current_state(self, hp: dict[str, Any]) -> InjectHyperparamsState:
+        """The state carrying ``hp``'s values of the injected hyperparameters."""
+        st = self.state
+        cur = st.hyperparams
+        for n in cur:
+            if n in hp and cur[n] is not hp[n]:
+                return st._replace(hyperparams={n: hp.get(n, v) for n, v in cur.items()})
+        return st

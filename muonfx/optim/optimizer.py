@@ -1,0 +1,238 @@
+"""``TransformOptimizer``: any muonfx transform as a real ``torch.optim.Optimizer``.
+
+A thin shell: it keeps one :class:`~muonfx.optim.groups.GroupRecord` per param group,
+gathers each step's gradients, and hands the step to the
+:class:`~muonfx.optim.executor.Executor`; checkpoints go through
+:mod:`muonfx.optim.checkpoint`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..base import build, key_str
+from . import checkpoint
+from .executor import Executor, GroupWork
+from .groups import ADAPTER_KEYS, GroupRecord, TxOrFactory, as_factory, check_known, factory_defaults
+from ..wrappers import signature
+
+__all__ = ["TransformOptimizer"]
+
+_SPARSE_HINT = (
+    "Muon and the other matrix transforms need dense gradients. Use "
+    "nn.Embedding(..., sparse=False), or route this parameter to AdamW: "
+    "mfx.create_hybrid_optimizer(model, ...) does so for embeddings, or pass it in a "
+    "param group {'params': [...], 'tx': mfx.adamw, 'sparse_grad': 'densify'} "
+    "(its sparse gradient is then densified before the AdamW step)."
+)
+
+
+class TransformOptimizer(torch.optim.Optimizer):
+    """Run a muonfx transform as a ``torch.optim.Optimizer``.
+
+    Args:
+        params: ``model.named_parameters()`` (names become the TensorDict keys, so
+            masks and label functions see ``"layers.0.weight"``), plain parameters,
+            or param-group dicts. A group may carry its own ``"tx"`` and any
+            hyperparameters; ``"sparse_grad": "densify"`` lets a group accept sparse
+            gradients by densifying them.
+        tx: a transform *factory* such as ``mfx.muon`` / ``mfx.adamw`` (or your own
+            function returning a transform), or a pre-built transform. With a factory
+            the hyperparameters are its keyword arguments; with a pre-built transform
+            ``lr`` is a multiplier of its output (default 1.0).
+        **hyperparams: defaults for every group (``lr``, ``weight_decay``, ``momentum``,
+            ``betas``, ...). They live in ``param_groups`` and are read at every step, so
+            lr schedulers and hand edits take effect.
+
+    A step computes exactly what the functional loop computes (``update`` then
+    ``apply_updates``), for any transform, yours included; then it writes the new state
+    into the old state buffers and adds the updates to the parameters in place. If
+    anything raises during a step, every parameter, state tensor and param group is
+    left as it was. Parameters whose ``grad`` is None are left exactly as they are and
+    their per-parameter state tensors do not move; step counters shared by a group
+    keep counting.
+
+    ``state_dict()`` is torch's format with the transform's state flattened per
+    parameter (``"momentum.mu"``, ``"adam.nu"``, ``"count"``); it loads with
+    ``torch.load(..., weights_only=True)``.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> model = torch.nn.Linear(4, 4)
+        >>> opt = mfx.TransformOptimizer(model.named_parameters(), mfx.adamw, lr=1e-3)
+        >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+        >>> model(torch.randn(2, 4)).sum().backward()
+        >>> opt.step(); sched.step(); opt.zero_grad()
+    """
+
+    def __init__(self, params: Iterable[Any], tx: TxOrFactory, **hyperparams: Any) -> None:
+        self._default_tx = tx
+        self._default_factory = as_factory(tx)
+        #: one record per param group (factory, keys, functional state)
+        self.records: list[GroupRecord] = []
+        #: runs the steps (eager, or compiled after :meth:`compile`)
+        self.executor = Executor()
+        self._dtensor_ref = None
+        self._torch_state: dict | None = None
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params must be an iterable of tensors, (name, tensor) pairs or dicts, not a Tensor")
+        params = list(params)
+        if not params:
+            raise ValueError("TransformOptimizer got an empty parameter list")
+        check_known(self._default_factory, hyperparams, "hyperparameters")
+        # Like torch.optim's own optimizers, ``defaults`` holds every hyperparameter of
+        # the default transform (OneCycleLR's cycle_momentum looks for "momentum" or
+        # "betas" there), the ones given here overriding the factory's defaults.
+        super().__init__(params, {**factory_defaults(self._default_factory), **hyperparams})
+
+    # ``opt.state`` is torch's per-parameter view of the functional state, built when read
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        if self._torch_state is None:
+            self._torch_state = checkpoint.torch_state(self.records, self.param_groups)
+        return self._torch_state
+
+    @state.setter
+    def state(self, value: dict) -> None:  # torch.optim.Optimizer.__init__ assigns it
+        self._torch_state = None
+
+    # -- groups -------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (and create its transform state eagerly).
+
+        A group may carry its own ``"tx"`` (factory or transform); its keys must be
+        arguments of that factory (or ``params``, ``param_names``, ``name``,
+        ``sparse_grad``); missing ones take the factory's defaults.
+        """
+        own = "tx" in param_group
+        factory = as_factory(param_group.pop("tx")) if own else self._default_factory
+        check_known(factory, {k: v for k, v in param_group.items() if k not in ADAPTER_KEYS}, "param group keys")
+        if own:
+            for name, value in factory_defaults(factory).items():
+                param_group.setdefault(name, value)
+        given = set(param_group)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            if own:
+                # torch filled in the default transform's hyperparameters; drop the ones this
+                # group's transform does not take, so param_groups show what really runs
+                sig = signature(factory).parameters
+                for name in [n for n in group if n not in given and n not in sig and n not in ADAPTER_KEYS]:
+                    del group[name]
+            start = sum(len(g["params"]) for g in self.param_groups[:-1])
+            names = group.get("param_names") or [f"param{start + i}" for i in range(len(group["params"]))]
+            keys = [tuple(str(n).split(".")) for n in names]
+            if len(set(keys)) != len(keys):
+                raise ValueError(f"duplicate parameter names in a param group: {names}")
+            if any(type(p).__name__ == "DTensor" for p in group["params"]):
+                from ..distributed import check_params
+
+                self._dtensor_ref = check_params(names, group["params"], self._dtensor_ref)
+            lr0 = group.get("lr")
+            rec = GroupRecord(factory, keys, float(lr0) if isinstance(lr0, (int, float, torch.Tensor)) else None)
+            with torch.no_grad():
+                rec.state = rec.transform(rec.hyperparams(group)).init(build(keys, list(group["params"])))
+        except Exception:
+            self.param_groups.pop()  # leave the optimizer as it was before this call
+            raise
+        self.records.append(rec)
+        self._torch_state = None
+
+    def transform_state(self, group: int = 0) -> Any:
+        """The functional state of a param group's transform (an InjectHyperparamsState)."""
+        return self.records[group].state
+
+    def _name(self, gi: int, i: int) -> str:
+        return key_str(self.records[gi].keys[i])
+
+    # -- stepping -----------------------------------------------------------
+
+    def _work(self, gi: int) -> GroupWork | None:
+        """The group's parameters that have gradients, with those gradients (checked)."""
+        group = self.param_groups[gi]
+        idx, params, grads = [], [], []
+        for i, p in enumerate(group["params"]):
+            g = p.grad
+            if g is None:
+                continue
+            if g.layout != torch.strided:
+                if group.get("sparse_grad", "error") != "densify":
+                    raise ValueError(f"parameter {self._name(gi, i)!r} has a sparse gradient ({g.layout}). {_SPARSE_HINT}")
+                g = g.to_dense()
+            if g.is_complex():
+                raise TypeError(f"parameter {self._name(gi, i)!r} has a complex gradient; muonfx takes real tensors only")
+            idx.append(i)
+            params.append(p)
+            grads.append(g)
+        if not idx:
+            return None
+        rec = self.records[gi]
+        return GroupWork(rec, rec.hyperparams(group), idx, params, grads)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step; runs ``closure`` (with grad enabled) first and returns its loss.
+
+        Every group's update is computed before anything is written, so an error (a
+        sparse gradient, a NaN learning rate or schedule value, a parameter the
+        transform cannot take) leaves every parameter, state tensor and param group
+        exactly as it was.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = [w for w in (self._work(gi) for gi in range(len(self.param_groups))) if w is not None]
+        self._torch_state = None
+        self.executor.step(work)
+        return loss
+
+    def compile(self, **compile_kwargs: Any) -> "TransformOptimizer":
+        """Compute each group's update with ``torch.compile`` (after its first, eager step).
+
+        The compiled update is the same pure function; the executor still commits the
+        new state and the updates only after every group has computed, so a raising
+        step changes nothing. Defaults: ``dynamic=True`` (changing lr, momentum or
+        weight decay, by hand or by a scheduler, recompiles nothing) and
+        ``fullgraph=True``. Other keywords go to ``torch.compile`` (e.g. ``backend``,
+        ``mode``). Returns ``self``.
+
+        Example::
+
+            >>> import torch, muonfx as mfx
+            >>> model = torch.nn.Linear(4, 4)
+            >>> opt = mfx.TransformOptimizer(model.named_parameters(), mfx.adamw).compile(backend="eager")
+        """
+        self.executor.compile(**compile_kwargs)
+        return self
+
+    # -- checkpoints ---------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format: ``{"state": {index: {name: tensor | number}}, "param_groups": [...]}``.
+
+        Group entries that cannot be saved with ``weights_only=True`` (e.g. a schedule
+        function given as a hyperparameter) are left out.
+        """
+        self._torch_state = None
+        sd = super().state_dict()
+        sd["param_groups"] = checkpoint.param_groups_for_saving(sd["param_groups"])
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict`; on any mismatch (other transform,
+        other model, a hyperparameter that is not a finite number) raise ``ValueError``
+        saying what differs and change nothing."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        checkpoint.load(self.records, self.param_groups, state_dict)
+        self._torch_state = None
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
