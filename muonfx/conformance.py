@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 from tensordict import TensorDictBase
 
-from .base import GradientTransformation, apply_updates as _apply_updates, identity as _identity, key_str
+from .base import GradientTransformation, apply_updates as _apply_updates, build as _build, identity as _identity, key_str
 from .combine import chain as _chain, masked as _masked
 from .testing import params_and_grads
 from .wrappers import InjectHyperparamsState as _InjectHyperparamsState
@@ -344,6 +344,46 @@ def _law_purity(tx, params, grads, cfg: _Config) -> None:
                     f"different {name}: {d}. Does the transform keep state outside its state "
                     "(a closure, an attribute, a global) or use unseeded randomness?")
         state = new_state
+    _adapter_matches_loop(tx, params, grads, cfg)
+
+
+def _adapter_matches_loop(tx, params, grads, cfg: _Config) -> None:
+    """Through :class:`muonfx.TransformOptimizer` (the executor writes the new state into
+    the old buffers and ``p += u`` in place) the run equals the functional loop."""
+    from .optim import TransformOptimizer
+
+    names = list(_td_leaves(params))
+    ps = [torch.nn.Parameter(v.detach().clone(), requires_grad=v.is_floating_point())
+          for v in _td_leaves(params).values()]
+    opt = _call("TransformOptimizer(named params, tx)", TransformOptimizer, list(zip(names, ps)), tx)
+    # the loop sees its TensorDicts with the adapter's leaf order (a reduction over the
+    # leaves then adds in the same order)
+    keys = [tuple(n.split(".")) for n in names]
+    loop_params = _build(keys, [p.detach().clone() for p in ps])
+    state = _init(tx, loop_params, "init")
+    for i, g in enumerate(_grad_seq(grads, cfg.steps)):
+        gl = _td_leaves(g)
+        out, state = _update(tx, _build(keys, [gl[n] for n in names]), state, loop_params, f"step {i}")
+        loop_params = _apply_updates(loop_params, out)
+        for n, p in zip(names, ps):
+            p.grad = gl[n].clone()
+        _call(f"step {i}: opt.step()", opt.step)
+        ll, ol = _td_leaves(loop_params), _td_leaves(out)
+        for n, p in zip(names, ps):
+            # within tolerance: relative to the size of the step, not of the parameter
+            u = ol[n]
+            scale = float(u.detach().abs().max()) if u.numel() and u.is_floating_point() else 0.0
+            d = _tree_diff(p.detach(), ll[n], f"params[{n}]", cfg.mode, cfg.rtol, cfg.atol + cfg.rtol * scale)
+            if d:
+                raise _Fail(
+                    f"step {i}: through mfx.TransformOptimizer the parameters moved differently from "
+                    f"the functional loop (update, then apply_updates): {d}. The adapter writes the new "
+                    "state into the old state buffers: does update keep information outside the state "
+                    "it returns (a Python attribute on a tensor, a closure), or write into a tensor it "
+                    "did not create?")
+    d = _tree_diff(opt.transform_state(0).inner_state, state, "state", cfg.mode, cfg.rtol, cfg.atol)
+    if d:
+        raise _Fail(f"through mfx.TransformOptimizer the state differs from the functional loop's: {d}")
 
 
 def _law_eager_state(tx, params, grads, cfg: _Config) -> None:
@@ -535,7 +575,8 @@ def _expectation(law: str, cfg: _Config) -> str:
     ex = cfg.exactly
     return {
         "purity": "update(updates, state, params) must not modify its inputs (nor init its params), "
-                  f"and two calls with the same inputs must return the same updates and state ({ex})",
+                  f"two calls with the same inputs must return the same updates and state ({ex}), "
+                  "and mfx.TransformOptimizer must compute what the functional loop computes",
         "eager_state": "init(params) must build the whole state: after every update the state has "
                        "init's structure (containers, NamedTuple fields, keys, tensor shapes and "
                        "dtypes, scalar types), and two inits build the same structure",
