@@ -1,11 +1,17 @@
 """AdamW step: the muonfx chain through TransformOptimizer vs torch.optim.AdamW(foreach=True).
 
     python benchmarks/adamw_step.py                 # GPT-2 small parameter set (124M)
-    python benchmarks/adamw_step.py --scale 0.25    # fewer layers, for a quick look
+    python benchmarks/adamw_step.py --layers 2      # fewer layers, for a quick look
 
 Both optimizers hold the same parameters (GPT-2 small: token/position embeddings,
 12 layers of 768x2304, 768x768, 768x3072, 3072x768 plus biases and norms) and the same
-gradients; steps are timed in alternating rounds (median).
+gradients (shared: neither writes them); steps are timed in alternating rounds (median).
+
+Extra step memory: the peak bytes allocated during one ``opt.step()`` beyond what existed
+before it, measured in one more, untimed step per optimizer: ``torch.cuda.max_memory_allocated``
+on CUDA, op-by-op storage counting (``_common.FreshMemory``) on the CPU, which cannot
+measure a compiled step (``torch.compile`` refuses the dispatch mode): the ``opt.compile()``
+row shows ``n/a`` there.
 """
 
 from __future__ import annotations
@@ -42,34 +48,38 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     gen = torch.Generator().manual_seed(0)
-    named, donated, compiled, copies = [], [], [], []
+    named, compiled, copies = [], [], []
     for k, s in gpt2_shapes(args.layers).items():
         p = torch.nn.Parameter(torch.randn(*s, generator=gen).to(device) * 0.02)
         p.grad = torch.randn(*s, generator=gen).to(device)
         named.append((k, p))
-        for dst in (donated, compiled, copies) if args.compile else (donated, copies):
+        for dst in (compiled, copies) if args.compile else (copies,):
             q = torch.nn.Parameter(p.detach().clone())
-            q.grad = p.grad.clone()
+            q.grad = p.grad  # shared: no optimizer writes the gradients
             dst.append(q if dst is copies else (k, q))
     n = sum(p.numel() for _, p in named)
-    ours = mfx.TransformOptimizer(named, mfx.adamw, lr=1e-3, weight_decay=0.01)
-    # donate_grads: the update is computed in the gradient buffers (grads hold garbage
-    # after step(); timing only, the gradients are not refilled)
-    ours_dg = mfx.TransformOptimizer(donated, mfx.adamw, lr=1e-3, weight_decay=0.01)
-    ours_dg.donate_grads = True
-    theirs = torch.optim.AdamW(copies, lr=1e-3, weight_decay=0.01, foreach=True)
-    fns = {"muonfx": ours.step, "donated": ours_dg.step, "torch": theirs.step}
-    variants = [("default", "muonfx"), ("donate_grads=True", "donated")]
+    opts = {"muonfx": mfx.TransformOptimizer(named, mfx.adamw, lr=1e-3, weight_decay=0.01),
+            "torch": torch.optim.AdamW(copies, lr=1e-3, weight_decay=0.01, foreach=True)}
+    variants = [("default", "muonfx")]
     if args.compile:
-        fns["compiled"] = mfx.TransformOptimizer(compiled, mfx.adamw, lr=1e-3, weight_decay=0.01).compile(**({"backend": os.environ["MFX_BACKEND"]} if "MFX_BACKEND" in os.environ else {})).step
+        backend = {"backend": os.environ["MFX_BACKEND"]} if "MFX_BACKEND" in os.environ else {}
+        opts["compiled"] = mfx.TransformOptimizer(compiled, mfx.adamw, lr=1e-3, weight_decay=0.01).compile(**backend)
         variants.append(("opt.compile()", "compiled"))
-    t = _common.interleaved(fns, args.repeats, args.warmup, device)
+    t = _common.interleaved({k: o.step for k, o in opts.items()}, args.repeats, args.warmup, device)
+    # untimed, after the timed steps; on the CPU the op-by-op counter cannot run a compiled
+    # step (torch.compile refuses the dispatch mode, and would hide its kernels' buffers)
+    unseen = device.type != "cuda"
+    mem = {k: _common.step_memory(o.step, device) for k, o in opts.items() if not (k == "compiled" and unseen)}
     print(f"\nAdamW step, muonfx chain vs torch.optim.AdamW(foreach=True) ({_common.machine()})")
     rows = [[variant, f"{n / 1e6:.1f} M", len(named), f"{t[k] * 1e3:.0f}", f"{t['torch'] * 1e3:.0f}",
-             f"{t[k] / t['torch']:.2f}"]
+             f"{t[k] / t['torch']:.2f}", "n/a" if k == "compiled" and unseen else _common.fmt_bytes(mem[k]),
+             _common.fmt_bytes(mem["torch"])]
             for variant, k in variants]
-    print(_common.table(["muonfx variant", "params", "tensors", "muonfx ms", "torch ms", "muonfx/torch"], rows))
-
+    print(_common.table(["muonfx variant", "params", "tensors", "muonfx ms", "torch ms", "muonfx/torch",
+                         "muonfx extra mem", "torch extra mem"], rows))
+    print(f"extra mem: peak bytes allocated during one step beyond those allocated before it "
+          f"({'torch.cuda.max_memory_allocated' if device.type == 'cuda' else 'counted op by op'}; "
+          f"an untimed step after the timed ones); model {_common.fmt_bytes(sum(p.numel() * p.element_size() for _, p in named))}")
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,10 @@
 
     python benchmarks/fsdp_step.py                 # spawns 2 gloo ranks on the CPU
     python benchmarks/fsdp_step.py --world 3 --layers 8 --dim 128
-    torchrun --nproc_per_node=2 benchmarks/fsdp_step.py   # same, under torchrun (NCCL on GPUs)
+    torchrun --nproc_per_node=2 benchmarks/fsdp_step.py   # same, under torchrun
+
+NCCL on GPUs only when the machine has one GPU per rank; otherwise gloo on the CPU
+(``_common.pick_backend``: ranks sharing one GPU is an NCCL error).
 
 All three optimizers see the same FSDP2 (``fully_shard``) GPT-style model and the
 same gradients; only the optimizer step is timed (median of ``--repeats`` steps,
@@ -31,6 +34,7 @@ import time
 
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
+import _common  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -134,7 +138,7 @@ def _time_steps(opt, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench(args) -> None:
+def bench(args, device: torch.device) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.debug import CommDebugMode
@@ -143,9 +147,6 @@ def bench(args) -> None:
     from muonfx.distributed import comm_stats
 
     rank, W = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank % max(1, torch.cuda.device_count())) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     mesh = init_device_mesh(device.type, (W,))
     torch.manual_seed(0)
     model = GPT(args.layers, args.dim).to(device)
@@ -191,14 +192,21 @@ def bench(args) -> None:
             print(f"{name:<18} {t * 1e3:9.1f} {b / 1e6:13.2f} {c_s:>12} {base / t:14.2f}{note}")
 
 
+def _run(ranks: int, local_rank: int, args) -> None:
+    backend, device = _common.pick_backend(ranks, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    try:
+        bench(args, device)
+    finally:
+        dist.destroy_process_group()
+
+
 def _worker(rank: int, world: int, port: int, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
-    try:
-        bench(args)
-    finally:
-        dist.destroy_process_group()
+    _run(world, rank, args)
 
 
 def main(argv=None) -> None:
@@ -212,12 +220,8 @@ def main(argv=None) -> None:
     ap.add_argument("--port", type=int, default=29533)
     args = ap.parse_args(argv)
     if "RANK" in os.environ:  # under torchrun
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-        try:
-            bench(args)
-        finally:
-            dist.destroy_process_group()
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        _run(ranks, int(os.environ.get("LOCAL_RANK", "0")), args)
         return
     import torch.multiprocessing as mp
 

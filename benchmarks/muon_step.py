@@ -1,82 +1,143 @@
 """Muon step: muonfx (through TransformOptimizer) vs torch.optim.Muon, same settings.
 
-    python benchmarks/muon_step.py                  # GPT-2 small matrices, 2 layers
+    python benchmarks/muon_step.py                  # GPT-2 small and MoE matrices, 2 layers
     python benchmarks/muon_step.py --layers 12      # the full GPT-2 small set (slow on CPU)
-    python benchmarks/muon_step.py --device cuda
+    python benchmarks/muon_step.py --device cuda --sets llama1b,moe32   # the GPU sets, full size
+    python benchmarks/muon_step.py --sets llama1b,moe32 --layers 1 --shrink 8   # their shape, on a CPU
 
 Matrix sets (one parameter per matrix for torch; torch.optim.Muon takes 2-D only):
 
-* ``gpt2``: per layer 768x2304, 768x768, 768x3072, 3072x768;
-* ``moe``: per layer 8 experts of 512x1024 and 1024x512; muonfx keeps each expert stack
-  as one 3-D parameter, torch needs one 2-D parameter per expert.
+* ``gpt2``: per layer 768x2304, 768x768, 768x3072, 3072x768 (default 2 layers);
+* ``moe``: per layer 8 experts of 512x1024 and 1024x512 (default 2 layers);
+* ``llama1b``: a Llama-1B-like set, per layer q, o 2048x2048; k, v 256x2048; gate, up
+  5632x2048; down 2048x5632 (default 22 layers: 968 M parameters);
+* ``moe32``: per layer 32 experts of 1024x2048 and 2048x1024 (default 8 layers: 1074 M).
+
+In the MoE sets muonfx keeps each expert stack as one 3-D parameter, torch needs one 2-D
+parameter per expert. ``--layers`` overrides every set's default; ``--shrink K`` divides
+every matrix dimension by K (a quick look at a GPU set on a CPU).
 
 Both optimizers get the same gradients; steps are timed in alternating rounds (median).
 muonfx runs its defaults for the device (float32 Newton-Schulz on CPU, bf16 on CUDA) and,
 as extra rows, the Gram iteration (float32, rectangular only), bf16 NS, and bf16 with the
-Gram iteration on every matrix (restarts every 2 steps); torch.optim.Muon runs its bf16 NS.
+Gram iteration on every matrix (restarts every 2 steps); a row that computes exactly what
+an earlier row computes on this device (on CUDA: bf16 NS is the default, and the Gram
+option only acts in float32) is left out. torch.optim.Muon runs its bf16 NS.
+
+Extra step memory: the peak bytes allocated during one ``opt.step()`` beyond what existed
+before it (the optimizer state already created), measured in one more, untimed step per
+optimizer: ``torch.cuda.max_memory_allocated`` on CUDA, op-by-op storage counting
+(``_common.FreshMemory``) on the CPU. The gradients are shared by all optimizers (none
+writes them), so a full-size set needs about 10x its float32 bytes of GPU memory.
 """
 
 from __future__ import annotations
 
 import argparse
 
-import _common  # noqa: F401  (sets ONEDNN_MAX_CPU_ISA before torch)
+import _common  # (sets ONEDNN_MAX_CPU_ISA before torch)
 import torch
 
 import muonfx as mfx
 
+#: per-layer matrices and the default number of layers of each set
+SETS: dict[str, tuple[tuple[tuple[str, tuple[int, ...]], ...], int]] = {
+    "gpt2": ((("attn", (768, 2304)), ("proj", (768, 768)), ("fc", (768, 3072)), ("out", (3072, 768))), 2),
+    "moe": ((("w1", (8, 512, 1024)), ("w2", (8, 1024, 512))), 2),
+    "llama1b": ((("q", (2048, 2048)), ("k", (256, 2048)), ("v", (256, 2048)), ("o", (2048, 2048)),
+                 ("gate", (5632, 2048)), ("up", (5632, 2048)), ("down", (2048, 5632))), 22),
+    "moe32": ((("w1", (32, 1024, 2048)), ("w2", (32, 2048, 1024))), 8),
+}
 
-def matrices(kind: str, layers: int) -> dict[str, list[tuple[int, ...]]]:
-    if kind == "gpt2":
-        return {f"h{i}.{n}": s for i in range(layers)
-                for n, s in (("attn", (768, 2304)), ("proj", (768, 768)), ("fc", (768, 3072)), ("out", (3072, 768)))}
-    return {f"h{i}.{n}": s for i in range(layers) for n, s in (("w1", (8, 512, 1024)), ("w2", (8, 1024, 512)))}
+VARIANTS = {"muonfx default": {}, "muonfx gram": {"ns_method": "auto"},
+            "muonfx bf16": {"ns_dtype": torch.bfloat16},
+            "muonfx bf16 gram": {"ns_dtype": torch.bfloat16, "ns_method": "gram"}}
 
 
-def run(kind: str, layers: int, device: torch.device, repeats: int, warmup: int) -> list:
-    shapes = matrices(kind, layers)
+def matrices(kind: str, layers: int | None = None, shrink: int = 1) -> dict[str, tuple[int, ...]]:
+    if kind not in SETS:
+        raise SystemExit(f"muon_step.py: unknown set {kind!r}; choose from {', '.join(SETS)}")
+    per_layer, default_layers = SETS[kind]
+    n = default_layers if layers is None else layers
+
+    def small(s: tuple[int, ...]) -> tuple[int, ...]:
+        return s[:-2] + tuple(max(1, d // shrink) for d in s[-2:])
+
+    return {f"h{i}.{name}": small(s) for i in range(n) for name, s in per_layer}
+
+
+def distinct_variants(device: torch.device) -> dict[str, dict]:
+    """The variants that compute differently on ``device`` (the first name of each)."""
+    default_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out, seen = {}, set()
+    for name, kw in VARIANTS.items():
+        dtype = kw.get("ns_dtype", default_dtype)
+        method = kw.get("ns_method", "standard")
+        if method == "auto" and dtype not in (torch.float32, torch.float64):
+            method = "standard"  # "auto" takes the Gram iteration in float32/float64 only
+        if (dtype, method) not in seen:
+            seen.add((dtype, method))
+            out[name] = kw
+    return out
+
+
+def run(kind: str, layers: int | None, shrink: int, device: torch.device, repeats: int, warmup: int) -> list:
+    shapes = matrices(kind, layers, shrink)
     gen = torch.Generator().manual_seed(0)
-    mfx_params = {k: torch.nn.Parameter(torch.randn(*s, generator=gen).to(device) * 0.02) for k, s in shapes.items()}
+    grads = {k: torch.randn(*s, generator=gen).to(device) for k, s in shapes.items()}
+    init = {k: (torch.randn(*s, generator=gen) * 0.02).to(device) for k, s in shapes.items()}
     torch_params = []
-    for k, p in mfx_params.items():
-        p.grad = torch.randn(p.shape, generator=gen).to(device)
-        if p.ndim == 3:
-            for e in range(p.shape[0]):
-                q = torch.nn.Parameter(p.detach()[e].clone())
-                q.grad = p.grad[e].clone()
-                torch_params.append(q)
-        else:
-            q = torch.nn.Parameter(p.detach().clone())
-            q.grad = p.grad.clone()
+    for k, p in init.items():
+        # the gradients are shared (views for experts): no optimizer writes them
+        for w, g in (zip(p, grads[k]) if p.ndim == 3 else [(p, grads[k])]):
+            q = torch.nn.Parameter(w.clone())
+            q.grad = g
             torch_params.append(q)
-    variants = {"muonfx default": {}, "muonfx gram": {"ns_method": "auto"},
-                "muonfx bf16": {"ns_dtype": torch.bfloat16},
-                "muonfx bf16 gram": {"ns_dtype": torch.bfloat16, "ns_method": "gram"}}
-    fns = {}
+    variants = distinct_variants(device)
+    opts = {}
     for name, kw in variants.items():
-        copies = [(k, torch.nn.Parameter(p.detach().clone())) for k, p in mfx_params.items()]
-        for (_, c), p in zip(copies, mfx_params.values()):
-            c.grad = p.grad.clone()
-        fns[name] = mfx.TransformOptimizer(copies, mfx.muon, lr=0.02, weight_decay=0.1, **kw).step
-    fns["torch"] = torch.optim.Muon(torch_params, lr=0.02, weight_decay=0.1).step
-    t = _common.interleaved(fns, repeats, warmup, device)
+        copies = [(k, torch.nn.Parameter(p.clone())) for k, p in init.items()]
+        for k, c in copies:
+            c.grad = grads[k]
+        opts[name] = mfx.TransformOptimizer(copies, mfx.muon, lr=0.02, weight_decay=0.1, **kw)
+    del init
+    opts["torch"] = torch.optim.Muon(torch_params, lr=0.02, weight_decay=0.1)
+    t = _common.interleaved({k: o.step for k, o in opts.items()}, repeats, warmup, device)
+    mem = {k: _common.step_memory(o.step, device) for k, o in opts.items()}  # untimed, after the timed steps
     n = len(torch_params)
-    return [[kind, f"{layers} layers, {n} matrices", name, f"{t[name] * 1e3:.0f}", f"{t['torch'] * 1e3:.0f}",
-             f"{t[name] / t['torch']:.2f}"] for name in variants]
+    numel = sum(p.numel() for p in torch_params)
+    what = f"{len({k.split('.')[0] for k in shapes})} layers, {n} matrices, {numel / 1e6:.1f} M"
+    return [[kind, what, name, f"{t[name] * 1e3:.0f}", f"{t['torch'] * 1e3:.0f}", f"{t[name] / t['torch']:.2f}",
+             _common.fmt_bytes(mem[name]), _common.fmt_bytes(mem["torch"])] for name in variants]
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--sets", default="gpt2,moe")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="layers of every set (default: each set's own, 2 for gpt2 and moe)")
+    ap.add_argument("--sets", default="gpt2,moe", help=f"comma-separated, from {', '.join(SETS)} (default gpt2,moe)")
+    ap.add_argument("--shrink", type=int, default=1, help="divide every matrix dimension by this (default 1)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
+    if args.shrink < 1:
+        raise SystemExit("muon_step.py: --shrink must be at least 1")
     device = torch.device(args.device)
-    rows = [r for k in args.sets.split(",") for r in run(k, args.layers, device, args.repeats, args.warmup)]
+    kinds = [k.strip() for k in args.sets.split(",") if k.strip()]
+    for k in kinds:
+        matrices(k)  # unknown names fail before anything runs
+    rows = []
+    for k in kinds:
+        rows += run(k, args.layers, args.shrink, device, args.repeats, args.warmup)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     print(f"\nMuon step, muonfx vs torch.optim.Muon ({_common.machine()})")
-    print(_common.table(["set", "matrices", "muonfx variant", "muonfx ms", "torch ms", "muonfx/torch"], rows))
+    print(_common.table(["set", "matrices", "muonfx variant", "muonfx ms", "torch ms", "muonfx/torch",
+                         "muonfx extra mem", "torch extra mem"], rows))
+    print("extra mem: peak bytes allocated during one step beyond those allocated before it "
+          f"({'torch.cuda.max_memory_allocated' if device.type == 'cuda' else 'counted op by op'}; "
+          "an untimed step after the timed ones)")
 
 
 if __name__ == "__main__":
