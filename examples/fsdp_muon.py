@@ -4,6 +4,10 @@
     torchrun --nproc_per_node=8 examples/fsdp_muon.py --steps 200 # GPUs, NCCL
     python examples/fsdp_muon.py --world 2                        # spawns the ranks itself
 
+The process group is NCCL, each rank on its own GPU, only when this machine has a GPU for
+every rank on it; otherwise (no GPU, or more ranks than GPUs) gloo on the CPU: ranks
+sharing one GPU is an NCCL error. See :func:`pick_backend`.
+
 A small GPT-style model is ``fully_shard``-ed block by block; ``mfx.muon_adamw``
 runs through ``mfx.TransformOptimizer`` unchanged: elementwise work (momentum,
 Adam moments, weight decay) runs on the local shards, and every hidden matrix is
@@ -59,18 +63,33 @@ class TinyGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def train(args: argparse.Namespace) -> None:
+def pick_backend(ranks: int, local_rank: int = 0) -> tuple[str, torch.device]:
+    """``("nccl", cuda:local_rank)`` when this machine has a GPU for each of its ``ranks``;
+    ``("gloo", cpu)`` otherwise (no GPU, or ranks that would share one: an NCCL error).
+
+    ``ranks`` counts the ranks on this machine (torchrun's ``LOCAL_WORLD_SIZE``; the world
+    size on one machine).
+    """
+    if torch.cuda.is_available() and torch.cuda.device_count() >= ranks:
+        return "nccl", torch.device("cuda", local_rank)
+    return "gloo", torch.device("cpu")
+
+
+def train(args: argparse.Namespace, device: torch.device) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import muonfx as mfx
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(0)
     model = TinyGPT().to(device)
+    # the mesh names the device: fully_shard's default mesh is CUDA whenever a GPU exists,
+    # even when this run is on the CPU with gloo
+    mesh = init_device_mesh(device.type, (world,))
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     opt = mfx.TransformOptimizer(model.named_parameters(), mfx.muon_adamw, lr=0.02, adamw_lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     gen = torch.Generator().manual_seed(1234 + rank)  # each rank its own data shard
@@ -101,14 +120,21 @@ def train(args: argparse.Namespace) -> None:
               f"received {st.bytes_received / 1e6:.2f} MB of matrix shards in {st.collectives} all-to-alls")
 
 
+def _run(ranks: int, local_rank: int, args: argparse.Namespace) -> None:
+    backend, device = pick_backend(ranks, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend)
+    try:
+        train(args, device)
+    finally:
+        dist.destroy_process_group()
+
+
 def _spawned(rank: int, world: int, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        train(args)
-    finally:
-        dist.destroy_process_group()
+    _run(world, rank, args)
 
 
 def main(argv=None) -> None:
@@ -118,12 +144,9 @@ def main(argv=None) -> None:
     ap.add_argument("--save", default=None, help="directory for a torch.distributed.checkpoint")
     ap.add_argument("--port", type=int, default=29561)
     args = ap.parse_args(argv)
-    if "RANK" in os.environ:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        try:
-            train(args)
-        finally:
-            dist.destroy_process_group()
+    if "RANK" in os.environ:  # under torchrun
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        _run(ranks, int(os.environ.get("LOCAL_RANK", "0")), args)
     else:
         import torch.multiprocessing as mp
 

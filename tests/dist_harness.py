@@ -1,5 +1,9 @@
 """A small, reusable harness that runs a worker function on W gloo ranks (CPU).
 
+The ranks are gloo on the CPU on every machine, GPUs or not (GPUs are hidden from
+them): the tests compare with single-process CPU references. Multi-rank runs on GPUs
+(NCCL, one GPU per rank) are ``muonfx train --fsdp`` and ``examples/fsdp_muon.py``.
+
     results = run_world(worker, world_size, *args, timeout=120, **kwargs)
 
 * ``worker`` is a *top-level* (picklable) function ``worker(rank, world_size, *args,
@@ -58,6 +62,10 @@ class WorldTimeout(RuntimeError):
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, args: tuple, kwargs: dict) -> None:
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    # The worlds are gloo on the CPU whatever the machine: hide GPUs from the ranks (before
+    # anything initialises CUDA), so that no default (FSDP2's mesh, torch.accelerator) picks
+    # one and W ranks never share a GPU. The workers also name CPU meshes explicitly.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)  # W ranks share few cores; keeps runs fast and reproducible
     err_path = os.path.join(workdir, f"error_{rank}.txt")
     code = 0

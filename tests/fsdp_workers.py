@@ -153,7 +153,16 @@ def train_lm(model, opt, batches, rank: int = 0, world: int = 1) -> None:
         opt.zero_grad()
 
 
+def cpu_mesh():
+    """The world as a CPU mesh. Every ``fully_shard`` here names it (or another CPU mesh):
+    FSDP2's default mesh is a CUDA one whenever a GPU exists, and these worlds are gloo
+    on the CPU."""
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
 def shard_net(model: Net, mesh=None, root: bool = True) -> Net:
+    if mesh is None:
+        mesh = cpu_mesh()
     for b in model.blocks:
         fully_shard(b, mesh=mesh)
     if root:
@@ -287,8 +296,8 @@ def task_odd(rank: int, world: int, steps: int = 6, rows: int = 12) -> dict:
         mdist.comm_stats().reset()
         torch.manual_seed(0)
         model = Odd()
-        fully_shard(model.b)
-        fully_shard(model)
+        fully_shard(model.b, mesh=cpu_mesh())
+        fully_shard(model, mesh=cpu_mesh())
         out["local_shapes"] = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
         init = full_params(model)
         train(model, make(model))

@@ -3,7 +3,10 @@
 Most checks start the command the way users do, in a subprocess (``python -m muonfx``,
 ``torchrun -m muonfx``); they share one corpus cache, built once. Training runs are
 tiny (batch 4, a few steps, one thread) so the file stays well under a minute and a
-half on two cores.
+half on two cores. The runs compared with each other (resume; one process vs two FSDP
+ranks) name ``--device cpu``: with ``--device auto`` a machine with a GPU would train the
+one-process run on it with bf16 autocast, while two ranks that would share that GPU run
+gloo on the CPU; the curves would not match.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from muonfx.cli.optimizers import build_optimizer, describe, optimizer_names
 from muonfx.cli.report import plain_png, plot_losses, steps_to_reach
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["--model", "tiny", "--batch-size", "4", "--threads", "1", "--eval-batches", "2"]
+FAST = ["--model", "tiny", "--batch-size", "4", "--threads", "1", "--eval-batches", "2", "--device", "cpu"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -224,7 +227,7 @@ def test_save_then_resume_continues_exactly(env, tmp_path, six_steps, capsys):
     assert run_main(["train", "--steps", "6", "--eval-every", "3", *FAST, "--no-progress", "--stop-at", "3",
                      "--save", str(half), "--out", str(tmp_path / "a")]) == 0
     # the checkpoint's settings are the defaults of the resumed run
-    assert run_main(["train", "--resume", str(half), "--threads", "1", "--no-progress",
+    assert run_main(["train", "--resume", str(half), "--threads", "1", "--device", "cpu", "--no-progress",
                      "--save", str(resumed), "--out", str(tmp_path / "b")]) == 0
     assert "resumed at step 3 of 6" in capsys.readouterr().out
     full_run, res_run = summary(six_steps / "out")["runs"]["muon_adamw"], summary(tmp_path / "b")["runs"]["muon_adamw"]
