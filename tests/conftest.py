@@ -1,4 +1,9 @@
-"""Test configuration: CPU-safe oneDNN ISA and hypothesis profiles."""
+"""Test configuration: CPU-safe oneDNN ISA, hypothesis profiles, and the ``cuda`` marker.
+
+Tests marked ``@pytest.mark.cuda`` (registered in pyproject.toml) need a CUDA GPU: they
+run where ``torch.cuda.is_available()`` is True and are skipped, with the reason, elsewhere
+(on the CPU-only CI they show up as skipped in the ``-ra`` summary).
+"""
 
 import os
 
@@ -6,6 +11,7 @@ import os
 # Must be set before torch is imported; the library itself never depends on it.
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
@@ -32,3 +38,15 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``cuda``-marked tests where torch sees no GPU."""
+    if torch.cuda.is_available():
+        return
+    why = ("needs CUDA: torch.cuda.is_available() is False here "
+           f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'})")
+    skip = pytest.mark.skip(reason=why)
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)

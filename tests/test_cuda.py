@@ -1,0 +1,277 @@
+"""muonfx on CUDA, and the backend rule of multi-rank runs.
+
+Tests marked ``cuda`` need a GPU: they run where ``torch.cuda.is_available()`` and are
+skipped elsewhere (``tests/conftest.py``), the CPU-only CI included:
+
+* parity of ``TransformOptimizer(..., mfx.muon, ns_dtype=bf16)`` with ``torch.optim.Muon``
+  on CUDA matrices (same-shape ones go through the batched Newton-Schulz);
+* the extra memory of a Muon step: the model-size terms of the pure update plus a few
+  batches of the byte budget (:func:`muonfx.linalg.batch_bytes`), derived below;
+* ``opt.compile()`` on CUDA: the same training as eager while lr and weight decay change.
+
+The CUDA tolerances were set without a GPU (none was lent when they were written): they
+come from the same problems measured on the CPU, with the margin stated next to each.
+The first GPU run should write the measured values next to them (the assertion messages
+print them).
+
+The backend rule (NCCL only when every rank on the machine has a GPU of its own, else
+gloo on the CPU) is tested everywhere, with ``torch.cuda`` monkeypatched.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+
+import muonfx as mfx
+from muonfx.linalg import batch_bytes, set_batch_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+cuda = pytest.mark.cuda
+
+# Two layers of a small transformer's matrices: same-shape pairs (q/o, k/v) are batched
+# together by muonfx, torch.optim.Muon takes them one by one; tall, wide and square.
+SHAPES = {f"l{i}.{n}": s for i in range(2)
+          for n, s in (("q", (256, 256)), ("k", (64, 256)), ("v", (64, 256)), ("o", (256, 256)),
+                       ("up", (512, 256)), ("down", (256, 512)))}
+STEPS = 10
+LR, WD, MU = 0.02, 0.1, 0.95
+
+# mfx.muon(ns_dtype=bf16) vs torch.optim.Muon, 10 steps of this problem (max over the
+# matrices of max |a - b| / max |b|). On the CPU the NS outputs agree bit for bit: measured
+# 6.7e-7 (float32 rounding of the parameter update, as in test_parity). On CUDA, muonfx's
+# batched bmm/baddbmm and torch's per-matrix mm/addmm may run cuBLAS kernels that round
+# some bf16 products differently. bf16 vs float32 Newton-Schulz on this problem: 4.2e-5 ..
+# 1.1e-4 (measured on the CPU). The tolerance allows that much bf16 rounding noise and
+# stays 10x below what a wrong hyperparameter costs (measured: momentum 0.9 instead of
+# 0.95, 1.1e-3; weight decay left out, 2.0e-2).
+CUDA_BF16_PARITY_TOL = 1e-4
+# opt.compile() vs eager, bf16 Newton-Schulz: inductor fuses the elementwise work and keeps
+# it in float32 where eager rounds to bf16 between ops. Measured on the CPU (inductor C++,
+# this test's problem and schedule): 5.4e-5. Tolerance: about 10x that.
+CUDA_COMPILE_TOL = 5e-4
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _problem(device, shapes=SHAPES, steps=STEPS, seed=0):
+    gen = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same numbers on every machine
+    params = {k: torch.randn(s, generator=gen).to(device) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=gen).to(device) for k, s in shapes.items()} for _ in range(steps)]
+    return params, grads
+
+
+def _train(make_opt, params, grads_seq, between=None):
+    named = [(k, torch.nn.Parameter(v.clone())) for k, v in params.items()]
+    opt = make_opt(named)
+    for step, grads in enumerate(grads_seq):
+        if between is not None:
+            between(opt, step)
+        for k, p in named:
+            p.grad = grads[k].clone()
+        opt.step()
+    return {k: p.detach() for k, p in named}
+
+
+def _mfx_muon(named, **kw):
+    return mfx.TransformOptimizer(named, mfx.muon, lr=LR, weight_decay=WD, ns_dtype=torch.bfloat16, momentum=MU,
+                                  nesterov=True, adjust_lr="original", **kw)
+
+
+# ---------------------------------------------------------------------------
+# parity with torch.optim.Muon
+# ---------------------------------------------------------------------------
+
+
+@cuda
+def test_muon_bf16_matches_torch_optim_muon_on_cuda():
+    params, grads = _problem("cuda")
+    got = _train(_mfx_muon, params, grads)
+    want = _train(lambda named: torch.optim.Muon([p for _, p in named], lr=LR, weight_decay=WD, momentum=MU,
+                                                 nesterov=True, adjust_lr_fn="original"), params, grads)
+    errs = {k: rel_err(got[k], want[k]) for k in SHAPES}
+    for k in SHAPES:
+        assert got[k].device.type == "cuda" and got[k].dtype == torch.float32
+        assert rel_err(want[k], params[k]) > 1e-3  # the parameters really moved
+    assert max(errs.values()) < CUDA_BF16_PARITY_TOL, errs
+
+
+# ---------------------------------------------------------------------------
+# extra step memory
+# ---------------------------------------------------------------------------
+
+# Why 3 P + 3 B (P: bytes of the Muon parameters, float32; B: the batch budget):
+#
+# * model-size terms: the executor computes the whole pure update of the group before it
+#   writes anything back (new momentum buffers and update tensors, then copy_ and p += u).
+#   At the peak three float32 copies of the parameters are alive: the new momentum buffer
+#   and two consecutive links of the chain (the Nesterov input and the Newton-Schulz
+#   outputs; later the NS output and the shape-scaled update, and so on). Measured on the
+#   CPU (op-by-op storage counting): exactly 3 P once the batch term is taken off, for
+#   8 or 32 matrices. A leaner executor lowers this term; the bound is not a target.
+# * batch terms: one batch of at most B bytes of float32 input matrices at a time: the
+#   concatenated input (B, when the batch holds several parameters), its bf16 copy and
+#   two bf16 iterates (B/2 each, not all alive at once). Measured on the CPU with bf16 NS:
+#   at most 2.3 B; bound 3 B.
+# * 64 MiB of slack: allocator rounding and cuBLAS work space.
+#
+# Without the byte budget (one batch per same-shape group) the batch term would be about
+# 2 P: with the 32 MiB budget below, P = 320 MiB, the bound (3 P + 160 MiB) catches it.
+MEMORY_MODEL_FACTOR = 3
+MEMORY_BATCH_FACTOR = 3
+MEMORY_SLACK = 64 << 20
+
+
+@cuda
+@pytest.mark.parametrize("budget", [None, 32 << 20], ids=["default-budget", "32MiB-budget"])
+def test_muon_step_extra_memory_is_model_terms_plus_batch_terms(budget):
+    n, shape = 40, (1024, 2048)  # 40 same-shape matrices, 8 MiB each: P = 320 MiB
+    set_batch_bytes(budget, "cuda")
+    try:
+        B = batch_bytes("cuda")
+        gen = torch.Generator().manual_seed(0)
+        named = [(f"w{i}", torch.nn.Parameter(torch.randn(*shape, generator=gen).cuda())) for i in range(n)]
+        opt = mfx.TransformOptimizer(named, mfx.muon, lr=0.02, weight_decay=0.1)  # bf16 NS, CUDA's default
+        for step in range(3):  # the first steps create the state and cuBLAS's work space
+            for _, p in named:
+                p.grad = torch.randn(shape, device="cuda")
+            if step == 2:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            opt.step()
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - before
+    finally:
+        set_batch_bytes(None, "cuda")
+    P = sum(p.numel() * p.element_size() for _, p in named)
+    bound = MEMORY_MODEL_FACTOR * P + MEMORY_BATCH_FACTOR * B + MEMORY_SLACK
+    mib = 1 << 20
+    assert extra <= bound, (f"extra {extra / mib:.0f} MiB > {MEMORY_MODEL_FACTOR} P + {MEMORY_BATCH_FACTOR} B + slack "
+                            f"= {bound / mib:.0f} MiB (P {P / mib:.0f} MiB, B {B / mib:.0f} MiB; "
+                            f"(extra - 3P) / B = {(extra - 3 * P) / B:.2f})")
+
+
+# ---------------------------------------------------------------------------
+# the compiled path
+# ---------------------------------------------------------------------------
+
+
+@cuda
+def test_compiled_muon_step_matches_eager_on_cuda():
+    torch._dynamo.reset()
+    params, grads = _problem("cuda", seed=1, steps=6)
+
+    def schedule(opt, step):  # lr and weight decay change every step, like under a scheduler
+        for g in opt.param_groups:
+            g["lr"] = LR * (1.0 - 0.1 * step)
+            g["weight_decay"] = WD + 0.02 * step
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    eager = _train(_mfx_muon, params, grads, schedule)
+    comp = _train(lambda named: _mfx_muon(named).compile(backend=counter), params, grads, schedule)
+    assert counter.frame_count >= 1  # the compiled path ran
+    errs = {k: rel_err(comp[k], eager[k]) for k in SHAPES}
+    for k in SHAPES:
+        assert rel_err(eager[k], params[k]) > 1e-3
+    assert max(errs.values()) < CUDA_COMPILE_TOL, errs
+
+
+# ---------------------------------------------------------------------------
+# which process group a multi-rank run gets (runs everywhere)
+# ---------------------------------------------------------------------------
+
+# (GPUs on the machine, ranks on it, local rank) -> (backend, device)
+RULE = [
+    (0, 1, 0, "gloo", "cpu"),
+    (0, 2, 1, "gloo", "cpu"),
+    (1, 1, 0, "nccl", "cuda:0"),
+    (1, 2, 1, "gloo", "cpu"),  # two ranks would share one GPU: an NCCL error
+    (2, 2, 1, "nccl", "cuda:1"),
+    (2, 3, 2, "gloo", "cpu"),
+    (8, 4, 3, "nccl", "cuda:3"),
+]
+
+
+def _fake_gpus(monkeypatch, n: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("where", ["examples/fsdp_muon.py", "benchmarks/_common.py"])
+@pytest.mark.parametrize("gpus,ranks,local,backend,device", RULE)
+def test_multi_rank_runs_take_nccl_only_with_a_gpu_per_rank(where, gpus, ranks, local, backend, device, monkeypatch):
+    mod = _load(ROOT / where, "_mfx_rule_" + Path(where).stem)
+    _fake_gpus(monkeypatch, gpus)
+    assert mod.pick_backend(ranks, local) == (backend, torch.device(device))
+
+
+class _FakeDist:
+    """What ``muonfx.cli.runtime.setup`` calls in ``torch.distributed``, recorded."""
+
+    def __init__(self, monkeypatch, world: int, rank: int) -> None:
+        import torch.distributed as dist
+
+        self.inits: list[str] = []
+        monkeypatch.setattr(dist, "is_initialized", lambda: False)
+        monkeypatch.setattr(dist, "init_process_group", lambda backend=None, **kw: self.inits.append(backend))
+        monkeypatch.setattr(dist, "get_rank", lambda *a, **k: rank)
+        monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: world)
+
+
+def _setup_cli(monkeypatch, gpus: int, world: int, rank: int, device: str = "auto"):
+    from muonfx.cli import runtime
+
+    _fake_gpus(monkeypatch, gpus)
+    fake = _FakeDist(monkeypatch, world, rank)
+    set_devices: list = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: set_devices.append(torch.device(d)))
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda *a: None)  # global state: leave it
+    for k, v in dict(WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, RANK=rank, LOCAL_RANK=rank).items():
+        monkeypatch.setenv(k, str(v))
+    rt = runtime.setup(device, True, torch.get_num_threads(), "auto")
+    return rt, fake.inits, set_devices
+
+
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_cli_fsdp_backend_without_gpus_or_with_one_per_rank(gpus, monkeypatch):
+    rt, inits, set_devices = _setup_cli(monkeypatch, gpus, world=2, rank=1)
+    if gpus:
+        assert (rt.backend, rt.device, inits, set_devices) == ("nccl", torch.device("cuda", 1), ["nccl"],
+                                                               [torch.device("cuda", 1)])
+        assert rt.amp
+    else:
+        assert (rt.backend, rt.device, inits, set_devices) == ("gloo", torch.device("cpu"), ["gloo"], [])
+        assert not rt.amp
+
+
+@pytest.mark.xfail(strict=True, reason="muonfx/cli/runtime.py takes NCCL whenever CUDA is available, also for "
+                                       "ranks that share one GPU (issue 10, item 5); remove this marker with the fix")
+def test_cli_fsdp_ranks_sharing_one_gpu_run_gloo_on_the_cpu(monkeypatch):
+    rt, inits, set_devices = _setup_cli(monkeypatch, gpus=1, world=2, rank=1)
+    assert (rt.backend, rt.device, inits, set_devices) == ("gloo", torch.device("cpu"), ["gloo"], [])
+    assert not rt.amp  # bf16 autocast follows the device: CUDA only
+
+
+def test_cuda_marker_is_registered_and_skips_without_a_gpu(pytestconfig, request):
+    assert any(m.startswith("cuda:") for m in pytestconfig.getini("markers"))
+    item = next((i for i in request.session.items if i.name == "test_compiled_muon_step_matches_eager_on_cuda"), None)
+    if item is None:
+        pytest.skip("the cuda-marked test was not collected in this run")
+    skips = [m for m in item.iter_markers("skip") if "needs CUDA" in m.kwargs.get("reason", "")]
+    assert bool(skips) == (not torch.cuda.is_available())
