@@ -18,7 +18,7 @@ from tensordict import TensorDictBase
 
 from .base import GradientTransformation, apply_updates as _apply_updates, build as _build, identity as _identity, key_str
 from .combine import chain as _chain, masked as _masked
-from .testing import params_and_grads
+from ._strategies import params_and_grads
 from .wrappers import InjectHyperparamsState as _InjectHyperparamsState
 from .wrappers import accumulate as _accumulate, inject_hyperparams as _inject_hyperparams
 
