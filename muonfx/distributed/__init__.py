@@ -1,37 +1,59 @@
 """muonfx on DTensors: the FSDP2 / HSDP / tensor-parallel side of the seam.
 
-Importing this module changes nothing; :func:`install` (called by
-:class:`muonfx.TransformOptimizer` as soon as it sees a DTensor parameter) registers
-the DTensor backend with :mod:`muonfx.seam`.
+Importing this module changes nothing and imports no DTensor code (so neither does
+``import muonfx``): the backend (:mod:`muonfx.distributed.backend`, which imports
+``torch.distributed.tensor``) is loaded by :func:`install`, called by
+:class:`muonfx.TransformOptimizer` as soon as it sees a DTensor parameter, or on first
+use of ``BACKEND``, ``CommStats`` or ``DTensorBackend`` from here.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from .. import seam
-from .backend import BACKEND, CommStats, DTensorBackend
 from .plan import assign_owners, shard_sizes
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+    from .backend import CommStats, DTensorBackend
 
 __all__ = ["install", "uninstall", "check_params", "comm_stats", "BACKEND", "CommStats", "DTensorBackend",
            "assign_owners", "shard_sizes"]
 
+_LAZY = ("BACKEND", "CommStats", "DTensorBackend")
+
+
+def __getattr__(name: str) -> Any:
+    """``BACKEND``, ``CommStats`` and ``DTensorBackend``, imported on first use."""
+    if name in _LAZY:
+        from . import backend
+
+        return getattr(backend, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 def install() -> DTensorBackend:
     """Register the DTensor backend with the seam (idempotent) and return it."""
+    from .backend import BACKEND
+
     seam.register_backend(BACKEND)
     return BACKEND
 
 
 def uninstall() -> None:
+    from .backend import BACKEND
+
     seam.unregister_backend(BACKEND)
 
 
 def comm_stats() -> CommStats:
     """This rank's matrix-exchange counters (bytes, collectives, matrices orthogonalised)."""
+    from .backend import BACKEND
+
     return BACKEND.stats
 
 
@@ -48,6 +70,8 @@ def check_params(names: Sequence[str], params: Sequence[torch.Tensor], reference
     the same error before any communication, so none hangs. Returns the first
     DTensor seen (the reference for later groups).
     """
+    from torch.distributed.tensor import DTensor
+
     for name, p in zip(names, params):
         if not isinstance(p, DTensor):
             continue
