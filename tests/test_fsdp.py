@@ -470,3 +470,58 @@ def test_global_transforms_on_shards(request, W):
         assert g["all_zero"] == [False, True, False]
         for step in g["errors"]:
             assert max(step.values()) <= 1e-6, g["errors"]
+
+
+# ---------------------------------------------------------------------------
+# 9. the FSDP builders take Muon's options (one process, plain tensors)
+# ---------------------------------------------------------------------------
+
+
+def _small_lm() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Linear(8, 16), torch.nn.GELU(),
+                               torch.nn.Linear(16, 8), torch.nn.Linear(8, 11))
+
+
+def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int = 3) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        x = torch.randint(0, 11, (4, 5), generator=gen)
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("coefficients", ["you", "polar_express", "keller"])
+def test_fsdp_muon_honours_ns_coefficients(coefficients):
+    """``fsdp_muon(ns_coefficients=...)`` runs Newton-Schulz with those coefficients:
+    exactly ``mfx.muon``'s update with the same options; and ``FSDPMuonOptimizer`` on a
+    plain model moves exactly as ``create_hybrid_optimizer`` with the same settings."""
+    import muonfx as mfx
+    from muonfx.distributed.fsdp import fsdp_muon
+    from tensordict import TensorDict
+
+    torch.manual_seed(0)
+    params = TensorDict({"w": torch.randn(16, 8), "e": torch.randn(3, 8, 4)}, [])
+    grads = params.apply(torch.randn_like)
+
+    def one_update(tx):
+        return tx.update(grads, tx.init(params), params)[0]
+
+    opts = dict(lr=0.1, weight_decay=0.01, ns_dtype=torch.float32)
+    mine = one_update(fsdp_muon(ns_coefficients=coefficients, **opts))
+    ref = one_update(mfx.muon(ns_coefficients=coefficients, **opts))
+    for k in ("w", "e"):
+        assert torch.equal(mine[k], ref[k]), k
+    if coefficients != "keller":
+        assert not torch.equal(mine["w"], one_update(fsdp_muon(ns_coefficients="keller", **opts))["w"])
+
+    m1, m2 = _small_lm(), _small_lm()
+    fsdp = mfx.FSDPMuonOptimizer(m1, ns_coefficients=coefficients, ns_dtype=torch.float32)
+    assert fsdp.param_groups[0]["ns_coefficients"] == coefficients
+    hybrid = mfx.create_hybrid_optimizer(m2, muon_weight_decay=0.01, ns_coefficients=coefficients,
+                                         ns_dtype=torch.float32)
+    a, b = _steps(m1, fsdp), _steps(m2, hybrid)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

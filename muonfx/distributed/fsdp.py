@@ -11,6 +11,7 @@ from ..base import GradientTransformation
 from ..combine import named_chain
 from ..optim import TransformOptimizer
 from ..familiar import model_labels
+from ..linalg import CoefficientSpec
 from ..presets import adamw
 from ..transforms import (decoupled_decay, momentum as _momentum, newton_schulz, row_normalize, scale,
                           scale_by_learning_rate, scale_by_shape)
@@ -31,6 +32,7 @@ def fsdp_muon(
     gradient_accumulation_steps: int = 1,
     adjust_lr: str = "original",
     ns_dtype: torch.dtype | None = None,
+    ns_coefficients: CoefficientSpec = "keller",
 ) -> GradientTransformation:
     """The chain behind :class:`FSDPMuonOptimizer`'s matrices::
 
@@ -41,7 +43,7 @@ def fsdp_muon(
     """
     steps = [
         ("momentum", _momentum(momentum, nesterov=nesterov)),
-        ("orthogonalize", newton_schulz(ns_steps, dtype=ns_dtype)),
+        ("orthogonalize", newton_schulz(ns_steps, ns_coefficients, dtype=ns_dtype)),
     ]
     if beta2 is not None:
         steps.append(("row_normalize", row_normalize(beta2, eps)))
@@ -125,6 +127,7 @@ class FSDPMuonOptimizer(TransformOptimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_weight_decay: float = 0.01,
         ns_dtype: torch.dtype | None = None,
+        ns_coefficients: CoefficientSpec = "keller",
     ) -> None:
         self.model = model
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
@@ -143,6 +146,7 @@ class FSDPMuonOptimizer(TransformOptimizer):
                 params=muon_params, tx=fsdp_muon, lr=lr, momentum=momentum, weight_decay=weight_decay,
                 nesterov=nesterov, ns_steps=ns_steps, ns_stepsize=ns_stepsize, beta2=beta2, eps=eps,
                 gradient_accumulation_steps=gradient_accumulation_steps, ns_dtype=ns_dtype,
+                ns_coefficients=ns_coefficients,
             ))
         if other:
             groups.append(dict(
