@@ -99,6 +99,9 @@ def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor]) -> list[tor
                 pieces.setdefault(idx[j], []).append(r)
         for i, ps in pieces.items():
             out[i] = ps[0] if len(ps) == 1 else torch.cat(ps, dim=0)
+        for i in idx:
+            if out[i] is None:  # a stack of zero matrices: nothing to compute
+                out[i] = stacks[i].clone()
     return out
 
 
