@@ -83,18 +83,24 @@ def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor]) -> list[tor
         if s.ndim != 3:
             raise ValueError(f"map_matrices takes [k, m, n] stacks, got shape {tuple(s.shape)}")
         groups.setdefault((tuple(s.shape[1:]), s.dtype, s.device), []).append(i)
+    budgets: dict[torch.device, int] = {}
     for (mn, dtype, device), idx in groups.items():
         mat_bytes = mn[0] * mn[1] * stacks[idx[0]].element_size()
-        counts = [stacks[i].shape[0] for i in idx]
+        counts = []
+        for i in idx:
+            counts.append(stacks[i].shape[0])
+        if device not in budgets:
+            budgets[device] = batch_bytes(device)
         pieces: dict[int, list[torch.Tensor]] = {}
-        for batch in plan_batches(counts, mat_bytes, batch_bytes(device)):
-            parts = []
+        for batch in plan_batches(counts, mat_bytes, budgets[device]):
+            parts, sizes = [], []
             for j, a, b in batch:
                 parts.append(stacks[idx[j]] if (a, b) == (0, counts[j]) else stacks[idx[j]][a:b])
+                sizes.append(b - a)
             if len(parts) == 1:
                 res = (fn(parts[0]),)
             else:
-                res = fn(torch.cat(parts, dim=0)).split([b - a for _, a, b in batch], dim=0)
+                res = fn(torch.cat(parts, dim=0)).split(sizes, dim=0)
             for (j, _, _), r in zip(batch, res):
                 pieces.setdefault(idx[j], []).append(r)
         for i, ps in pieces.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import numbers
 from typing import Any, Callable, NamedTuple
 
@@ -252,5 +253,7 @@ def _checked(name: str, value: Any, count: int) -> Any:
     if isinstance(value, (tuple, list)):
         return tuple(_checked(f"{name}[{i}]", v, count) for i, v in enumerate(value))
     if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if type(value) is float and -math.inf < value < math.inf:  # the common case, checked inline
         return value
     return evaluate(name, value, count)

@@ -95,7 +95,10 @@ def newton_schulz_batched(
         raise ValueError(f"newton_schulz_batched takes [N, m, n], got {tuple(g.shape)}")
     if method not in ("standard", "gram", "auto"):
         raise ValueError(f"unknown Newton-Schulz method {method!r}; use 'standard', 'gram' or 'auto'")
-    cdtype = dtype if dtype is not None else default_compute_dtype(g)
+    cdtype = dtype
+    if cdtype is None:  # default_compute_dtype(g), inline: this runs once per batch
+        cdtype = torch.bfloat16 if g.device.type == "cuda" else (
+            torch.float64 if g.dtype == torch.float64 else torch.float32)
     m, n = min(g.shape[-2], g.shape[-1]), max(g.shape[-2], g.shape[-1])
     use_gram = method == "gram" or (
         method == "auto" and cdtype in (torch.float32, torch.float64) and gram_pays_off(m, n, len(schedule.steps))

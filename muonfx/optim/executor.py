@@ -152,11 +152,57 @@ def write_back(old: Any, new: Any, hazards: set[int] | None = None, pairs: list 
     return _rebuild(new, taken) if taken else new
 
 
-class Executor:
-    """Runs the adapter's steps: pure compute for every group, then one commit.
+def _store(old: Any, new: Any) -> Any:
+    """:func:`write_back` for traced code (inside ``torch.compile``): copy ``new``'s
+    tensors into ``old``'s matching buffers with no aliasing analysis (the compiler's
+    functionalization orders the reads before the writes); return the state holding
+    ``old``'s buffers."""
+    pairs: list = []
+    _pairs(old, new, pairs)
+    taken: dict[int, torch.Tensor] = {}
+    dst, src = [], []
+    for o, n in pairs:
+        if n is o:
+            continue
+        if (isinstance(o, torch.Tensor) and o.shape == n.shape and o.dtype == n.dtype
+                and o.device == n.device and type(o) is type(n)):
+            dst.append(o)
+            src.append(n)
+            taken[id(n)] = o
+    if dst:
+        torch._foreach_copy_(dst, src)
+    return _rebuild(new, taken) if taken else new
 
-    ``compile(**kwargs)`` switches phase 1 to ``torch.compile`` (after each group's
-    first, eager step, which surfaces structural errors with clear messages).
+
+def _static_key(hp: dict[str, Any]) -> tuple:
+    """The hyperparameters that select a compiled function: everything but numbers."""
+    out = []
+    for n, v in hp.items():
+        if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool):
+            continue
+        if isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+            out.append((n, len(v)))
+            continue
+        out.append((n, v if isinstance(v, (str, bool, type(None), torch.dtype)) else id(v)))
+    return tuple(out)
+
+
+class Executor:
+    """Runs the adapter's steps.
+
+    **Eager** (the default, correct everywhere): pure compute for every group
+    (:meth:`compute`), then one commit (:meth:`commit`): new state copied into the old
+    buffers, ``p += u``.
+
+    **Compiled** (after :meth:`compile`): once every group has made its first, eager
+    step (which surfaces structural errors with clear messages), one function per set
+    of static hyperparameters computes every group's update, writes the new state into
+    the old buffers and adds the updates to the parameters, all inside one
+    ``torch.compile`` graph. The compiler turns the copies into in-place stores and
+    frees each intermediate as soon as it is dead, so the step allocates little and
+    reads memory few times. Python-level errors (a bad hyperparameter, a transform's own
+    exception) are raised while the function is traced, before the graph runs, so they
+    change nothing either. Groups holding DTensors always run eagerly.
     """
 
     def __init__(self) -> None:
@@ -164,21 +210,11 @@ class Executor:
         self._compiled: dict[Any, Callable[..., Any]] = {}
 
     def compile(self, **kwargs: Any) -> None:
+        """Use ``torch.compile`` (``dynamic=True, fullgraph=True`` unless overridden)."""
         self.compile_kwargs = {"dynamic": True, "fullgraph": True, **kwargs}
         self._compiled = {}
 
-    # -- phase 1 ---------------------------------------------------------------
-
-    def _update_fn(self, rec: GroupRecord, hp: dict[str, Any]) -> Callable[..., Any]:
-        tx = rec.transform(hp)
-        if self.compile_kwargs is None or not rec.stepped:
-            return tx.update
-        fn = self._compiled.get(id(tx))
-        if fn is None:
-            # traced from the plain factory: the compiled graph rebuilds nothing at run time
-            plain = inject_hyperparams(rec.factory)(**hp)
-            fn = self._compiled[id(tx)] = torch.compile(plain.update, **self.compile_kwargs)
-        return fn
+    # -- eager: phase 1 ---------------------------------------------------------
 
     def compute(self, w: GroupWork) -> tuple[list[torch.Tensor], Any]:
         """The group's updates (aligned with ``w.params``) and its whole new state."""
@@ -188,7 +224,7 @@ class Executor:
         keys: list[Key] = [keys_all[i] for i in w.idx] if partial else keys_all
         state = rec.current_state(w.hp)
         sub = restrict(state, set(keys)) if partial else state
-        upd, new_sub = self._update_fn(rec, w.hp)(build(keys, w.grads), sub, build(keys, w.params))
+        upd, new_sub = rec.transform(w.hp).update(build(keys, w.grads), sub, build(keys, w.params))
         if not isinstance(upd, TensorDictBase):
             raise TypeError(f"the transform returned updates of type {type(upd).__name__}, not a TensorDict")
         updates = []
@@ -204,7 +240,7 @@ class Executor:
             raise ValueError("the transform returned updates for keys that are not parameters of this group")
         return updates, (merge(state, new_sub) if partial else new_sub)
 
-    # -- phase 2 ---------------------------------------------------------------
+    # -- eager: phase 2 ---------------------------------------------------------
 
     def commit(self, w: GroupWork, updates: list[torch.Tensor], new_state: Any) -> None:
         """Write the new state into the old buffers and add the updates to the parameters."""
@@ -222,8 +258,70 @@ class Executor:
         foreach("add_", w.params, us)
         rec.stepped = True
 
+    # -- compiled ---------------------------------------------------------------
+
+    def _compilable(self, work: list[GroupWork]) -> bool:
+        return (self.compile_kwargs is not None and all(w.record.stepped for w in work)
+                and not any(type(p).__name__ == "DTensor" for w in work for p in w.params))
+
+    @staticmethod
+    def _key(work: list[GroupWork]) -> tuple:
+        return tuple((id(w.record), tuple(w.idx), _static_key(w.hp)) for w in work)
+
+    def _fused(self, work: list[GroupWork]) -> Callable[..., Any] | None:
+        """The compiled whole step for these groups, their present parameters and static
+        hyperparameters (built and compiled once, then cached; None where it could not be
+        traced)."""
+        key = self._key(work)
+        if key in self._compiled:
+            return self._compiled[key]
+        plans = []
+        for w in work:
+            rec = w.record
+            partial = len(w.idx) != len(rec.keys)
+            keys = [rec.keys[i] for i in w.idx]
+            # traced from the plain factory: the graph rebuilds nothing at run time
+            plans.append((inject_hyperparams(rec.factory)(**w.hp), keys, partial))
+
+        def step_in_place(grads, params, states):
+            new_states = []
+            for (tx, keys, partial), gs, ps, state in zip(plans, grads, params, states):
+                sub = restrict(state, set(keys)) if partial else state
+                upd, new_sub = tx.update(build(keys, gs), sub, build(keys, ps))
+                us = [upd.get(k) for k in keys]
+                new_states.append(_store(state, merge(state, new_sub) if partial else new_sub))
+                torch._foreach_add_(ps, us)
+            return new_states
+
+        fn = self._compiled[key] = torch.compile(step_in_place, **self.compile_kwargs)
+        return fn
+
+    # -- a step -----------------------------------------------------------------
+
     def step(self, work: list[GroupWork]) -> None:
         """Compute every group's update, then (only if all succeeded) commit them all."""
+        if not work:
+            return
+        if self._compilable(work):
+            fused = self._fused(work)
+            if fused is not None:
+                states = [w.record.current_state(w.hp) for w in work]
+                try:
+                    new_states = fused([w.grads for w in work], [w.params for w in work], states)
+                except torch._dynamo.exc.TorchDynamoException:
+                    # Raised while tracing or compiling, before the graph ran: nothing was
+                    # written. The eager step below raises the transform's own error; if it
+                    # succeeds instead, the compiler cannot trace these groups: they stay eager.
+                    self._eager_step(work)
+                    self._compiled[self._key(work)] = None
+                    return
+                for w, s in zip(work, new_states):
+                    w.record.state = s
+                return
+        self._eager_step(work)
+
+    def _eager_step(self, work: list[GroupWork]) -> None:
+        """Compute every group (nothing written), then commit every group."""
         results = [self.compute(w) for w in work]
         with torch.no_grad():
             for w, (updates, new_state) in zip(work, results):

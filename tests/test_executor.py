@@ -1,0 +1,364 @@
+"""The executor: the adapter computes exactly what the functional loop computes, for any
+transform (a user's plain-Python combinator included), commits nothing when anything
+in a step raises, and stays cheap in Python (a bounded number of muonfx calls)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+
+import muonfx as mfx
+from muonfx.base import tree_tensors
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+
+def plain_chain(*transforms):
+    """A user's own optax-style chain, written with plain Python (no muonfx helpers)."""
+
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates, state, params=None):
+        new = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new.append(s)
+        return updates, tuple(new)
+
+    return mfx.GradientTransformation(init, update)
+
+
+def _named(shapes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(k, torch.nn.Parameter(torch.randn(*s, generator=gen))) for k, s in shapes.items()]
+
+
+def _grads(named, step, only=None):
+    gen = torch.Generator().manual_seed(1000 + step)
+    for k, p in named:
+        g = torch.randn(p.shape, generator=gen)
+        p.grad = g if only is None or k in only else None
+
+
+def _bitwise_equal(a, b, what):
+    la, lb = list(tree_tensors(a)), list(tree_tensors(b))
+    assert len(la) == len(lb), what
+    for i, (x, y) in enumerate(zip(la, lb)):
+        assert x.dtype == y.dtype and x.shape == y.shape, (what, i)
+        assert torch.equal(x, y), f"{what}: tensor {i} differs by {(x - y).abs().max().item()}"
+
+
+def adapter_vs_loop(tx, shapes, steps=4):
+    """Run ``tx`` through TransformOptimizer and through the functional loop; assert
+    parameters and state are bitwise equal after every step."""
+    named = _named(shapes)
+    keys = [tuple(k.split(".")) for k, _ in named]
+    loop_params = TensorDict({k: p.detach().clone() for k, (_, p) in zip(keys, named)}, [])
+    state = tx.init(loop_params)
+    opt = mfx.TransformOptimizer(named, tx)
+    for step in range(steps):
+        _grads(named, step)
+        grads = TensorDict({k: p.grad.clone() for k, (_, p) in zip(keys, named)}, [])
+        updates, state = tx.update(grads, state, loop_params)
+        loop_params = mfx.apply_updates(loop_params, updates)
+        opt.step()
+        for k, (name, p) in zip(keys, named):
+            assert torch.equal(p.detach(), loop_params[k]), (
+                f"step {step}: {name} differs by {(p.detach() - loop_params[k]).abs().max().item()}")
+        _bitwise_equal(opt.transform_state(0).inner_state, state, f"step {step} state")
+
+
+SHAPES = {"w": (12, 8), "v": (8, 8), "experts": (3, 6, 10), "b": (12,)}
+MATRICES = {k: s for k, s in SHAPES.items() if len(s) >= 2}
+
+
+# ---------------------------------------------------------------------------
+# purity: the adapter computes what the functional loop computes, bit for bit
+# ---------------------------------------------------------------------------
+
+
+def test_users_plain_python_chain_through_the_adapter_equals_the_loop():
+    """The issue's case: a 6-line user chain of momentum(0.9) and scale(-0.1) ended 0.315
+    away in the momentum buffer when the adapter threaded donation through transforms."""
+    adapter_vs_loop(plain_chain(mfx.momentum(0.9), mfx.scale(-0.1)), SHAPES)
+
+
+def test_user_transform_keeping_its_input_in_the_state_is_safe():
+    """A transform that returns its input update as (part of) its new state: the
+    executor's write-back and ``p += u`` must not let one write change the other."""
+
+    def keep_last():
+        def init(params):
+            return {"last": params.apply(torch.zeros_like)}
+
+        def update(updates, state, params=None):
+            return updates, {"last": updates}
+
+        return mfx.GradientTransformation(init, update)
+
+    adapter_vs_loop(plain_chain(keep_last(), mfx.scale(-0.1), keep_last()), SHAPES)
+
+
+#: every built-in transform, by name: (factory, matrices only)
+BUILTINS = {
+    "momentum": (lambda: mfx.momentum(0.9), False),
+    "nesterov": (lambda: mfx.momentum(0.8, nesterov=True), False),
+    "scale": (lambda: mfx.scale(-0.5), False),
+    "scale_by_learning_rate": (lambda: mfx.scale_by_learning_rate(0.1), False),
+    "scheduled_lr": (lambda: mfx.scale_by_learning_rate(mfx.schedules.linear(0.1, 0.01, 5)), False),
+    "row_normalize": (lambda: mfx.row_normalize(), True),
+    "decoupled_decay": (lambda: mfx.decoupled_decay(0.1), False),
+    "scale_by_adam": (lambda: mfx.scale_by_adam(), False),
+    "clip_by_global_norm": (lambda: mfx.clip_by_global_norm(1.0), False),
+    "newton_schulz": (lambda: mfx.newton_schulz(dtype=torch.float32), True),
+    "scale_by_shape": (lambda: mfx.scale_by_shape("original"), True),
+    "mask_by_ndim": (lambda: mfx.mask_by_ndim(mfx.newton_schulz(dtype=torch.float32), {2, 3}), False),
+    "accumulate": (lambda: mfx.accumulate(mfx.momentum(0.9), 2), False),
+    "apply_if_finite": (lambda: mfx.apply_if_finite(mfx.scale_by_adam()), False),
+    "muon": (lambda: mfx.muon(ns_dtype=torch.float32), True),
+    "adamw": (lambda: mfx.adamw(weight_decay=0.1), False),
+    "muon_adamw": (lambda: mfx.muon_adamw(ns_dtype=torch.float32, weight_decay=0.1), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+def test_every_builtin_transform_through_the_adapter_equals_the_loop(name):
+    factory, matrices = BUILTINS[name]
+    adapter_vs_loop(plain_chain(factory()), MATRICES if matrices else SHAPES)
+
+
+@settings(max_examples=max(10, settings.default.max_examples // 2))
+@given(st.lists(st.sampled_from(sorted(BUILTINS)), min_size=1, max_size=4))
+def test_random_chains_through_the_adapter_equal_the_loop(names):
+    matrices = any(BUILTINS[n][1] for n in names)
+    adapter_vs_loop(plain_chain(*(BUILTINS[n][0]() for n in names)), MATRICES if matrices else SHAPES, steps=3)
+
+
+# ---------------------------------------------------------------------------
+# failure atomicity: a raising step changes nothing
+# ---------------------------------------------------------------------------
+
+
+def _everything(opt):
+    """Every parameter, state tensor (with its identity) and param group value."""
+    params = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    state = [(id(t), t.clone()) for rec in opt.records for t in tree_tensors(rec.state)]
+    scalars = [repr(rec.state._replace(inner_state=None)) for rec in opt.records]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return params, state, scalars, groups
+
+
+def _assert_same(before, after):
+    (p0, s0, c0, g0), (p1, s1, c1, g1) = before, after
+    assert len(p0) == len(p1) and all(torch.equal(a, b) for a, b in zip(p0, p1)), "a parameter moved"
+    assert [i for i, _ in s0] == [i for i, _ in s1], "a state buffer was replaced"
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(s0, s1)), "a state tensor changed"
+    assert c0 == c1, "a step counter or hyperparameter in the state changed"
+    assert repr(g0) == repr(g1), "a param group changed"
+
+
+def _hybrid(named, compiled):
+    groups = [{"params": [p for k, p in named if p.ndim >= 2], "param_names": [k for k, p in named if p.ndim >= 2],
+               "tx": mfx.muon, "lr": 0.02, "ns_dtype": torch.float32},
+              {"params": [p for k, p in named if p.ndim < 2], "param_names": [k for k, p in named if p.ndim < 2],
+               "tx": mfx.adamw, "lr": 1e-3}]
+    opt = mfx.TransformOptimizer(groups, mfx.adamw)
+    return opt.compile(backend="aot_eager") if compiled else opt
+
+
+def _trigger_nan_lr(compiled):
+    """A NaN lr in the AdamW group, after the Muon group's update was computed."""
+    named = _named(SHAPES)
+    opt = _hybrid(named, compiled)
+    for step in range(2):
+        _grads(named, step)
+        opt.step()
+    _grads(named, 2)
+    opt.param_groups[1]["lr"] = float("nan")
+    return opt, ValueError, "lr"
+
+
+def _trigger_schedule_nan(compiled):
+    """A schedule inside a chain returning NaN at step 2, after momentum ran."""
+    sched = lambda count: 0.1 if int(count) < 2 else float("nan")  # noqa: E731
+    named = _named(SHAPES)
+    opt = mfx.TransformOptimizer(named, mfx.chain(mfx.momentum(0.9), mfx.scale_by_learning_rate(sched)))
+    if compiled:
+        opt.compile(backend="aot_eager")
+    for step in range(2):
+        _grads(named, step)
+        opt.step()
+    _grads(named, 2)
+    return opt, ValueError, "nan"
+
+
+def _trigger_vector_gets_grad_in_muon_group(compiled):
+    """A 1-D parameter of a Muon group gets its first gradient (after the 2-D ones stepped)."""
+    named = _named({"w": (12, 8), "b": (12,)})
+    opt = mfx.TransformOptimizer(named, mfx.muon, lr=0.02, ns_dtype=torch.float32)
+    if compiled:
+        opt.compile(backend="aot_eager")
+    for step in range(2):
+        _grads(named, step, only={"w"})
+        opt.step()
+    _grads(named, 2)
+    return opt, ValueError, "'b'"
+
+
+def _trigger_sparse_grad_in_second_group(compiled):
+    named = _named(SHAPES)
+    opt = _hybrid(named, compiled)
+    for step in range(2):
+        _grads(named, step)
+        opt.step()
+    _grads(named, 2)
+    named[-1][1].grad = named[-1][1].grad.to_sparse()
+    return opt, ValueError, "sparse"
+
+
+def _trigger_user_transform_raises(compiled):
+    """A user's transform in the second group raises on its third update."""
+
+    def flaky():
+        def init(params):
+            return {"n": 0}
+
+        def update(updates, state, params=None):
+            if state["n"] >= 2:
+                raise RuntimeError("flaky transform gave up")
+            return updates, {"n": state["n"] + 1}
+
+        return mfx.GradientTransformation(init, update)
+
+    named = _named(SHAPES)
+    groups = [{"params": [p for _, p in named[:2]], "param_names": [k for k, _ in named[:2]], "tx": mfx.adamw},
+              {"params": [p for _, p in named[2:]], "param_names": [k for k, _ in named[2:]],
+               "tx": plain_chain(mfx.momentum(0.9), flaky())}]
+    opt = mfx.TransformOptimizer(groups, mfx.adamw)
+    if compiled:
+        opt.compile(backend="aot_eager")
+    for step in range(2):
+        _grads(named, step)
+        opt.step()
+    _grads(named, 2)
+    return opt, RuntimeError, "flaky"
+
+
+TRIGGERS = {f.__name__[len("_trigger_"):]: f for f in (
+    _trigger_nan_lr, _trigger_schedule_nan, _trigger_vector_gets_grad_in_muon_group,
+    _trigger_sparse_grad_in_second_group, _trigger_user_transform_raises)}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("trigger", sorted(TRIGGERS))
+def test_a_raising_step_changes_nothing(trigger, compiled):
+    torch._dynamo.reset()
+    opt, exc, match = TRIGGERS[trigger](compiled)
+    before = _everything(opt)
+    with pytest.raises(exc, match=match):
+        opt.step()
+    _assert_same(before, _everything(opt))
+
+
+def test_after_a_raising_step_the_next_good_step_is_the_uninterrupted_one():
+    """The NaN lr is fixed and the step retried: training continues exactly as if the
+    bad step had never been attempted."""
+    opt, _, _ = _trigger_nan_lr(False)
+    ref, _, _ = _trigger_nan_lr(False)
+    with pytest.raises(ValueError):
+        opt.step()
+    for o in (opt, ref):
+        o.param_groups[1]["lr"] = 1e-3
+        o.step()
+    for a, b in zip(_everything(opt)[0], _everything(ref)[0]):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------
+# the executor's own costs
+# ---------------------------------------------------------------------------
+
+
+def test_state_buffers_keep_their_identity_and_opt_state_follows():
+    named = _named(SHAPES)
+    opt = mfx.TransformOptimizer(named, mfx.adamw, lr=1e-2)
+    _grads(named, 0)
+    opt.step()
+    held = dict(opt.state[named[0][1]])
+    _grads(named, 1)
+    opt.step()
+    now = opt.state[named[0][1]]
+    for k, v in held.items():
+        if isinstance(v, torch.Tensor):
+            assert now[k] is v, k
+    assert now["count"] == 2
+
+
+def test_the_transform_is_built_once_while_static_hyperparameters_stay():
+    calls = []
+
+    def counted_muon(lr=0.02, momentum=0.95, ns_dtype=None):
+        calls.append((lr, momentum))
+        return mfx.muon(lr=lr, momentum=momentum, ns_dtype=ns_dtype)
+
+    named = _named(MATRICES)
+    opt = mfx.TransformOptimizer(named, counted_muon, lr=0.02)
+    for step in range(4):
+        _grads(named, step)
+        opt.step()
+    assert len(calls) == 1, calls  # init built it; four steps reused it
+    opt.param_groups[0]["lr"] = 0.01
+    _grads(named, 4)
+    opt.step()
+    assert len(calls) == 2 and calls[-1][0] == 0.01
+
+
+def _count_muonfx_calls(fn) -> int:
+    root = os.path.dirname(mfx.__file__)
+    n = 0
+
+    def prof(frame, event, arg):
+        nonlocal n
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            n += 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n
+
+
+def test_a_muon_optimizer_step_makes_at_most_120_muonfx_calls():
+    """GPT-2-like hidden matrices (4 shapes, 8 layers, 32 matrices): the Python work of a
+    step does not grow with the number of parameters (it was 348 calls before the
+    executor)."""
+    shapes = {}
+    for i in range(8):
+        shapes |= {f"h.{i}.attn": (32, 96), f"h.{i}.proj": (32, 32), f"h.{i}.fc": (32, 128), f"h.{i}.out": (128, 32)}
+    named = _named(shapes)
+    opt = mfx.MuonOptimizer([p for _, p in named], lr=0.02)
+    for step in range(2):
+        _grads(named, step)
+        opt.step()
+    _grads(named, 2)
+    calls = _count_muonfx_calls(opt.step)
+    assert calls <= 120, calls
+    # and it does not grow with the model: twice the layers, (nearly) the same count
+    named2 = _named({f"{k}.x": s for k, s in shapes.items()} | shapes)
+    opt2 = mfx.MuonOptimizer([p for _, p in named2], lr=0.02)
+    for step in range(2):
+        _grads(named2, step)
+        opt2.step()
+    assert _count_muonfx_calls(opt2.step) <= calls + 4
+
