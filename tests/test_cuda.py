@@ -260,8 +260,6 @@ def test_cli_fsdp_backend_without_gpus_or_with_one_per_rank(gpus, monkeypatch):
         assert not rt.amp
 
 
-@pytest.mark.xfail(strict=True, reason="muonfx/cli/runtime.py takes NCCL whenever CUDA is available, also for "
-                                       "ranks that share one GPU (issue 10, item 5); remove this marker with the fix")
 def test_cli_fsdp_ranks_sharing_one_gpu_run_gloo_on_the_cpu(monkeypatch):
     rt, inits, set_devices = _setup_cli(monkeypatch, gpus=1, world=2, rank=1)
     assert (rt.backend, rt.device, inits, set_devices) == ("gloo", torch.device("cpu"), ["gloo"], [])

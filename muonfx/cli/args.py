@@ -126,6 +126,10 @@ def validate(args: argparse.Namespace) -> str | None:
 
         if not torch.cuda.is_available():
             return f"--device cuda: torch {torch.__version__} sees no CUDA device here; use --device cpu"
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))) if args.fsdp else 1
+        if torch.cuda.device_count() < ranks:
+            return (f"--device cuda --fsdp needs a GPU per rank: {ranks} ranks, {torch.cuda.device_count()} GPU(s) "
+                    "here; use --device auto (gloo on the CPU) or fewer ranks")
     if args.fsdp and "RANK" not in os.environ:
         return ("--fsdp runs one process per rank: launch with torchrun, e.g. "
                 "'torchrun --nproc_per_node=2 -m muonfx train --fsdp' (gloo on CPU, NCCL on GPUs)")

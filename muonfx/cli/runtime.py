@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Runtime", "setup", "teardown", "shard_model"]
+__all__ = ["Runtime", "pick_backend", "setup", "teardown", "shard_model"]
 
 
 @dataclass
@@ -49,8 +49,20 @@ def auto_threads() -> int:
     return max(1, min(n, int(free + 0.5)))
 
 
+def pick_backend(ranks: int, local_rank: int = 0) -> tuple[str, torch.device]:
+    """``("nccl", cuda:local_rank)`` when this machine has a GPU for each of its ``ranks``;
+    ``("gloo", cpu)`` otherwise (ranks sharing one GPU would deadlock NCCL)."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= ranks:
+        return "nccl", torch.device("cuda", local_rank)
+    return "gloo", torch.device("cpu")
+
+
 def setup(device: str, fsdp: bool, threads: int, amp: str) -> Runtime:
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if fsdp and cuda:  # NCCL only with a GPU per rank on this machine; else gloo on the CPU
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        cuda = pick_backend(ranks, local)[0] == "nccl"
     torch.set_num_threads(threads or (torch.get_num_threads() if cuda else auto_threads()))
     if cuda:
         torch.set_float32_matmul_precision("high")  # TF32 for the float32 matmuls outside autocast
@@ -59,9 +71,8 @@ def setup(device: str, fsdp: bool, threads: int, amp: str) -> Runtime:
         return Runtime(dev, amp=_amp(amp, dev))
     import torch.distributed as dist
 
-    local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
-        dev = torch.device("cuda", local % torch.cuda.device_count())
+        dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
         backend = "nccl"
     else:
@@ -85,9 +96,13 @@ def teardown(rt: Runtime) -> None:
 
 def shard_model(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
     """FSDP2: ``fully_shard`` every transformer block, then the root (embeddings, head)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # the mesh names its device: FSDP2's default mesh is CUDA whenever a GPU exists,
+    # also in a gloo run on the CPU
+    mesh = init_device_mesh(rt.device.type, (rt.world,))
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
