@@ -230,35 +230,6 @@ def test_update_is_pure(name, data):
         state = new_state
 
 
-_donating = getattr(mfx.base, "donating", None)
-_tree_tensors = getattr(mfx.base, "tree_tensors", None)
-
-
-@pytest.mark.skipif(_donating is None, reason="muonfx.base.donating not available")
-@pytest.mark.parametrize("name", sorted(PURITY_CASES))
-@settings(max_examples=max(5, settings.default.max_examples // 3))  # a third: 35 cases, costly
-@given(data=st.data())
-def test_donated_state_gives_same_results(name, data):
-    """Inside ``donating(old state)`` transforms may overwrite the old state's buffers;
-    the results must be bitwise those of the pure call, and updates/params untouched.
-    A scale is chained after the transform: it may work in place on its input, which
-    must never be a tensor the transform keeps in its new state."""
-    kind, factory = PURITY_CASES[name]
-    params, grads = data.draw(params_and_grads(min_ndim=2 if kind == MATRIX else 0))
-    tx = mfx.chain(factory(), mfx.scale_by_learning_rate(0.5))
-    g0, g1 = grad_sequence(grads, 2)
-    _, state = tx.update(g0, tx.init(params), params)  # a non-trivial state to donate
-    g_snap, p_snap = snapshot(g1), snapshot(params)
-    out_pure, new_pure = tx.update(g1, state, params)
-    donated = snapshot(state)
-    with _donating(list(_tree_tensors(donated))):
-        out_don, new_don = tx.update(g1, donated, params)
-    assert_tree_equal(out_don, out_pure, "donated updates", bitwise=True)
-    assert_tree_equal(new_don, new_pure, "donated new state", bitwise=True)
-    assert_tree_equal(g1, g_snap, "updates", bitwise=True)
-    assert_tree_equal(params, p_snap, "params", bitwise=True)
-
-
 # ---------------------------------------------------------------------------
 # combinator laws
 # ---------------------------------------------------------------------------
