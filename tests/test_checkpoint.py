@@ -16,6 +16,7 @@ refusal of mismatched state dicts, and torch.distributed.checkpoint's helpers.
 from __future__ import annotations
 
 import io
+from pathlib import Path
 import math
 
 import pytest
@@ -470,3 +471,62 @@ def test_nested_inject_hyperparams_state_round_trips():
     again = other.state_dict()["state"][0]
     assert again["inner_state.count"] == 2
     assert torch.equal(again["inner_state.inner_state.adam.nu"], sd["state"][0]["inner_state.inner_state.adam.nu"])
+
+
+# ---------------------------------------------------------------------------
+# checkpoints written before the executor still load
+# ---------------------------------------------------------------------------
+
+_OLD = Path(__file__).parent / "data" / "checkpoints_a901c07.pt"
+
+
+def _old_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 4))
+
+
+_OLD_MAKERS = {
+    "muon_adamw": lambda m: mfx.TransformOptimizer(m.named_parameters(), mfx.muon_adamw, lr=0.02, ns_dtype=torch.float32),
+    "adamw": lambda m: mfx.TransformOptimizer(m.named_parameters(), mfx.adamw, lr=1e-2),
+    "prebuilt_chain": lambda m: mfx.TransformOptimizer(m.named_parameters(), mfx.chain(
+        mfx.momentum(0.9), mfx.apply_if_finite(mfx.scale_by_adam()), mfx.scale(-0.01))),
+    "hybrid": lambda m: mfx.create_hybrid_optimizer(m, ns_dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OLD_MAKERS))
+def test_checkpoints_of_the_previous_release_load_and_resume(name):
+    """``tests/data/checkpoints_a901c07.pt`` was written by muonfx at commit a901c07 (before
+    the executor) with ``tests/data/make_checkpoints.py``: 3 steps of each optimizer. It
+    loads with ``weights_only=True`` into today's optimizer, which then saves the same
+    keys and values, and resumes exactly like an optimizer that ran those 3 steps today."""
+    saved = torch.load(_OLD, weights_only=True)[name]
+    m = _old_model()
+    m.load_state_dict(saved["model"])
+    opt = _OLD_MAKERS[name](m)
+    opt.load_state_dict(saved["optim"])
+    again = opt.state_dict()
+    for pid, entries in saved["optim"]["state"].items():
+        assert sorted(again["state"][pid]) == sorted(entries), pid
+        for k, v in entries.items():
+            w = again["state"][pid][k]
+            assert (torch.equal(w, v) if isinstance(v, torch.Tensor) else w == v), (pid, k)
+    # today's run of the same 3 steps, then one more step on both
+    ref_m = _old_model()
+    ref = _OLD_MAKERS[name](ref_m)
+    for i in range(4):
+        if i < 3:
+            torch.manual_seed(10 + i)
+            ref_m.zero_grad()
+            ref_m(torch.randn(5, 8)).pow(2).sum().backward()
+            ref.step()
+            continue
+        for model, o in ((ref_m, ref), (m, opt)):
+            torch.manual_seed(99)
+            model.zero_grad()
+            model(torch.randn(5, 8)).pow(2).sum().backward()
+            o.step()
+    # the old code folded the lr into p += -lr * u (one rounding fewer): float tolerance
+    for a, b in zip(m.parameters(), ref_m.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
