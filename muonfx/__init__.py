@@ -10,6 +10,7 @@ from .combine import MaskedState, PartitionState, chain, mask_by_ndim, masked, n
 from .distributed.fsdp import FSDPMuonOptimizer
 from .familiar import MuonOptimizer, create_hybrid_optimizer
 from .optim import TransformOptimizer, lr_multiplier
+from .options import MuonOptions
 from .presets import adamw, default_muon_labels, muon, muon_adamw
 from .recipes import (blockwise, cautious_decay, momentum_warmup, moonlight, muon_cautious, muon_per_head,
                       muon_with_momentum_warmup, normuon, split_newton_schulz)
@@ -29,7 +30,7 @@ __all__ = [
     "MomentumState", "ScaleByAdamState", "ScaleByScheduleState",
     "apply_if_finite", "accumulate", "inject_hyperparams",
     "ApplyIfFiniteState", "AccumulateState", "InjectHyperparamsState",
-    "muon", "adamw", "muon_adamw", "default_muon_labels",
+    "muon", "adamw", "muon_adamw", "default_muon_labels", "MuonOptions",
     "moonlight", "normuon", "cautious_decay", "muon_cautious", "momentum_warmup", "muon_with_momentum_warmup",
     "blockwise", "split_newton_schulz", "muon_per_head",
     "schedules", "linalg", "seam",

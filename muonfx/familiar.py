@@ -7,8 +7,8 @@ from typing import Any, Callable, Hashable, Iterable
 
 import torch
 
-from .linalg import CoefficientSpec
 from .optim import TransformOptimizer
+from .options import takes_muon_options
 from .presets import adamw, default_muon_labels, muon
 
 __all__ = ["MuonOptimizer", "create_hybrid_optimizer", "model_labels"]
@@ -32,13 +32,15 @@ def model_labels(model: torch.nn.Module) -> Callable[[str, torch.Tensor], Hashab
 class MuonOptimizer(TransformOptimizer):
     """Muon as a ``torch.optim.Optimizer`` (the predecessor's signature and defaults).
 
-    ``MuonOptimizer(params, lr=0.02, momentum=0.95, weight_decay=0.0, nesterov=False,
-    ns_steps=5, ns_coefficients="keller", adjust_lr="original", eps=1e-7, ns_dtype=None)``
-    is ``TransformOptimizer(params, mfx.muon, ...)``: every argument is a param-group
-    hyperparameter read at each step. Note the predecessor's ``nesterov=False``
-    default (torch.optim.Muon and ``mfx.muon`` use ``True``). Every parameter must be
-    a matrix (2-D, 3-D stack or conv weight); use :func:`create_hybrid_optimizer` for
-    a whole model.
+    ``MuonOptimizer(params, lr=0.02, *, momentum=0.95, nesterov=False, ns_steps=5,
+    ns_coefficients="keller", weight_decay=0.0, adjust_lr="original", eps=1e-7,
+    ns_dtype=None, ns_method="standard", mu_dtype=None)`` is
+    ``TransformOptimizer(params, mfx.muon, ...)``: the options are :func:`muonfx.muon`'s
+    (:class:`~muonfx.MuonOptions`, ``eps`` the Newton-Schulz floor), and every one is a
+    param-group hyperparameter read at each step. Note the predecessor's
+    ``nesterov=False`` default (torch.optim.Muon and ``mfx.muon`` use ``True``). Every
+    parameter must be a matrix (2-D, 3-D stack or conv weight); use
+    :func:`create_hybrid_optimizer` for a whole model.
 
     Example::
 
@@ -47,23 +49,9 @@ class MuonOptimizer(TransformOptimizer):
         >>> opt = mfx.MuonOptimizer(model.parameters(), lr=0.02, momentum=0.95, weight_decay=0.01)
     """
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 0.02,
-        momentum: float = 0.95,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
-        ns_steps: int = 5,
-        ns_coefficients: CoefficientSpec = "keller",
-        adjust_lr: str | None = "original",
-        eps: float = 1e-7,
-        ns_dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(
-            params, muon, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov,
-            ns_steps=ns_steps, ns_coefficients=ns_coefficients, adjust_lr=adjust_lr, eps=eps, ns_dtype=ns_dtype,
-        )
+    @takes_muon_options(defaults={"nesterov": False})
+    def __init__(self, params: Iterable[Any], **muon_options: Any) -> None:
+        super().__init__(params, muon, **muon_options)
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
                 if p.ndim < 2:
@@ -74,21 +62,16 @@ class MuonOptimizer(TransformOptimizer):
                     )
 
 
+@takes_muon_options(rename={"lr": "muon_lr", "momentum": "muon_momentum", "weight_decay": "muon_weight_decay"})
 def create_hybrid_optimizer(
     model: torch.nn.Module,
-    muon_lr: float = 0.02,
+    *,
     adamw_lr: float = 1e-3,
     adamw_weight_decay: float = 0.01,
-    muon_momentum: float = 0.95,
-    muon_weight_decay: float = 0.0,
-    nesterov: bool = True,
-    ns_steps: int = 5,
-    ns_coefficients: CoefficientSpec = "keller",
-    adjust_lr: str | None = "original",
-    ns_dtype: torch.dtype | None = None,
     adamw_betas: tuple[float, float] = (0.9, 0.95),
     adamw_eps: float = 1e-8,
     labels: Callable[[str, torch.Tensor], Hashable] | None = None,
+    **muon_options: Any,
 ) -> TransformOptimizer:
     """One optimizer: Muon for hidden matrices, AdamW for embeddings, head, biases, norms.
 
@@ -96,9 +79,13 @@ def create_hybrid_optimizer(
     parameters of ``nn.Embedding``/``nn.EmbeddingBag`` modules, then
     :func:`muonfx.default_muon_labels` by name and ndim) into two param groups of ONE
     :class:`TransformOptimizer`, so one lr scheduler drives both (each group keeps
-    its own base lr) and one ``state_dict`` holds everything. The AdamW group accepts
-    sparse gradients (``nn.Embedding(sparse=True)``) by densifying them. Frozen
-    parameters (``requires_grad=False``) are left out.
+    its own base lr) and one ``state_dict`` holds everything. The Muon group takes
+    every option of :func:`muonfx.muon` (:class:`~muonfx.MuonOptions`), with ``lr``,
+    ``momentum`` and ``weight_decay`` named ``muon_lr``, ``muon_momentum`` and
+    ``muon_weight_decay`` here; ``eps`` is the Newton-Schulz floor. The AdamW group takes
+    ``adamw_lr``, ``adamw_betas``, ``adamw_eps`` (Adam's epsilon) and
+    ``adamw_weight_decay``, and accepts sparse gradients (``nn.Embedding(sparse=True)``)
+    by densifying them. Frozen parameters (``requires_grad=False``) are left out.
 
     Example::
 
@@ -121,11 +108,7 @@ def create_hybrid_optimizer(
         groups[lbl].append((name, p))
     param_groups = []
     if groups["muon"]:
-        param_groups.append(dict(
-            params=groups["muon"], tx=muon, lr=muon_lr, momentum=muon_momentum, weight_decay=muon_weight_decay,
-            nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=ns_coefficients, adjust_lr=adjust_lr,
-            ns_dtype=ns_dtype,
-        ))
+        param_groups.append(dict(params=groups["muon"], tx=muon, **muon_options))
     if groups["adamw"]:
         param_groups.append(dict(
             params=groups["adamw"], tx=adamw, lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,

@@ -7,43 +7,35 @@ addressable: ``state["momentum"].mu``.
 from __future__ import annotations
 
 import re
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 
 from .base import GradientTransformation
 from .combine import named_chain, partition
-from .linalg import CoefficientSpec
+from .options import MuonOptions, takes_muon_options
 from .schedules import ScalarOrSchedule
-from .transforms import (decoupled_decay, momentum as _momentum, newton_schulz, scale_by_adam,
-                         scale_by_learning_rate, scale_by_shape)
+from .transforms import decoupled_decay, scale_by_adam, scale_by_learning_rate
 
 __all__ = ["muon", "adamw", "muon_adamw", "default_muon_labels", "ADAMW_KEY_PATTERN"]
 
 
-def muon(
-    lr: ScalarOrSchedule = 0.02,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    ns_steps: int = 5,
-    ns_coefficients: CoefficientSpec = "keller",
-    weight_decay: float = 0.0,
-    adjust_lr: str | None = "original",
-    eps: float = 1e-7,
-    ns_dtype: torch.dtype | None = None,
-    ns_method: str = "standard",
-    mu_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+@takes_muon_options(positional=True)
+def muon(**options: Any) -> GradientTransformation:
     """Muon for matrix parameters (2-D, 3-D expert stacks, conv weights).
 
-    The chain, as torch.optim.Muon computes it::
+    ``muon(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients="keller",
+    weight_decay=0.0, adjust_lr="original", eps=1e-7, ns_dtype=None, ns_method="standard",
+    mu_dtype=None)``: the options are :class:`~muonfx.MuonOptions`, defined once and
+    forwarded by every builder that runs Muon. The chain, as torch.optim.Muon computes it::
 
         momentum(momentum, nesterov) -> newton_schulz(ns_steps, ns_coefficients, eps, ns_dtype)
           -> scale_by_shape(adjust_lr) -> decoupled_decay(weight_decay) -> scale_by_learning_rate(lr)
 
     so ``W <- W - lr * (s(A, B) * NS(M) + wd * W)``. ``adjust_lr`` is
     ``"original"`` (``None`` means the same, as in torch), ``"match_rms_adamw"`` or
-    ``"spectral"``. Defaults follow Keller Jordan's Muon (lr 0.02, no weight decay);
+    ``"spectral"``. ``eps`` is the floor of the Newton-Schulz normaliser (torch's
+    meaning). Defaults follow Keller Jordan's Muon (lr 0.02, no weight decay);
     torch.optim.Muon's own defaults are lr 1e-3, weight_decay 0.1. ``ns_dtype=None``
     computes in bfloat16 on CUDA and float32 elsewhere; pass ``torch.bfloat16`` to
     reproduce torch.optim.Muon exactly. ``ns_method="auto"`` takes the cheaper
@@ -56,13 +48,7 @@ def muon(
         >>> import muonfx as mfx
         >>> tx = mfx.muon(lr=0.02, weight_decay=0.01)
     """
-    return named_chain(
-        ("momentum", _momentum(momentum, nesterov=nesterov, mu_dtype=mu_dtype)),
-        ("orthogonalize", newton_schulz(ns_steps, ns_coefficients, eps=eps, dtype=ns_dtype, method=ns_method)),
-        ("scale_by_shape", scale_by_shape("original" if adjust_lr is None else adjust_lr)),
-        ("weight_decay", decoupled_decay(weight_decay)),
-        ("lr", scale_by_learning_rate(lr)),
-    )
+    return named_chain(*MuonOptions(**options).steps().items())
 
 
 def adamw(
@@ -104,28 +90,25 @@ def default_muon_labels(key: str, tensor: torch.Tensor) -> str:
     return "muon"
 
 
+@takes_muon_options()
 def muon_adamw(
-    lr: ScalarOrSchedule = 0.02,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    ns_steps: int = 5,
-    ns_coefficients: CoefficientSpec = "keller",
-    weight_decay: float = 0.0,
-    adjust_lr: str | None = "original",
-    eps: float = 1e-7,
-    ns_dtype: torch.dtype | None = None,
+    *,
     adamw_lr: ScalarOrSchedule = 1e-3,
     adamw_betas: tuple[float, float] = (0.9, 0.95),
     adamw_eps: float = 1e-8,
     adamw_weight_decay: float = 0.01,
     labels: Callable[[str, torch.Tensor], Hashable] | None = None,
+    **muon_options: Any,
 ) -> GradientTransformation:
     """Muon for hidden matrices, AdamW for everything else, as one transform.
 
-    ``partition({"muon": muon(...), "adamw": adamw(...)}, labels)``. The default
-    ``labels`` (:func:`default_muon_labels`) sends 0-D/1-D tensors (biases, norms)
-    and keys matching :data:`ADAMW_KEY_PATTERN` (embeddings: ``embed*``,
-    ``*embedding*``, ``wte``, ``wpe``, ``tok_embeddings``, ``pos``, ``pos_*``,
+    ``partition({"muon": muon(...), "adamw": adamw(...)}, labels)``: every option of
+    :func:`muon` (:class:`~muonfx.MuonOptions`: ``lr``, ``momentum``, ..., ``eps`` the
+    Newton-Schulz floor, ..., ``mu_dtype``) goes to the Muon part; ``adamw_lr``,
+    ``adamw_betas``, ``adamw_eps`` (Adam's epsilon) and ``adamw_weight_decay`` to the
+    AdamW part. The default ``labels`` (:func:`default_muon_labels`) sends 0-D/1-D
+    tensors (biases, norms) and keys matching :data:`ADAMW_KEY_PATTERN` (embeddings:
+    ``embed*``, ``*embedding*``, ``wte``, ``wpe``, ``tok_embeddings``, ``pos``, ``pos_*``,
     ``position*``; the head: ``lm_head``,
     ``head``, ``output``, ``unembed*``, ``classifier``) to AdamW. Pass your own
     ``labels(key, tensor) -> "muon" | "adamw"`` to override. AdamW betas default to
@@ -138,7 +121,7 @@ def muon_adamw(
     """
     return partition(
         {
-            "muon": muon(lr, momentum, nesterov, ns_steps, ns_coefficients, weight_decay, adjust_lr, eps, ns_dtype),
+            "muon": muon(**muon_options),
             "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay),
         },
         labels or default_muon_labels,

@@ -31,17 +31,16 @@ its own, by ``(m, n)``), exactly as if the experts were ``E`` separate parameter
 from __future__ import annotations
 
 import re
-from typing import Callable, Hashable, Sequence, Union
+from typing import Any, Callable, Hashable, Sequence, Union
 
 import torch
 
 from .base import EmptyState, GradientTransformation, Key, aligned, build, foreach, key_str, leaves
 from .combine import MaskSpec, chain, masked, named_chain, partition
-from .linalg import CoefficientSpec
+from .options import MuonOptions, insert_step, takes_muon_options
 from .presets import adamw, default_muon_labels, muon
-from .schedules import ScalarOrSchedule, linear
-from .transforms import (decoupled_decay, momentum as _momentum, newton_schulz, row_normalize,
-                         scale_by_learning_rate, scale_by_shape)
+from .schedules import linear
+from .transforms import newton_schulz, row_normalize
 from .transforms._matrix import matrix_dims
 from .wrappers import inject_hyperparams
 
@@ -56,46 +55,43 @@ __all__ = ["moonlight", "normuon", "cautious_decay", "muon_cautious", "momentum_
 # ---------------------------------------------------------------------------
 
 
+@takes_muon_options(defaults={"lr": 1e-3, "weight_decay": 0.1, "adjust_lr": "match_rms_adamw"})
 def moonlight(
-    lr: ScalarOrSchedule = 1e-3,
-    weight_decay: float = 0.1,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    ns_steps: int = 5,
-    ns_coefficients: CoefficientSpec = "keller",
+    *,
     betas: tuple[float, float] = (0.9, 0.95),
-    eps: float = 1e-8,
-    ns_eps: float = 1e-7,
-    ns_dtype: torch.dtype | None = None,
+    adamw_eps: float = 1e-8,
     labels: Callable[[str, torch.Tensor], Hashable] | None = None,
+    **muon_options: Any,
 ) -> GradientTransformation:
     """Moonlight's Muon (Liu et al., 2025, "Muon is Scalable for LLM Training").
 
     One lr and one weight decay for the whole model::
 
         partition({"muon":  muon(lr, ..., weight_decay, adjust_lr="match_rms_adamw"),
-                   "adamw": adamw(lr, betas, eps, weight_decay)}, labels)
+                   "adamw": adamw(lr, betas, adamw_eps, weight_decay)}, labels)
 
     so a matrix ``A x B`` moves by ``-lr * (0.2 * sqrt(max(A, B)) * NS(M) + wd * W)``.
     A full-rank orthogonal ``A x B`` matrix has RMS ``1 / sqrt(max(A, B))``: the Muon
     update's RMS is ``0.2 * lr``, in the range of AdamW's, so AdamW's lr and weight decay
-    carry over. ``labels`` defaults to :func:`~muonfx.default_muon_labels` (embeddings,
-    head, biases and norms get AdamW). Defaults follow Moonlight's released example
-    (lr 1e-3, wd 0.1, momentum 0.95 Nesterov, 5 NS steps, AdamW betas (0.9, 0.95),
-    eps 1e-8). Moonlight keeps momentum in the sum form ``M <- mu M + G``; muonfx's EMA
-    form differs by a positive factor only, which Newton-Schulz normalises away.
+    carry over. Every option of :func:`~muonfx.muon` (:class:`~muonfx.MuonOptions`) is
+    taken, ``eps`` being the Newton-Schulz floor as there; ``betas`` and ``adamw_eps``
+    (Adam's epsilon) are the AdamW part's. ``labels`` defaults to
+    :func:`~muonfx.default_muon_labels` (embeddings, head, biases and norms get AdamW).
+    Defaults follow Moonlight's released example (lr 1e-3, wd 0.1, momentum 0.95
+    Nesterov, 5 NS steps, AdamW betas (0.9, 0.95), Adam epsilon 1e-8). Moonlight keeps
+    momentum in the sum form ``M <- mu M + G``; muonfx's EMA form differs by a positive
+    factor only, which Newton-Schulz normalises away.
 
     Example::
 
         >>> import muonfx as mfx
         >>> tx = mfx.moonlight(lr=3e-4, weight_decay=0.1)
     """
+    opts = MuonOptions(**muon_options)
     return partition(
         {
-            "muon": muon(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                         ns_coefficients=ns_coefficients, weight_decay=weight_decay,
-                         adjust_lr="match_rms_adamw", eps=ns_eps, ns_dtype=ns_dtype),
-            "adamw": adamw(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+            "muon": muon(**muon_options),
+            "adamw": adamw(lr=opts.lr, betas=betas, eps=adamw_eps, weight_decay=opts.weight_decay),
         },
         labels or default_muon_labels,
     )
@@ -106,36 +102,28 @@ def moonlight(
 # ---------------------------------------------------------------------------
 
 
-def normuon(
-    lr: ScalarOrSchedule = 0.02,
-    momentum: float = 0.95,
-    beta2: float = 0.95,
-    nesterov: bool = True,
-    ns_steps: int = 5,
-    ns_coefficients: CoefficientSpec = "keller",
-    weight_decay: float = 0.0,
-    adjust_lr: str = "original",
-    eps: float = 1e-10,
-    ns_eps: float = 1e-7,
-    ns_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+@takes_muon_options()
+def normuon(*, beta2: float = 0.95, row_eps: float = 1e-10, **muon_options: Any) -> GradientTransformation:
     """NorMuon (Li et al., 2025, "NorMuon: Making Muon more efficient and scalable").
 
-    The named chain::
+    :func:`~muonfx.muon`'s options (:class:`~muonfx.MuonOptions`) and named chain, with
+    ``"row_normalize"`` after the orthogonalisation::
 
         "momentum"       momentum(momentum, nesterov)
-        "orthogonalize"  newton_schulz(ns_steps, ns_coefficients, ns_eps, ns_dtype)
-        "row_normalize"  row_normalize(beta2, eps)      per-row RMS equalised, ||.||_F kept
+        "orthogonalize"  newton_schulz(ns_steps, ns_coefficients, eps, ns_dtype)
+        "row_normalize"  row_normalize(beta2, row_eps)  per-row RMS equalised, ||.||_F kept
         "scale_by_shape" scale_by_shape(adjust_lr)
         "weight_decay"   decoupled_decay(weight_decay)
         "lr"             scale_by_learning_rate(lr)
 
-    Defaults follow the authors' reference ``NorMuon`` optimizer (lr 0.02, momentum and
-    beta2 0.95, Nesterov, eps 1e-10, no weight decay, Keller's shape scale). Muon's
-    orthogonalised update can leave rows (neurons) with very different magnitudes;
-    NorMuon divides each row by the EMA of its RMS and rescales to the orthogonalised
-    update's Frobenius norm. ``adjust_lr="match_rms_adamw"`` gives the paper's
-    ``0.2``-RMS variant with AdamW-like learning rates.
+    ``eps`` is the Newton-Schulz floor (as in ``muon``); ``row_eps`` is the
+    row normaliser's. Defaults follow the authors' reference ``NorMuon`` optimizer
+    (lr 0.02, momentum and beta2 0.95, Nesterov, row epsilon 1e-10, no weight decay,
+    Keller's shape scale). Muon's orthogonalised update can leave rows (neurons) with
+    very different magnitudes; NorMuon divides each row by the EMA of its RMS and
+    rescales to the orthogonalised update's Frobenius norm.
+    ``adjust_lr="match_rms_adamw"`` gives the paper's ``0.2``-RMS variant with
+    AdamW-like learning rates.
 
     Example::
 
@@ -145,14 +133,8 @@ def normuon(
         >>> list(tx.init(TensorDict({"w": torch.zeros(4, 8)}, [])))
         ['momentum', 'orthogonalize', 'row_normalize', 'scale_by_shape', 'weight_decay', 'lr']
     """
-    return named_chain(
-        ("momentum", _momentum(momentum, nesterov=nesterov)),
-        ("orthogonalize", newton_schulz(ns_steps, ns_coefficients, eps=ns_eps, dtype=ns_dtype)),
-        ("row_normalize", row_normalize(beta2, eps)),
-        ("scale_by_shape", scale_by_shape(adjust_lr)),
-        ("weight_decay", decoupled_decay(weight_decay)),
-        ("lr", scale_by_learning_rate(lr)),
-    )
+    steps = MuonOptions(**muon_options).steps()
+    return named_chain(*insert_step(steps, "orthogonalize", "row_normalize", row_normalize(beta2, row_eps)).items())
 
 
 # ---------------------------------------------------------------------------
@@ -212,20 +194,12 @@ def cautious_decay(weight_decay: float, mask: MaskSpec | None = None) -> Gradien
     return GradientTransformation(init_fn, update_fn)
 
 
-def muon_cautious(
-    lr: ScalarOrSchedule = 0.02,
-    weight_decay: float = 0.01,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    ns_steps: int = 5,
-    ns_coefficients: CoefficientSpec = "keller",
-    adjust_lr: str = "original",
-    eps: float = 1e-7,
-    ns_dtype: torch.dtype | None = None,
-) -> GradientTransformation:
+@takes_muon_options(defaults={"weight_decay": 0.01})
+def muon_cautious(**muon_options: Any) -> GradientTransformation:
     """Muon with Cautious Weight Decay (Chen et al., 2025).
 
-    :func:`~muonfx.muon`'s named chain with ``"weight_decay"`` =
+    :func:`~muonfx.muon`'s options (:class:`~muonfx.MuonOptions`, ``weight_decay``
+    defaulting to 0.01) and named chain, with ``"weight_decay"`` =
     :func:`cautious_decay`::
 
         W <- W - lr * (s(A, B) * O + wd * W * [sign(O) == sign(W)]),   O = NS(M)
@@ -238,13 +212,10 @@ def muon_cautious(
         >>> import muonfx as mfx
         >>> tx = mfx.muon_cautious(lr=0.02, weight_decay=0.01)
     """
-    return named_chain(
-        ("momentum", _momentum(momentum, nesterov=nesterov)),
-        ("orthogonalize", newton_schulz(ns_steps, ns_coefficients, eps=eps, dtype=ns_dtype)),
-        ("scale_by_shape", scale_by_shape(adjust_lr)),
-        ("weight_decay", cautious_decay(weight_decay)),
-        ("lr", scale_by_learning_rate(lr)),
-    )
+    opts = MuonOptions(**muon_options)
+    steps = opts.steps()
+    steps["weight_decay"] = cautious_decay(opts.weight_decay)
+    return named_chain(*steps.items())
 
 
 # ---------------------------------------------------------------------------
@@ -268,19 +239,20 @@ def momentum_warmup(start: float = 0.85, end: float = 0.95, steps: int = 300) ->
     return linear(start, end, steps)
 
 
+@takes_muon_options(exclude=("momentum",))
 def muon_with_momentum_warmup(
-    lr: ScalarOrSchedule = 0.02,
+    *,
     momentum_start: float = 0.85,
     momentum_end: float = 0.95,
     warmup_steps: int = 300,
-    **muon_kwargs,
+    **muon_options: Any,
 ) -> GradientTransformation:
     """Muon whose momentum warms up (nanochat / modded-nanogpt).
 
-    ``inject_hyperparams(muon)(lr=lr, momentum=momentum_warmup(start, end, steps), **muon_kwargs)``:
+    ``inject_hyperparams(muon)(momentum=momentum_warmup(start, end, steps), **muon_options)``:
     the state is an :class:`~muonfx.InjectHyperparamsState`; ``state.hyperparams["momentum"]``
     is the value used by the last update (``momentum_start`` right after ``init``).
-    ``muon_kwargs`` are :func:`~muonfx.muon`'s other arguments.
+    ``muon_options`` are :func:`~muonfx.muon`'s other options (:class:`~muonfx.MuonOptions`).
 
     Example::
 
@@ -290,8 +262,8 @@ def muon_with_momentum_warmup(
         >>> tx.init(TensorDict({"w": torch.zeros(4, 4)}, [])).hyperparams["momentum"]
         0.85
     """
-    return inject_hyperparams(muon)(
-        lr=lr, momentum=momentum_warmup(momentum_start, momentum_end, warmup_steps), **muon_kwargs)
+    return inject_hyperparams(muon)(momentum=momentum_warmup(momentum_start, momentum_end, warmup_steps),
+                                    **muon_options)
 
 
 # ---------------------------------------------------------------------------
@@ -419,23 +391,17 @@ def split_newton_schulz(split_sizes: SplitSizes, dim: int = 0, **ns_kwargs) -> G
     return blockwise(newton_schulz(**ns_kwargs), split_sizes, dim)
 
 
+@takes_muon_options()
 def muon_per_head(
     split_sizes: SplitSizes,
     qkv_pattern: str = r"qkv|c_attn",
     dim: int = 0,
-    lr: ScalarOrSchedule = 0.02,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    ns_steps: int = 5,
-    ns_coefficients: CoefficientSpec = "keller",
-    weight_decay: float = 0.0,
-    adjust_lr: str = "original",
-    eps: float = 1e-7,
-    ns_dtype: torch.dtype | None = None,
+    **muon_options: Any,
 ) -> GradientTransformation:
     """Muon that orthogonalises fused attention weights block by block (q/k/v or per head).
 
-    The named chain::
+    :func:`~muonfx.muon`'s options (:class:`~muonfx.MuonOptions`) and named chain, with
+    ``"orthogonalize"`` and ``"scale_by_shape"`` applied per block::
 
         "momentum"       momentum(momentum, nesterov)
         "orthogonalize"  partition({
@@ -458,16 +424,8 @@ def muon_per_head(
         >>> tx = mfx.muon_per_head(split_sizes=64, qkv_pattern=r"attn\\.c_attn")
     """
     pattern = re.compile(qkv_pattern)
-
-    def ns_and_scale():
-        return chain(newton_schulz(ns_steps, ns_coefficients, eps=eps, dtype=ns_dtype),
-                     scale_by_shape(adjust_lr))
-
-    return named_chain(
-        ("momentum", _momentum(momentum, nesterov=nesterov)),
-        ("orthogonalize", partition(
-            {"blocks": blockwise(ns_and_scale(), split_sizes, dim), "whole": ns_and_scale()},
-            lambda key, t: "blocks" if pattern.search(key) else "whole")),
-        ("weight_decay", decoupled_decay(weight_decay)),
-        ("lr", scale_by_learning_rate(lr)),
-    )
+    steps = MuonOptions(**muon_options).steps()
+    ns_and_scale = chain(steps.pop("orthogonalize"), steps.pop("scale_by_shape"))
+    per_block = partition({"blocks": blockwise(ns_and_scale, split_sizes, dim), "whole": ns_and_scale},
+                          lambda key, t: "blocks" if pattern.search(key) else "whole")
+    return named_chain(*insert_step(steps, "momentum", "orthogonalize", per_block).items())

@@ -4,6 +4,7 @@ same arithmetic, and a stated tolerance where they compute differently."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -14,6 +15,8 @@ from tensordict import TensorDict
 
 import muonfx as mfx
 from muonfx import seam
+from muonfx.distributed.fsdp import fsdp_muon
+from muonfx.options import MuonOptions, muon_options_of, takes_muon_options
 from muonfx.testing import params_and_grads
 
 
@@ -306,3 +309,211 @@ def test_muon_on_expert_stack_equals_per_expert_muon():
     for mode, s in [("original", math.sqrt(m / n)), ("match_rms_adamw", 0.2 * math.sqrt(m)), ("spectral", math.sqrt(m / n))]:
         out, _ = mfx.scale_by_shape(mode).update(u, mfx.EmptyState())
         torch.testing.assert_close(out["experts"], torch.full((e, m, n), s))
+
+
+# ---------------------------------------------------------------------------
+# 7. one Muon option set, forwarded by every builder; ``eps`` means one thing
+# ---------------------------------------------------------------------------
+
+#: every builder that runs Muon, with the defaults it gives some options
+MUON_BUILDERS = {
+    mfx.muon: {},
+    mfx.muon_adamw: {},
+    mfx.moonlight: {"lr": 1e-3, "weight_decay": 0.1, "adjust_lr": "match_rms_adamw"},
+    mfx.normuon: {},
+    mfx.muon_cautious: {"weight_decay": 0.01},
+    mfx.muon_with_momentum_warmup: {},
+    mfx.muon_per_head: {},
+    fsdp_muon: {"weight_decay": 0.01},
+    mfx.MuonOptimizer: {"nesterov": False},
+    mfx.create_hybrid_optimizer: {},
+    mfx.FSDPMuonOptimizer: {"weight_decay": 0.01},
+}
+
+#: keyword names and defaults of each builder before the options were forwarded
+#: (muonfx 0.1.0); every one is still accepted with the same default, except the
+#: ``eps`` renames of the "Changed" entry: ``moonlight(eps=)`` (Adam's) is ``adamw_eps``,
+#: ``moonlight(ns_eps=)``/``normuon(ns_eps=)`` are ``eps``, ``normuon(eps=)`` and
+#: ``fsdp_muon``/``FSDPMuonOptimizer(eps=)`` (row normalisation's) are ``row_eps``.
+BEFORE = {
+    mfx.muon: dict(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients="keller", weight_decay=0.0,
+                   adjust_lr="original", eps=1e-07, ns_dtype=None, ns_method="standard", mu_dtype=None),
+    mfx.muon_adamw: dict(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients="keller",
+                         weight_decay=0.0, adjust_lr="original", eps=1e-07, ns_dtype=None, adamw_lr=0.001,
+                         adamw_betas=(0.9, 0.95), adamw_eps=1e-08, adamw_weight_decay=0.01, labels=None),
+    mfx.moonlight: dict(lr=0.001, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5,
+                        ns_coefficients="keller", betas=(0.9, 0.95), adamw_eps=1e-08, eps=1e-07, ns_dtype=None,
+                        labels=None),
+    mfx.normuon: dict(lr=0.02, momentum=0.95, beta2=0.95, nesterov=True, ns_steps=5, ns_coefficients="keller",
+                      weight_decay=0.0, adjust_lr="original", row_eps=1e-10, eps=1e-07, ns_dtype=None),
+    mfx.muon_cautious: dict(lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=True, ns_steps=5,
+                            ns_coefficients="keller", adjust_lr="original", eps=1e-07, ns_dtype=None),
+    mfx.muon_with_momentum_warmup: dict(lr=0.02, momentum_start=0.85, momentum_end=0.95, warmup_steps=300),
+    mfx.muon_per_head: dict(qkv_pattern="qkv|c_attn", dim=0, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5,
+                            ns_coefficients="keller", weight_decay=0.0, adjust_lr="original", eps=1e-07,
+                            ns_dtype=None),
+    fsdp_muon: dict(lr=0.02, momentum=0.95, weight_decay=0.01, nesterov=True, ns_steps=5, ns_stepsize=1.0,
+                    beta2=None, row_eps=1e-08, gradient_accumulation_steps=1, adjust_lr="original",
+                    ns_dtype=None),
+    mfx.MuonOptimizer: dict(lr=0.02, momentum=0.95, weight_decay=0.0, nesterov=False, ns_steps=5,
+                            ns_coefficients="keller", adjust_lr="original", eps=1e-07, ns_dtype=None),
+    mfx.create_hybrid_optimizer: dict(muon_lr=0.02, adamw_lr=0.001, adamw_weight_decay=0.01, muon_momentum=0.95,
+                                      muon_weight_decay=0.0, nesterov=True, ns_steps=5, ns_coefficients="keller",
+                                      adjust_lr="original", ns_dtype=None, adamw_betas=(0.9, 0.95),
+                                      adamw_eps=1e-08, labels=None),
+    mfx.FSDPMuonOptimizer: dict(params=None, lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=True, ns_steps=5,
+                                ns_stepsize=1.0, beta2=None, row_eps=1e-08, gradient_accumulation_steps=1,
+                                adamw_lr=0.001, adamw_betas=(0.9, 0.95), adamw_weight_decay=0.01, ns_dtype=None),
+}
+
+_IDS = [b.__name__ for b in MUON_BUILDERS]
+
+
+@pytest.mark.parametrize("builder", list(MUON_BUILDERS), ids=_IDS)
+def test_every_muon_builder_lists_every_muon_option(builder):
+    """``inspect.signature`` (what TransformOptimizer reads for param_groups) lists every
+    Muon option with MuonOptions' default, or the builder's documented one."""
+    import inspect
+
+    params = inspect.signature(builder).parameters
+    public = muon_options_of(builder)
+    expected = {f.name: f.default for f in dataclasses.fields(MuonOptions)}
+    expected.update(MUON_BUILDERS[builder])
+    if builder is mfx.muon_with_momentum_warmup:
+        del expected["momentum"]  # the warm-up schedule is its momentum
+    assert set(public) == set(expected)
+    for name, default in expected.items():
+        assert public[name] in params, (builder.__name__, name)
+        assert params[public[name]].default == default, (builder.__name__, name)
+    assert params[public["eps"]].default == 1e-7  # the Newton-Schulz floor, torch.optim.Muon's
+
+
+@pytest.mark.parametrize("builder", list(BEFORE), ids=[b.__name__ for b in BEFORE])
+def test_keyword_names_and_defaults_kept(builder):
+    import inspect
+
+    params = inspect.signature(builder).parameters
+    for name, default in BEFORE[builder].items():
+        assert name in params, (builder.__name__, name)
+        assert params[name].default == default, (builder.__name__, name)
+
+
+def test_old_eps_names_are_refused_by_name():
+    for call in (lambda: mfx.moonlight(ns_eps=1e-7), lambda: mfx.normuon(ns_eps=1e-7)):
+        with pytest.raises(TypeError, match="unexpected keyword argument 'ns_eps'"):
+            call()
+    with pytest.raises(TypeError, match=r"muon_adamw\(\) got an unexpected keyword argument 'ns_epsilon'"):
+        mfx.muon_adamw(ns_epsilon=1.0)
+    with pytest.raises(TypeError, match="positional"):
+        mfx.normuon(0.02, 0.95)  # only lr is positional: normuon's beta2 used to be the third
+
+
+# a full set of options, none at its default
+OPTS = dict(lr=0.05, momentum=0.9, nesterov=False, ns_steps=3, ns_coefficients="you", weight_decay=0.1,
+            adjust_lr="match_rms_adamw", eps=1e-3, ns_dtype=torch.float64, ns_method="gram", mu_dtype=torch.bfloat16)
+
+
+def _matrices():
+    torch.manual_seed(0)
+    params = td(w=torch.randn(16, 8), x=torch.randn(8, 24), e=torch.randn(3, 8, 4))
+    grads = [params.apply(lambda t: 0.01 * torch.randn_like(t)) for _ in range(3)]
+    return params, grads
+
+
+@pytest.mark.parametrize("name", ["muon_adamw", "moonlight", "muon_cautious", "muon_per_head", "fsdp_muon",
+                                  "muon_with_momentum_warmup"])
+def test_builders_forward_every_option_to_muon(name):
+    """With every option away from its default, each builder's Muon part computes
+    bitwise what ``mfx.muon`` computes with the same options (zero parameters, so the
+    cautious and decoupled decays agree; no key matches the per-head pattern)."""
+    params, grads = _matrices()
+    params = params.apply(torch.zeros_like)
+    build = {
+        "muon_adamw": lambda: mfx.muon_adamw(**OPTS),
+        "moonlight": lambda: mfx.moonlight(**OPTS),
+        "muon_cautious": lambda: mfx.muon_cautious(**OPTS),
+        "muon_per_head": lambda: mfx.muon_per_head(4, qkv_pattern="^nothing$", **OPTS),
+        "fsdp_muon": lambda: fsdp_muon(**OPTS),
+        "muon_with_momentum_warmup": lambda: mfx.muon_with_momentum_warmup(
+            momentum_start=OPTS["momentum"], momentum_end=OPTS["momentum"],
+            **{k: v for k, v in OPTS.items() if k != "momentum"}),
+    }[name]
+    out, _ = run(build(), grads, params)
+    ref, _ = run(mfx.muon(**OPTS), grads, params)
+    default, _ = run(mfx.muon(), grads, params)
+    for k in ("w", "x", "e"):
+        assert torch.equal(out[k], ref[k]), k
+        assert not torch.allclose(out[k], default[k]), k
+
+
+def test_optimizers_forward_every_option_to_their_muon_group():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 10))
+    renamed = {"lr": "muon_lr", "momentum": "muon_momentum", "weight_decay": "muon_weight_decay"}
+    built = [
+        mfx.MuonOptimizer([model[1].weight], **OPTS),
+        mfx.create_hybrid_optimizer(model, **{renamed.get(k, k): v for k, v in OPTS.items()}),
+        mfx.FSDPMuonOptimizer(model, **OPTS),
+    ]
+    for opt in built:
+        group = opt.param_groups[0]
+        assert {k: group[k] for k in OPTS} == OPTS, type(opt).__name__
+
+
+def test_eps_is_the_newton_schulz_floor_everywhere():
+    """A floor far above the gradients' norms (1e6) shrinks every Muon update (by about
+    ``||G|| / eps`` times the iteration's small-input gain, ~500 for Keller's five
+    steps), in every builder; Adam's epsilon (``adamw_eps``) and the row normaliser's
+    (``row_eps``) touch only their own parts."""
+    torch.manual_seed(0)
+    params = td(w=torch.randn(16, 8), b=torch.randn(8))
+    g = [td(w=torch.randn(16, 8), b=torch.randn(8))]
+    no_decay = dict(weight_decay=0.0)
+    hybrids = {"muon_adamw": lambda **kw: mfx.muon_adamw(adamw_weight_decay=0.0, **no_decay, **kw),
+               "moonlight": lambda **kw: mfx.moonlight(**no_decay, **kw)}
+    matrix_only = {"muon": mfx.muon, "normuon": mfx.normuon, "muon_cautious": mfx.muon_cautious,
+                   "muon_per_head": lambda **kw: mfx.muon_per_head(4, **kw), "fsdp_muon": fsdp_muon,
+                   "muon_with_momentum_warmup": mfx.muon_with_momentum_warmup}
+    w_only = td(w=params["w"])
+    for name, builder in matrix_only.items():
+        small, _ = run(builder(eps=1e6, **no_decay), [td(w=g[0]["w"])], w_only)
+        plain, _ = run(builder(**no_decay), [td(w=g[0]["w"])], w_only)
+        ratio = (small["w"].norm() / plain["w"].norm()).item()
+        assert ratio < 0.05, (name, ratio)
+    for name, builder in hybrids.items():
+        plain, _ = run(builder(), g, params)
+        ns, _ = run(builder(eps=1e6), g, params)
+        adam, _ = run(builder(adamw_eps=1e3), g, params)
+        assert (ns["w"].norm() / plain["w"].norm()).item() < 0.05 and torch.equal(ns["b"], plain["b"]), name
+        assert (adam["b"].norm() / plain["b"].norm()).item() < 0.05 and torch.equal(adam["w"], plain["w"]), name
+    # normuon's row normaliser has its own epsilon
+    grads = [td(w=1e-6 * torch.randn(16, 8)) for _ in range(2)]
+    assert not torch.equal(run(mfx.normuon(row_eps=1.0), grads, w_only)[0]["w"],
+                           run(mfx.normuon(), grads, w_only)[0]["w"])
+    # the optimizers: eps in the Muon group, adamw_eps in the AdamW group
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8))
+    for opt in (mfx.create_hybrid_optimizer(model, eps=1e-5, adamw_eps=1e-6),
+                mfx.FSDPMuonOptimizer(model, eps=1e-5, adamw_eps=1e-6, row_eps=1e-4)):
+        muon_group, adamw_group = opt.param_groups
+        assert muon_group["eps"] == 1e-5 and adamw_group["eps"] == 1e-6
+    assert mfx.MuonOptimizer([model[1].weight], eps=1e-5).param_groups[0]["eps"] == 1e-5
+
+
+def test_a_builder_of_ones_own_takes_the_options():
+    """``takes_muon_options``: how the built-in builders take the set, usable for one's own."""
+    import inspect
+
+    @takes_muon_options(defaults={"weight_decay": 0.1}, rename={"lr": "muon_lr"})
+    def clipped_muon(*, clip: float = 1.0, **options):
+        assert set(options) == {f.name for f in dataclasses.fields(MuonOptions)}
+        return mfx.chain(mfx.clip_by_global_norm(clip), mfx.muon(**options))
+
+    sig = inspect.signature(clipped_muon)
+    assert list(sig.parameters)[0] == "muon_lr" and list(sig.parameters)[-1] == "clip"
+    assert sig.parameters["weight_decay"].default == 0.1
+    params, grads = _matrices()
+    opt = mfx.TransformOptimizer([("w", torch.nn.Parameter(params["w"].clone()))], clipped_muon, muon_lr=0.01)
+    assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[0]["clip"] == 1.0
+    with pytest.raises(TypeError, match="not Muon options"):
+        takes_muon_options(defaults={"not_an_option": 1})
+    with pytest.raises(TypeError, match="named like Muon options"):
+        takes_muon_options()(lambda lr=1.0, **options: None)

@@ -21,10 +21,12 @@ from .. import presets
 from ..base import GradientTransformation
 from ..familiar import create_hybrid_optimizer
 from ..optim import TransformOptimizer
+from ..options import MuonOptions
 
 __all__ = ["optimizer_names", "check_optimizer", "build_optimizer", "MUON_LR", "ADAMW_BETAS"]
 
-MUON_LR = 0.02
+#: lr of the Muon optimizers when ``--lr`` is not given: Muon's own default
+MUON_LR = MuonOptions().lr
 #: lr of ``--optimizer adamw`` (and of the ``--compare adamw`` baseline) when ``--lr`` is not
 #: given: the best of the sweep 3e-3 / 1e-2 / 3e-2 at the defaults (docs/evidence.md)
 ADAMW_LR = 1e-2

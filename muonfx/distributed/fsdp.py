@@ -9,51 +9,40 @@ import torch
 
 from ..base import GradientTransformation
 from ..combine import named_chain
-from ..optim import TransformOptimizer
 from ..familiar import model_labels
-from ..linalg import CoefficientSpec
+from ..optim import TransformOptimizer
+from ..options import MuonOptions, insert_step, takes_muon_options
 from ..presets import adamw
-from ..transforms import (decoupled_decay, momentum as _momentum, newton_schulz, row_normalize, scale,
-                          scale_by_learning_rate, scale_by_shape)
+from ..transforms import row_normalize, scale
 from ..wrappers import accumulate
 
 __all__ = ["FSDPMuonOptimizer", "fsdp_muon", "unshard"]
 
 
+@takes_muon_options(defaults={"weight_decay": 0.01})
 def fsdp_muon(
-    lr: float = 0.02,
-    momentum: float = 0.95,
-    weight_decay: float = 0.01,
-    nesterov: bool = True,
-    ns_steps: int = 5,
+    *,
     ns_stepsize: float = 1.0,
     beta2: float | None = None,
-    eps: float = 1e-8,
+    row_eps: float = 1e-8,
     gradient_accumulation_steps: int = 1,
-    adjust_lr: str = "original",
-    ns_dtype: torch.dtype | None = None,
-    ns_coefficients: CoefficientSpec = "keller",
+    **muon_options: Any,
 ) -> GradientTransformation:
-    """The chain behind :class:`FSDPMuonOptimizer`'s matrices::
+    """The chain behind :class:`FSDPMuonOptimizer`'s matrices: :func:`muonfx.muon`'s
+    options (:class:`~muonfx.MuonOptions`, ``weight_decay`` defaulting to 0.01) and
+    named chain, with two more steps::
 
-        momentum -> newton_schulz -> [row_normalize(beta2, eps)] -> scale_by_shape
+        momentum -> newton_schulz -> [row_normalize(beta2, row_eps)] -> scale_by_shape
           -> scale(ns_stepsize) -> decoupled_decay -> scale_by_learning_rate
 
     wrapped in ``accumulate(..., gradient_accumulation_steps)`` when that is > 1.
+    ``eps`` is the Newton-Schulz floor (as in ``muon``); ``row_eps`` the row
+    normaliser's (used when ``beta2`` is given).
     """
-    steps = [
-        ("momentum", _momentum(momentum, nesterov=nesterov)),
-        ("orthogonalize", newton_schulz(ns_steps, ns_coefficients, dtype=ns_dtype)),
-    ]
+    steps = MuonOptions(**muon_options).steps()
     if beta2 is not None:
-        steps.append(("row_normalize", row_normalize(beta2, eps)))
-    steps += [
-        ("scale_by_shape", scale_by_shape(adjust_lr)),
-        ("ns_stepsize", scale(ns_stepsize)),
-        ("weight_decay", decoupled_decay(weight_decay)),
-        ("lr", scale_by_learning_rate(lr)),
-    ]
-    tx = named_chain(*steps)
+        steps = insert_step(steps, "orthogonalize", "row_normalize", row_normalize(beta2, row_eps))
+    tx = named_chain(*insert_step(steps, "scale_by_shape", "ns_stepsize", scale(ns_stepsize)).items())
     return accumulate(tx, gradient_accumulation_steps) if gradient_accumulation_steps > 1 else tx
 
 
@@ -91,14 +80,16 @@ class FSDPMuonOptimizer(TransformOptimizer):
     """The predecessor's FSDP optimizer, as a :class:`muonfx.TransformOptimizer`.
 
     Matrices (2-D and more, except embeddings, found by module type or name, and the
-    output head) get
-    :func:`fsdp_muon`; other parameters get AdamW (``adamw_lr``, ``adamw_betas``,
-    ``adamw_weight_decay``). Works on ``fully_shard``-ed models, plain models and
-    mixes; the matrix work is split across ranks by the DTensor seam backend.
+    output head) get :func:`fsdp_muon`, with every option of :func:`muonfx.muon`
+    (:class:`~muonfx.MuonOptions`, ``weight_decay`` defaulting to 0.01; ``eps`` is the
+    Newton-Schulz floor); other parameters get AdamW (``adamw_lr``, ``adamw_betas``,
+    ``adamw_eps``, ``adamw_weight_decay``). Works on ``fully_shard``-ed models, plain
+    models and mixes; the matrix work is split across ranks by the DTensor seam backend.
 
     Differences from the predecessor: ``beta2`` defaults to ``None`` (plain Muon); the
     predecessor's README used ``beta2=0.99``, which here turns on NorMuon-style row
-    normalisation (:func:`muonfx.row_normalize`). ``ns_stepsize`` multiplies the
+    normalisation (:func:`muonfx.row_normalize`, with ``row_eps``; the predecessor's
+    ``eps`` is ``row_eps`` here). ``ns_stepsize`` multiplies the
     orthogonalised update. ``gradient_accumulation_steps=k`` means: call ``step()``
     after every micro-batch; parameters move on every k-th call, with the mean
     gradient.
@@ -110,24 +101,21 @@ class FSDPMuonOptimizer(TransformOptimizer):
         >>> opt = mfx.FSDPMuonOptimizer(model, lr=0.02)    # also on a fully_shard-ed model
     """
 
+    @takes_muon_options(defaults={"weight_decay": 0.01})
     def __init__(
         self,
         model: torch.nn.Module,
         params: Iterable[Any] | None = None,
-        lr: float = 0.02,
-        weight_decay: float = 0.01,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_steps: int = 5,
+        *,
         ns_stepsize: float = 1.0,
         beta2: float | None = None,
-        eps: float = 1e-8,
+        row_eps: float = 1e-8,
         gradient_accumulation_steps: int = 1,
         adamw_lr: float = 1e-3,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
-        ns_dtype: torch.dtype | None = None,
-        ns_coefficients: CoefficientSpec = "keller",
+        **muon_options: Any,
     ) -> None:
         self.model = model
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
@@ -143,14 +131,12 @@ class FSDPMuonOptimizer(TransformOptimizer):
         groups = []
         if muon_params:
             groups.append(dict(
-                params=muon_params, tx=fsdp_muon, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                nesterov=nesterov, ns_steps=ns_steps, ns_stepsize=ns_stepsize, beta2=beta2, eps=eps,
-                gradient_accumulation_steps=gradient_accumulation_steps, ns_dtype=ns_dtype,
-                ns_coefficients=ns_coefficients,
+                params=muon_params, tx=fsdp_muon, **muon_options, ns_stepsize=ns_stepsize, beta2=beta2,
+                row_eps=row_eps, gradient_accumulation_steps=gradient_accumulation_steps,
             ))
         if other:
             groups.append(dict(
-                params=other, tx=_adamw_accumulated, lr=adamw_lr, betas=tuple(adamw_betas),
+                params=other, tx=_adamw_accumulated, lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                 weight_decay=adamw_weight_decay, gradient_accumulation_steps=gradient_accumulation_steps,
             ))
         if not groups:
