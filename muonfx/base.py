@@ -35,6 +35,8 @@ __all__ = [
     "check_keys",
     "foreach",
     "tree_tensors",
+    "tree_pairs",
+    "tree_replace",
 ]
 
 
@@ -157,18 +159,73 @@ def aligned(td: TensorDictBase | None, keys: Sequence[Key], what: str, against: 
     return [td.get(k) for k in keys]
 
 
-def tree_tensors(node: Any) -> Iterator[torch.Tensor]:
+# containers that may hold tensors (field-less states such as EmptyState() are skipped)
+_TREE = (torch.Tensor, TensorDictBase, dict, tuple, list)
+
+
+def _pairs_into(old: Any, new: Any, out: list) -> None:
+    if isinstance(new, TensorDictBase):
+        olds = old if isinstance(old, TensorDictBase) else None
+        for k, v in new.items(include_nested=True, leaves_only=True):
+            out.append((olds.get(k, None) if olds is not None else None, v))
+    elif isinstance(new, torch.Tensor):
+        out.append((old, new))
+    elif isinstance(new, dict):
+        for k, v in new.items():
+            if isinstance(v, _TREE) and not (isinstance(v, tuple) and len(v) == 0):
+                _pairs_into(old.get(k) if isinstance(old, dict) else None, v, out)
+    elif isinstance(new, (tuple, list)):
+        same = isinstance(old, (tuple, list)) and len(old) == len(new)
+        for i, v in enumerate(new):
+            if isinstance(v, _TREE) and not (isinstance(v, tuple) and len(v) == 0):
+                _pairs_into(old[i] if same else None, v, out)
+
+
+def tree_pairs(old: Any, new: Any) -> list[tuple[Any, torch.Tensor]]:
+    """Every tensor of the state tree ``new`` with the tensor at the same place of ``old``
+    (``None`` where ``old`` has none): ``[(old_leaf, new_leaf), ...]``, in ``new``'s order.
+
+    The one state-tree walker: trees are NamedTuples, tuples, lists, dicts and
+    TensorDicts, leaves are tensors (TensorDict leaves included); numbers are skipped.
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx.base import tree_pairs
+        >>> a, b = torch.zeros(1), torch.ones(1)
+        >>> [(o is a, n is b) for o, n in tree_pairs((a, 3), (b, 4))]
+        [(True, True)]
+    """
+    out: list = []
+    _pairs_into(old, new, out)
+    return out
+
+
+def tree_tensors(node: Any) -> list[torch.Tensor]:
     """Every tensor in a state tree (NamedTuples, tuples, lists, dicts, TensorDicts)."""
-    if isinstance(node, TensorDictBase):
-        yield from node.values(include_nested=True, leaves_only=True)
-    elif isinstance(node, torch.Tensor):
-        yield node
-    elif isinstance(node, dict):
-        for v in node.values():
-            yield from tree_tensors(v)
-    elif isinstance(node, (tuple, list)):
-        for v in node:
-            yield from tree_tensors(v)
+    return [t for _, t in tree_pairs(None, node)]
+
+
+def tree_replace(tree: Any, by_id: dict[int, torch.Tensor]) -> Any:
+    """``tree`` with each tensor ``t`` replaced by ``by_id[id(t)]`` where present (new
+    containers; the tensors not named stay as they are)."""
+    if isinstance(tree, TensorDictBase):
+        keys, vals = [], []
+        for k, v in tree.items(include_nested=True, leaves_only=True):
+            keys.append((k,) if type(k) is str else tuple(k))
+            vals.append(by_id.get(id(v), v))
+        return build(keys, vals)
+    if isinstance(tree, torch.Tensor):
+        return by_id.get(id(tree), tree)
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        if len(tree) == 0:
+            return tree
+        return type(tree)(*[tree_replace(v, by_id) if isinstance(v, _TREE) and not (isinstance(v, tuple) and len(v) == 0) else v for v in tree])
+    if isinstance(tree, dict):
+        return {k: tree_replace(v, by_id) if isinstance(v, _TREE) and not (isinstance(v, tuple) and len(v) == 0) else v for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)([tree_replace(v, by_id) if isinstance(v, _TREE) and not (isinstance(v, tuple) and len(v) == 0) else v for v in tree])
+    return tree
 
 
 def build(keys: Sequence[Key], tensors: Sequence[torch.Tensor]) -> TensorDict:

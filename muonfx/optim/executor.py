@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from tensordict import TensorDictBase
 
-from ..base import Key, build, foreach, key_str
+from ..base import Key, build, foreach, key_str, tree_pairs as _tree_pairs, tree_replace as _rebuild
 from ..state_tree import merge, restrict
 from ..wrappers import inject_hyperparams
 from .groups import GroupRecord
@@ -60,51 +60,6 @@ def _storages(tensors: Any) -> list[int]:
     return out
 
 
-# containers that may hold tensors (field-less states such as EmptyState() are skipped)
-_TREE = (torch.Tensor, TensorDictBase, dict, tuple, list)
-
-
-def _pairs(old: Any, new: Any, out: list) -> None:
-    """Collect ``(old tensor, new tensor)`` at the same places of two states."""
-    if isinstance(new, TensorDictBase):
-        if isinstance(old, TensorDictBase):
-            for k, v in new.items(include_nested=True, leaves_only=True):
-                out.append((old.get(k, None), v))
-    elif isinstance(new, dict):
-        if isinstance(old, dict):
-            for k, v in new.items():
-                if isinstance(v, _TREE) and not (isinstance(v, tuple) and not v):
-                    _pairs(old.get(k), v, out)
-    elif isinstance(new, (tuple, list)):
-        if isinstance(old, (tuple, list)) and len(old) == len(new):
-            for o, n in zip(old, new):
-                if isinstance(n, _TREE) and not (isinstance(n, tuple) and not n):
-                    _pairs(o, n, out)
-    elif isinstance(new, torch.Tensor):
-        out.append((old, new))
-
-
-def _rebuild(new: Any, taken: dict[int, torch.Tensor]) -> Any:
-    """``new`` with each tensor replaced by ``taken[id(tensor)]`` where present."""
-    if isinstance(new, TensorDictBase):
-        keys, vals = [], []
-        for k, v in new.items(include_nested=True, leaves_only=True):
-            keys.append((k,) if type(k) is str else tuple(k))
-            vals.append(taken.get(id(v), v))
-        return build(keys, vals)
-    if isinstance(new, torch.Tensor):
-        return taken.get(id(new), new)
-    if isinstance(new, tuple) and hasattr(new, "_fields"):
-        if not new:
-            return new
-        return type(new)(*[_rebuild(v, taken) if isinstance(v, _TREE) and not (isinstance(v, tuple) and not v) else v for v in new])
-    if isinstance(new, dict):
-        return {k: _rebuild(v, taken) if isinstance(v, _TREE) and not (isinstance(v, tuple) and not v) else v for k, v in new.items()}
-    if isinstance(new, (tuple, list)):
-        return type(new)([_rebuild(v, taken) if isinstance(v, _TREE) else v for v in new])
-    return new
-
-
 def write_back(old: Any, new: Any, hazards: set[int] | None = None, pairs: list | None = None) -> Any:
     """Copy ``new``'s tensors into ``old``'s buffers where they match; return the
     state with those buffers (``old``'s tensors are written, ``new``'s are not).
@@ -114,7 +69,7 @@ def write_back(old: Any, new: Any, hazards: set[int] | None = None, pairs: list 
     (scalars, other shapes) is taken from ``new``. A tensor of ``new`` that shares
     memory with a tensor of ``old`` (or with a storage in ``hazards``) and is not the
     buffer it goes to is copied first, so the order of the writes does not matter.
-    (The executor passes ``pairs``, see :func:`_pairs`, and ``hazards`` already
+    (The executor passes ``pairs``, see :func:`muonfx.base.tree_pairs`, and ``hazards`` already
     holding ``old``'s storages, computed once for the whole commit.)
 
     Example::
@@ -127,8 +82,7 @@ def write_back(old: Any, new: Any, hazards: set[int] | None = None, pairs: list 
         (True, [1.0, 1.0])
     """
     if pairs is None:
-        pairs = []
-        _pairs(old, new, pairs)
+        pairs = _tree_pairs(old, new)
         hazards = set(_storages([o for o, _ in pairs if isinstance(o, torch.Tensor)])) | (hazards or set())
     if not pairs:
         return new
@@ -157,8 +111,7 @@ def _store(old: Any, new: Any) -> Any:
     tensors into ``old``'s matching buffers with no aliasing analysis (the compiler's
     functionalization orders the reads before the writes); return the state holding
     ``old``'s buffers."""
-    pairs: list = []
-    _pairs(old, new, pairs)
+    pairs = _tree_pairs(old, new)
     taken: dict[int, torch.Tensor] = {}
     dst, src = [], []
     for o, n in pairs:
@@ -245,8 +198,7 @@ class Executor:
     def commit(self, w: GroupWork, updates: list[torch.Tensor], new_state: Any) -> None:
         """Write the new state into the old buffers and add the updates to the parameters."""
         rec = w.record
-        pairs: list = []
-        _pairs(rec.state, new_state, pairs)
+        pairs = _tree_pairs(rec.state, new_state)
         unsafe = set(_storages(w.params))
         unsafe.update(_storages([o for o, _ in pairs if isinstance(o, torch.Tensor)]))
         us = []
