@@ -24,7 +24,6 @@ local tensors (:func:`muonfx.base.foreach`); only the seam sees whole matrices.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -33,21 +32,9 @@ from tensordict import TensorDictBase
 from ..base import Key, build, foreach, key_str, tree_pairs as _tree_pairs, tree_replace as _rebuild
 from ..state_tree import merge, restrict
 from ..wrappers import inject_hyperparams
-from .groups import GroupRecord
+from .groups import GroupWork
 
 __all__ = ["Executor", "GroupWork", "write_back"]
-
-
-@dataclass
-class GroupWork:
-    """One group's share of a step: its record, hyperparameters, and the parameters
-    (positions ``idx`` in the group) that have gradients."""
-
-    record: GroupRecord
-    hp: dict[str, Any]
-    idx: list[int]
-    params: list[torch.Tensor]
-    grads: list[torch.Tensor]
 
 
 def _storages(tensors: Any) -> list[int]:

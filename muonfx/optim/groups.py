@@ -10,11 +10,11 @@ from typing import Any, Callable, Union
 
 import torch
 
-from ..base import GradientTransformation, Key, foreach, leaves
+from ..base import GradientTransformation, Key, build, foreach, key_str, leaves
 from ..wrappers import InjectHyperparamsState, inject_hyperparams, signature
 
 __all__ = ["GroupRecord", "lr_multiplier", "as_factory", "factory_defaults", "check_known", "serialisable",
-           "ADAPTER_KEYS"]
+           "ADAPTER_KEYS", "GroupWork", "gather"]
 
 TxOrFactory = Union[GradientTransformation, Callable[..., GradientTransformation]]
 
@@ -139,6 +139,19 @@ class GroupRecord:
     stepped: bool = False
     transforms: dict[Any, GradientTransformation] = field(default_factory=dict)
 
+    @classmethod
+    def create(cls, factory: Callable[..., GradientTransformation], names: list[str],
+               group: dict[str, Any]) -> "GroupRecord":
+        """The record of a new param group, its transform state created eagerly."""
+        keys = [tuple(str(n).split(".")) for n in names]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"duplicate parameter names in a param group: {names}")
+        lr0 = group.get("lr")
+        rec = cls(factory, keys, float(lr0) if isinstance(lr0, (int, float, torch.Tensor)) else None)
+        with torch.no_grad():
+            rec.state = rec.transform(rec.hyperparams(group)).init(build(keys, list(group["params"])))
+        return rec
+
     def hyperparams(self, group: dict[str, Any]) -> dict[str, Any]:
         """The group's hyperparameters as the transform sees them.
 
@@ -179,3 +192,46 @@ class GroupRecord:
             if n in hp and cur[n] is not hp[n]:
                 return st._replace(hyperparams={n: hp.get(n, v) for n, v in cur.items()})
         return st
+
+
+_SPARSE_HINT = (
+    "Muon and the other matrix transforms need dense gradients. Use "
+    "nn.Embedding(..., sparse=False), or route this parameter to AdamW: "
+    "mfx.create_hybrid_optimizer(model, ...) does so for embeddings, or pass it in a "
+    "param group {'params': [...], 'tx': mfx.adamw, 'sparse_grad': 'densify'} "
+    "(its sparse gradient is then densified before the AdamW step)."
+)
+
+
+@dataclass
+class GroupWork:
+    """One group's share of a step: its record, hyperparameters, and the parameters
+    (positions ``idx`` in the group) that have gradients."""
+
+    record: GroupRecord
+    hp: dict[str, Any]
+    idx: list[int]
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+
+def gather(rec: GroupRecord, group: dict[str, Any]) -> GroupWork | None:
+    """The group's parameters that have gradients, with those gradients (checked: a
+    sparse gradient needs ``"sparse_grad": "densify"``, complex ones are refused); None
+    when no parameter of the group has a gradient."""
+    idx, params, grads = [], [], []
+    for i, p in enumerate(group["params"]):
+        g = p.grad
+        if g is None:
+            continue
+        if g.layout != torch.strided:
+            if group.get("sparse_grad", "error") != "densify":
+                raise ValueError(f"parameter {key_str(rec.keys[i])!r} has a sparse gradient ({g.layout}). {_SPARSE_HINT}")
+            g = g.to_dense()
+        if g.is_complex():
+            raise TypeError(f"parameter {key_str(rec.keys[i])!r} has a complex gradient; muonfx takes real tensors only")
+        idx.append(i)
+        params.append(p)
+        grads.append(g)
+    if not idx:
+        return None
+    return GroupWork(rec, rec.hyperparams(group), idx, params, grads)

@@ -12,22 +12,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..base import build, key_str
+from ..base import key_str
 from . import checkpoint
-from .executor import Executor, GroupWork
-from .groups import ADAPTER_KEYS, GroupRecord, TxOrFactory, as_factory, check_known, factory_defaults
+from .executor import Executor
+from .groups import ADAPTER_KEYS, GroupRecord, TxOrFactory, as_factory, check_known, factory_defaults, gather
 from ..wrappers import signature
 
 __all__ = ["TransformOptimizer"]
-
-_SPARSE_HINT = (
-    "Muon and the other matrix transforms need dense gradients. Use "
-    "nn.Embedding(..., sparse=False), or route this parameter to AdamW: "
-    "mfx.create_hybrid_optimizer(model, ...) does so for embeddings, or pass it in a "
-    "param group {'params': [...], 'tx': mfx.adamw, 'sparse_grad': 'densify'} "
-    "(its sparse gradient is then densified before the AdamW step)."
-)
-
 
 class TransformOptimizer(torch.optim.Optimizer):
     """Run a muonfx transform as a ``torch.optim.Optimizer``.
@@ -126,17 +117,11 @@ class TransformOptimizer(torch.optim.Optimizer):
                     del group[name]
             start = sum(len(g["params"]) for g in self.param_groups[:-1])
             names = group.get("param_names") or [f"param{start + i}" for i in range(len(group["params"]))]
-            keys = [tuple(str(n).split(".")) for n in names]
-            if len(set(keys)) != len(keys):
-                raise ValueError(f"duplicate parameter names in a param group: {names}")
             if any(type(p).__name__ == "DTensor" for p in group["params"]):
                 from ..distributed import check_params
 
                 self._dtensor_ref = check_params(names, group["params"], self._dtensor_ref)
-            lr0 = group.get("lr")
-            rec = GroupRecord(factory, keys, float(lr0) if isinstance(lr0, (int, float, torch.Tensor)) else None)
-            with torch.no_grad():
-                rec.state = rec.transform(rec.hyperparams(group)).init(build(keys, list(group["params"])))
+            rec = GroupRecord.create(factory, names, group)
         except Exception:
             self.param_groups.pop()  # leave the optimizer as it was before this call
             raise
@@ -152,28 +137,6 @@ class TransformOptimizer(torch.optim.Optimizer):
 
     # -- stepping -----------------------------------------------------------
 
-    def _work(self, gi: int) -> GroupWork | None:
-        """The group's parameters that have gradients, with those gradients (checked)."""
-        group = self.param_groups[gi]
-        idx, params, grads = [], [], []
-        for i, p in enumerate(group["params"]):
-            g = p.grad
-            if g is None:
-                continue
-            if g.layout != torch.strided:
-                if group.get("sparse_grad", "error") != "densify":
-                    raise ValueError(f"parameter {self._name(gi, i)!r} has a sparse gradient ({g.layout}). {_SPARSE_HINT}")
-                g = g.to_dense()
-            if g.is_complex():
-                raise TypeError(f"parameter {self._name(gi, i)!r} has a complex gradient; muonfx takes real tensors only")
-            idx.append(i)
-            params.append(p)
-            grads.append(g)
-        if not idx:
-            return None
-        rec = self.records[gi]
-        return GroupWork(rec, rec.hyperparams(group), idx, params, grads)
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step; runs ``closure`` (with grad enabled) first and returns its loss.
@@ -187,7 +150,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = [w for w in (self._work(gi) for gi in range(len(self.param_groups))) if w is not None]
+        work = [w for w in map(gather, self.records, self.param_groups) if w is not None]
         self._torch_state = None
         self.executor.step(work)
         return loss
