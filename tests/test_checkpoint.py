@@ -530,3 +530,26 @@ def test_checkpoints_of_the_previous_release_load_and_resume(name):
     # the old code folded the lr into p += -lr * u (one rounding fewer): float tolerance
     for a, b in zip(m.parameters(), ref_m.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoints_with_the_old_epsilon_names_load_into_the_renamed_options():
+    """0.1 renamed moonlight's ``eps``/``ns_eps`` to ``adamw_eps``/``eps`` and normuon's
+    ``eps``/``ns_eps`` to ``row_eps``/``eps``; fsdp_muon's row ``eps`` is ``row_eps``."""
+    from muonfx.optim.checkpoint import renamed_eps
+
+    assert renamed_eps({"eps": 1e-8, "ns_eps": 1e-6, "lr": 1.0}, {"eps", "adamw_eps", "lr"}) == {
+        "lr": 1.0, "eps": 1e-6, "adamw_eps": 1e-8}
+    assert renamed_eps({"eps": 1e-10, "ns_eps": 1e-6}, {"eps", "row_eps"}) == {"eps": 1e-6, "row_eps": 1e-10}
+    assert renamed_eps({"eps": 1e-10}, {"eps", "row_eps"}) == {"row_eps": 1e-10}
+    new = {"eps": 1e-7, "adamw_eps": 1e-8}
+    assert renamed_eps(new, {"eps", "adamw_eps"}) is new  # today's checkpoints pass through
+    # end to end: an old moonlight group loads with Adam's epsilon where it belongs
+    model = torch.nn.Linear(4, 4)
+    opt = mfx.TransformOptimizer(model.named_parameters(), mfx.moonlight)
+    sd = opt.state_dict()
+    group = dict(sd["param_groups"][0])
+    group.pop("adamw_eps")
+    group["eps"], group["ns_eps"] = 3e-8, 2e-7
+    sd["param_groups"] = [group]
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["adamw_eps"] == 3e-8 and opt.param_groups[0]["eps"] == 2e-7

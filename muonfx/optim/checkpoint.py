@@ -16,6 +16,7 @@ import torch
 
 from ..base import key_str
 from ..state_tree import unflatten_per_param
+from ..wrappers import signature
 from .groups import GroupRecord, serialisable
 
 __all__ = ["torch_state", "param_groups_for_saving", "load"]
@@ -55,6 +56,32 @@ def _check_value(gi: int, name: str, saved: Any, current: Any) -> None:
         raise ValueError(f"param group {gi}: saved {name!r} is {saved!r}, not a finite number")
 
 
+def renamed_eps(saved: dict[str, Any], takes: Any) -> dict[str, Any]:
+    """A saved param group with the epsilons renamed in 0.1 (``eps`` is the
+    Newton-Schulz floor everywhere): ``ns_eps`` becomes ``eps`` and the old ``eps`` the
+    factory's ``adamw_eps`` (moonlight) or ``row_eps`` (normuon); a group whose factory
+    takes ``row_eps`` and that saved only ``eps`` (fsdp_muon) had the row epsilon there.
+
+    Example::
+
+        >>> renamed_eps({"eps": 1e-8, "ns_eps": 1e-7}, {"eps", "adamw_eps"})
+        {'eps': 1e-07, 'adamw_eps': 1e-08}
+    """
+    if "ns_eps" in saved and "ns_eps" not in takes:
+        out = {k: v for k, v in saved.items() if k not in ("eps", "ns_eps")}
+        out["eps"] = saved["ns_eps"]
+        if "eps" in saved:
+            old = "adamw_eps" if "adamw_eps" in takes else "row_eps" if "row_eps" in takes else None
+            if old is not None:
+                out[old] = saved["eps"]
+        return out
+    if "row_eps" in takes and "row_eps" not in saved and "eps" in saved:
+        out = {k: v for k, v in saved.items() if k != "eps"}
+        out["row_eps"] = saved["eps"]
+        return out
+    return saved
+
+
 def load(records: list[GroupRecord], param_groups: list[dict], state_dict: dict[str, Any]) -> None:
     """Load ``state_dict`` into ``records`` and ``param_groups``, or raise ``ValueError``
     saying what differs (group, parameter, entry) and change nothing."""
@@ -63,6 +90,7 @@ def load(records: list[GroupRecord], param_groups: list[dict], state_dict: dict[
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(param_groups):
         raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer has {len(param_groups)}")
+    saved_groups = [renamed_eps(g, signature(rec.factory).parameters) for g, rec in zip(saved_groups, records)]
     new_states = []
     for gi, (rec, group, saved) in enumerate(zip(records, param_groups, saved_groups)):
         ids = list(saved["params"])
