@@ -1,7 +1,7 @@
 """Shared helpers for the benchmark scripts (not a benchmark itself).
 
 * :func:`interleaved`: median step times, measured in alternating rounds;
-* :func:`step_memory`: the extra memory of one step (peak bytes allocated during the
+* :func:`step_memory` (from :mod:`muonfx.memory`): the extra memory of one step (peak bytes allocated during the
   call beyond what existed before it): CUDA's allocator statistics on GPUs,
   :class:`FreshMemory` (op by op) on the CPU;
 * :func:`pick_backend`: NCCL or gloo for a multi-rank run.
@@ -13,14 +13,12 @@ import os
 import platform
 import statistics
 import time
-import weakref
 from typing import Callable
 
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 import torch  # noqa: E402
-from torch.utils import _pytree as pytree  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
 
 
 def machine() -> str:
@@ -66,63 +64,7 @@ def table(header: list[str], rows: list[list[object]]) -> str:
 # ---------------------------------------------------------------------------
 
 
-class FreshMemory(TorchDispatchMode):
-    """Peak bytes of tensor storage allocated inside the block and still alive
-    (the CPU's stand-in for ``torch.cuda.max_memory_allocated``; same idea as
-    ``tests/test_memory.py``).
-
-    Every op's outputs are inspected: an output whose storage is new (not one of the
-    op's inputs', not seen before) counts until its storage is freed (a finalizer on
-    the storage object, which torch keeps alive exactly as long as the storage).
-    Allocations that do not go through the dispatcher (the buffers inside a compiled
-    inductor kernel) are not seen.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self.seen: set[int] = set()
-
-    def _free(self, key: int, n: int) -> None:
-        self.seen.discard(key)
-        self.live -= n
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = None
-        for t in pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            st = t.untyped_storage()
-            key = st.data_ptr()
-            if key in self.seen or st.nbytes() == 0:
-                continue
-            if inputs is None:
-                inputs = {a.untyped_storage().data_ptr() for a in pytree.tree_leaves((args, kwargs))
-                          if isinstance(a, torch.Tensor)}
-            if key in inputs:
-                continue
-            self.seen.add(key)
-            self.live += st.nbytes()
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(st, self._free, key, st.nbytes())
-        return out
-
-
-def step_memory(step: Callable[[], object], device: torch.device) -> int:
-    """Extra bytes of one call of ``step``: the peak allocated during it beyond what was
-    allocated before. Run it outside the timed rounds (the CPU counter slows every op),
-    after a first step has created the optimizer's state."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    with FreshMemory() as m:
-        step()
-    return m.peak
+from muonfx.memory import FreshMemory, step_memory  # noqa: E402,F401  (re-exported for the scripts)
 
 
 def fmt_bytes(n: float) -> str:

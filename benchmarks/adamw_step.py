@@ -9,7 +9,7 @@ gradients (shared: neither writes them); steps are timed in alternating rounds (
 
 Extra step memory: the peak bytes allocated during one ``opt.step()`` beyond what existed
 before it, measured in one more, untimed step per optimizer: ``torch.cuda.max_memory_allocated``
-on CUDA, op-by-op storage counting (``_common.FreshMemory``) on the CPU, which cannot
+on CUDA, op-by-op storage counting (``muonfx.memory.FreshMemory``) on the CPU, which cannot
 measure a compiled step (``torch.compile`` refuses the dispatch mode): the ``opt.compile()``
 row shows ``n/a`` there.
 """

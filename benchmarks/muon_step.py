@@ -27,7 +27,7 @@ option only acts in float32) is left out. torch.optim.Muon runs its bf16 NS.
 Extra step memory: the peak bytes allocated during one ``opt.step()`` beyond what existed
 before it (the optimizer state already created), measured in one more, untimed step per
 optimizer: ``torch.cuda.max_memory_allocated`` on CUDA, op-by-op storage counting
-(``_common.FreshMemory``) on the CPU. The gradients are shared by all optimizers (none
+(``muonfx.memory.FreshMemory``) on the CPU. The gradients are shared by all optimizers (none
 writes them), so a full-size set needs about 10x its float32 bytes of GPU memory.
 """
 

@@ -1,16 +1,14 @@
 """Optimizer state memory: Muon keeps one buffer per matrix (optionally bf16), AdamW two;
 a step's extra working memory, measured op by op, is bounded by the largest group."""
 
-import weakref
 
 import pytest
 import torch
 from tensordict import TensorDict
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import muonfx as mfx
 from muonfx.base import tree_tensors
+from muonfx.memory import FreshMemory
 
 
 def _params():
@@ -58,45 +56,6 @@ def test_bf16_momentum_tracks_float32_momentum():
 # ---------------------------------------------------------------------------
 # a step's extra working memory, measured
 # ---------------------------------------------------------------------------
-
-
-class FreshMemory(TorchDispatchMode):
-    """Peak bytes of tensor storage allocated inside the block and still alive.
-
-    Every op's outputs are inspected: an output whose storage is new (not one of the
-    op's inputs', not seen before) counts until its storage is freed (a finalizer on
-    the storage object, which torch keeps alive exactly as long as the storage).
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.seen: set[int] = set()
-
-    def _free(self, key: int, n: int) -> None:
-        self.seen.discard(key)
-        self.live -= n
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = None
-        for t in pytree.tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            st = t.untyped_storage()
-            key = st.data_ptr()
-            if key in self.seen or st.nbytes() == 0:
-                continue
-            if inputs is None:
-                inputs = {a.untyped_storage().data_ptr() for a in pytree.tree_leaves((args, kwargs))
-                          if isinstance(a, torch.Tensor)}
-            if key in inputs:
-                continue
-            self.seen.add(key)
-            self.live += st.nbytes()
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(st, self._free, key, st.nbytes())
-        return out
 
 
 def test_fresh_memory_counts_allocations_and_frees():
