@@ -254,6 +254,42 @@ def _rewrap(local: torch.Tensor, like: Any) -> Any:
                                  shape=like.shape, stride=like.stride())
 
 
+def _traced_foreach(op: str, lists: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """:func:`foreach` as the compiler sees it: per-tensor ops, scalars by arithmetic.
+
+    The compiler generates its own fused loops, so nothing is lost by spelling a foreach
+    op per tensor; and a float hyperparameter that reaches ``_foreach_*`` (or a scalar
+    ``alpha=``/``value=``/lerp weight) is specialised into the graph, which would mean one
+    recompilation per learning rate. Written as ``a + (b - a) * w``, ``a + b * alpha``,
+    ``a + t1 * t2 * value``, it stays a symbolic input. The same maths as eager, to
+    float rounding.
+    """
+    base = op.rstrip("_")
+    inplace = op.endswith("_")
+    n = len(lists[0])
+    args = [lst if isinstance(lst, (list, tuple)) else [lst] * n for lst in lists]
+    out = []
+    for i in range(n):
+        a = args[0][i]
+        rest = [x[i] for x in args[1:]]
+        if base == "lerp":
+            b, w = rest
+            r = torch.lerp(a, b, w) if isinstance(w, torch.Tensor) else a + (b - a) * w
+        elif base == "add" and "alpha" in kwargs:
+            r = a + rest[0] * kwargs["alpha"]
+        elif base == "addcmul":
+            r = a + rest[0] * rest[1] * kwargs.get("value", 1)
+        elif base == "addcdiv":
+            r = a + rest[0] / rest[1] * kwargs.get("value", 1)
+        else:
+            r = getattr(torch, base)(a, *rest, **kwargs)
+        if inplace:
+            a.copy_(r)
+            r = a
+        out.append(r)
+    return out
+
+
 def foreach(op: str, *lists: Sequence[Any], **kwargs: Any) -> list[torch.Tensor]:
     """Call ``torch._foreach_<op>`` on aligned lists; returns the results as a list.
 
@@ -278,6 +314,8 @@ def foreach(op: str, *lists: Sequence[Any], **kwargs: Any) -> list[torch.Tensor]
     n = len(first)
     if n == 0:
         return []
+    if torch.compiler.is_compiling():
+        return _traced_foreach(op, lists, kwargs)
     fn = getattr(torch, "_foreach_" + op)
     inplace = op.endswith("_")
     dt = [type(t).__name__ == "DTensor" for t in first]  # duck-typed: no torch.distributed import

@@ -158,3 +158,36 @@ def test_inductor_compiled_adamw_step_matches_eager_and_keeps_buffers():
             assert ptrs == [v.data_ptr() for v in comp.state[comp_named[0][1]].values() if isinstance(v, torch.Tensor)]
     for (n, a), (_, b) in zip(eager_named, comp_named):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("factory", [mfx.adamw, mfx.muon], ids=["adamw", "muon"])
+def test_inductor_does_not_recompile_when_lr_momentum_or_weight_decay_change(factory):
+    """With the real inductor backend a float reaching a ``_foreach_*`` op (or a scalar
+    ``alpha``/``value``/lerp weight) is specialised into the graph; traced, muonfx's
+    foreach spells those ops per tensor so the hyperparameters stay symbolic inputs."""
+    torch._dynamo.reset()
+    named, ref = _named(2), _named(2)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    kw = {"ns_dtype": torch.float32} if factory is mfx.muon else {}
+    params = lambda n: [(k, p) for k, p in n if p.ndim >= 2] if factory is mfx.muon else n  # noqa: E731
+    opt = mfx.TransformOptimizer(params(named), factory, lr=1e-2, **kw).compile(backend=counter)
+    eager = mfx.TransformOptimizer(params(ref), factory, lr=1e-2, **kw)
+    after_first = None
+    for step in range(6):
+        _grads(named, step)
+        _grads(ref, step)
+        for o in (opt, eager):
+            g = o.param_groups[0]
+            g["lr"] = 1e-2 * (1 - 0.1 * step)
+            g["weight_decay"] = 0.01 + 0.01 * step
+            if "momentum" in g:
+                g["momentum"] = 0.9 + 0.01 * step
+            if "betas" in g:
+                g["betas"] = (0.9 - 0.01 * step, 0.999)
+            o.step()
+        if step == 1:
+            after_first = counter.frame_count
+    assert after_first >= 1
+    assert counter.frame_count == after_first, f"recompiled: {after_first} -> {counter.frame_count} frames"
+    for (n, a), (_, b) in zip(params(ref), params(named)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
