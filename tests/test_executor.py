@@ -362,3 +362,81 @@ def test_a_muon_optimizer_step_makes_at_most_120_muonfx_calls():
         opt2.step()
     assert _count_muonfx_calls(opt2.step) <= calls + 4
 
+
+
+# ---------------------------------------------------------------------------
+# the automatic choice between the eager and the compiled step
+# ---------------------------------------------------------------------------
+
+
+def _auto_pair(times=None):
+    """An optimizer whose executor measures (threshold 0, aot_eager) and an eager twin."""
+    named, ref = _named(SHAPES), _named(SHAPES)
+    opt = mfx.TransformOptimizer(named, mfx.adamw, lr=1e-2)
+    eager = mfx.TransformOptimizer(ref, mfx.adamw, lr=1e-2)
+    eager.executor.auto = False
+    opt.executor.auto_min_elements = 0
+    if times is not None:
+        ticks = iter(times)
+        opt.executor._clock = lambda: next(ticks)
+    return named, ref, opt, eager
+
+
+@pytest.mark.parametrize("eager_s,compiled_s,expected", [(1.0, 0.5, "compiled"), (1.0, 0.95, "eager")])
+def test_auto_keeps_the_faster_step_and_trains_like_eager(eager_s, compiled_s, expected, monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", _aot_eager_compile)
+    # clock readings: eager step (0 -> eager_s), compiled step (10 -> 10 + compiled_s)
+    named, ref, opt, eager = _auto_pair([0.0, eager_s, 10.0, 10.0 + compiled_s])
+    for step in range(6):
+        _grads(named, step)
+        _grads(ref, step)
+        opt.step()
+        eager.step()
+    assert list(opt.executor.choices.values()) == [expected]
+    compiled = [f for f in opt.executor._compiled.values() if f is not None]
+    assert len(compiled) == (1 if expected == "compiled" else 0)
+    for (n, a), (_, b) in zip(ref, named):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+_real_compile = torch.compile
+
+
+def _aot_eager_compile(fn, **kwargs):
+    return _real_compile(fn, **{**kwargs, "backend": "aot_eager"})
+
+
+def test_auto_stays_eager_below_the_threshold_and_when_turned_off():
+    named = _named(SHAPES)
+    opt = mfx.TransformOptimizer(named, mfx.adamw, lr=1e-2)
+    for step in range(4):
+        _grads(named, step)
+        opt.step()
+    assert opt.executor.choices == {} and opt.executor._compiled == {}
+    opt.executor.auto_min_elements = 0
+    opt.executor.auto = False
+    for step in range(4):
+        _grads(named, step)
+        opt.step()
+    assert opt.executor.choices == {} and opt.executor._compiled == {}
+
+
+def test_auto_falls_back_to_eager_when_compiling_fails(monkeypatch):
+    torch._dynamo.reset()
+
+    def failing(fn, **kwargs):
+        def run(*args):
+            raise torch._dynamo.exc.TorchDynamoException("backend failed: no C++ compiler")
+        return run
+
+    monkeypatch.setattr(torch, "compile", failing)
+    named, ref, opt, eager = _auto_pair()
+    for step in range(5):
+        _grads(named, step)
+        _grads(ref, step)
+        opt.step()
+        eager.step()
+    assert list(opt.executor.choices.values()) == ["eager"]
+    for (n, a), (_, b) in zip(ref, named):
+        assert torch.equal(a, b), n

@@ -14,16 +14,19 @@ Transforms compute; the executor executes. A step is two phases:
    memory with an old state buffer or a parameter are copied first, so no write can
    change a value that a later write reads.
 
-How phase 1 runs is the executor's choice: eagerly (the reference, correct
-everywhere), or through ``torch.compile`` (:meth:`Executor.compile`; cached per
-group and per set of static hyperparameters, ``dynamic=True`` so lr, momentum or
-weight decay changes recompile nothing). Matrix work is batched under a byte budget
+That is the eager step, the reference, correct everywhere. After :meth:`Executor.compile`
+the whole step of every group (compute, write-back, ``p += u``) is one
+``torch.compile`` graph instead, cached per set of groups and static hyperparameters
+(``dynamic=True``; lr, momentum or weight decay changes recompile nothing), where the
+compiler stores in place and frees intermediates early. Matrix work is batched under a byte budget
 by :mod:`muonfx.linalg.batching`. DTensor shards run their elementwise work on the
 local tensors (:func:`muonfx.base.foreach`); only the seam sees whole matrices.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any, Callable
 
 import torch
@@ -35,6 +38,8 @@ from ..wrappers import inject_hyperparams
 from .groups import GroupWork
 
 __all__ = ["Executor", "GroupWork", "write_back"]
+
+_log = logging.getLogger("muonfx")
 
 
 def _storages(tensors: Any) -> list[int]:
@@ -143,11 +148,31 @@ class Executor:
     reads memory few times. Python-level errors (a bad hyperparameter, a transform's own
     exception) are raised while the function is traced, before the graph runs, so they
     change nothing either. Groups holding DTensors always run eagerly.
+
+    **Automatic** (the default): for a set of groups holding at least
+    :attr:`auto_min_elements` parameter elements, the executor measures the two paths
+    on the machine at hand: one eager step is timed, the compiled step is built (its
+    first call compiles, untimed) and its second call timed; the faster one is kept
+    for those groups (``choices`` records it). Below the threshold, and where compiling
+    fails (no C++ compiler for inductor on the CPU, an untraceable transform), steps run
+    eagerly. ``auto = False`` keeps every step eager; :meth:`compile` makes every step
+    compiled.
     """
+
+    #: parameters (elements) of a step's groups from which the automatic choice measures
+    #: the compiled step: large enough that the one-time compilation (about a minute for
+    #: GPT-2 small's AdamW on 2 CPU cores) pays for itself within a few hundred steps
+    auto_min_elements: int = 1 << 24
 
     def __init__(self) -> None:
         self.compile_kwargs: dict[str, Any] | None = None
         self._compiled: dict[Any, Callable[..., Any]] = {}
+        #: measure and choose the faster path for large groups (see the class doc)
+        self.auto = True
+        #: the automatic choice per set of groups: ``"eager"`` or ``"compiled"``
+        self.choices: dict[Any, str] = {}
+        self._trials: dict[Any, list[float]] = {}
+        self._clock: Callable[[], float] = time.perf_counter
 
     def compile(self, **kwargs: Any) -> None:
         """Use ``torch.compile`` (``dynamic=True, fullgraph=True`` unless overridden)."""
@@ -199,9 +224,17 @@ class Executor:
 
     # -- compiled ---------------------------------------------------------------
 
-    def _compilable(self, work: list[GroupWork]) -> bool:
-        return (self.compile_kwargs is not None and all(w.record.stepped for w in work)
-                and not any(type(p).__name__ == "DTensor" for w in work for p in w.params))
+    @staticmethod
+    def _compilable(work: list[GroupWork]) -> tuple[bool, int]:
+        """Whether the compiled step may run these groups, and their parameter elements."""
+        ok, n = True, 0
+        for w in work:  # plain loops: this runs every step
+            ok = ok and w.record.stepped
+            for p in w.params:
+                n += p.numel()
+                if type(p).__name__ == "DTensor":
+                    ok = False
+        return ok, n
 
     @staticmethod
     def _key(work: list[GroupWork]) -> tuple:
@@ -232,7 +265,8 @@ class Executor:
                 torch._foreach_add_(ps, us)
             return new_states
 
-        fn = self._compiled[key] = torch.compile(step_in_place, **self.compile_kwargs)
+        kwargs = self.compile_kwargs or {"dynamic": True, "fullgraph": True}
+        fn = self._compiled[key] = torch.compile(step_in_place, **kwargs)
         return fn
 
     # -- a step -----------------------------------------------------------------
@@ -241,23 +275,78 @@ class Executor:
         """Compute every group's update, then (only if all succeeded) commit them all."""
         if not work:
             return
-        if self._compilable(work):
-            fused = self._fused(work)
-            if fused is not None:
-                states = [w.record.current_state(w.hp) for w in work]
-                try:
-                    new_states = fused([w.grads for w in work], [w.params for w in work], states)
-                except torch._dynamo.exc.TorchDynamoException:
-                    # Raised while tracing or compiling, before the graph ran: nothing was
-                    # written. The eager step below raises the transform's own error; if it
-                    # succeeds instead, the compiler cannot trace these groups: they stay eager.
-                    self._eager_step(work)
-                    self._compiled[self._key(work)] = None
-                    return
-                for w, s in zip(work, new_states):
-                    w.record.state = s
-                return
-        self._eager_step(work)
+        ok, elements = self._compilable(work)
+        if not ok:
+            self._eager_step(work)
+        elif self.compile_kwargs is not None:
+            if not self._compiled_step(work):
+                self._eager_step(work)
+        elif self.auto and elements >= self.auto_min_elements:
+            self._auto_step(work)
+        else:
+            self._eager_step(work)
+
+    def _compiled_step(self, work: list[GroupWork]) -> bool:
+        """The compiled whole step; False (nothing written) where it cannot run."""
+        fused = self._fused(work)
+        if fused is None:
+            return False
+        states = [w.record.current_state(w.hp) for w in work]
+        try:
+            new_states = fused([w.grads for w in work], [w.params for w in work], states)
+        except torch._dynamo.exc.TorchDynamoException:
+            # Raised while tracing or compiling, before the graph ran: nothing was
+            # written. The eager step raises the transform's own error; if it succeeds
+            # instead, the compiler cannot trace these groups: they stay eager.
+            self._eager_step(work)
+            self._compiled[self._key(work)] = None
+            return True
+        for w, s in zip(work, new_states):
+            w.record.state = s
+        return True
+
+    def _timed(self, fn: Callable[[], Any], work: list[GroupWork]) -> float:
+        devices = {p.device for w in work for p in w.params if p.device.type == "cuda"}
+        for d in devices:
+            torch.cuda.synchronize(d)
+        t0 = self._clock()
+        fn()
+        for d in devices:
+            torch.cuda.synchronize(d)
+        return self._clock() - t0
+
+    def _auto_step(self, work: list[GroupWork]) -> None:
+        """Measure eager, then compiled, and keep the faster (see the class doc)."""
+        key = self._key(work)
+        choice = self.choices.get(key)
+        if choice == "compiled":
+            if not self._compiled_step(work):
+                self._eager_step(work)
+            return
+        if choice == "eager":
+            self._eager_step(work)
+            return
+        trial = self._trials.setdefault(key, [])
+        if not trial:  # 1: time an eager step
+            trial.append(self._timed(lambda: self._eager_step(work), work))
+            return
+        if len(trial) == 1:  # 2: build and compile (untimed)
+            trial.append(0.0)
+            _log.info("muonfx: compiling the optimizer step of %d group(s) to measure it against eager "
+                      "(opt.executor.auto = False keeps it eager)", len(work))
+            if not self._compiled_step(work):
+                self._eager_step(work)
+            if self._compiled.get(key) is None:  # it could not be compiled: eager for good
+                self.choices[key] = "eager"
+                del self._trials[key]
+            return
+        t = self._timed(lambda: self._compiled_step(work), work)  # 3: time a compiled step
+        self.choices[key] = "compiled" if t < 0.9 * trial[0] else "eager"
+        _log.info("muonfx: optimizer step eager %.1f ms, compiled %.1f ms: %s", 1e3 * trial[0], 1e3 * t,
+                  self.choices[key])
+        if self.choices[key] == "eager":
+            self._compiled[key] = None
+        del self._trials[key]
 
     def _eager_step(self, work: list[GroupWork]) -> None:
         """Compute every group (nothing written), then commit every group."""
