@@ -440,3 +440,27 @@ def test_auto_falls_back_to_eager_when_compiling_fails(monkeypatch):
     assert list(opt.executor.choices.values()) == ["eager"]
     for (n, a), (_, b) in zip(ref, named):
         assert torch.equal(a, b), n
+
+
+def test_under_a_dispatch_mode_the_compiled_optimizer_steps_eagerly():
+    """dynamo skips frames under a Python dispatch mode (e.g. a memory counter) and runs
+    them eagerly; the executor then takes its eager step instead of the compiled one."""
+    from muonfx.memory import FreshMemory
+
+    torch._dynamo.reset()
+    named, ref = _named(SHAPES), _named(SHAPES)
+    opt = mfx.TransformOptimizer(named, mfx.adamw, lr=1e-2).compile(backend="aot_eager")
+    eager = mfx.TransformOptimizer(ref, mfx.adamw, lr=1e-2)
+    for step in range(4):
+        _grads(named, step)
+        _grads(ref, step)
+        if step == 2:
+            with FreshMemory() as m:
+                opt.step()
+            assert m.peak > 0
+        else:
+            opt.step()
+        eager.step()
+    assert opt.transform_state(0).count == 4
+    for (n, a), (_, b) in zip(ref, named):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 from tensordict import TensorDictBase
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ..base import Key, build, foreach, key_str, tree_pairs as _tree_pairs, tree_replace as _rebuild
 from ..state_tree import merge, restrict
@@ -226,8 +227,11 @@ class Executor:
 
     @staticmethod
     def _compilable(work: list[GroupWork]) -> tuple[bool, int]:
-        """Whether the compiled step may run these groups, and their parameter elements."""
-        ok, n = True, 0
+        """Whether the compiled step may run these groups, and their parameter elements.
+
+        Not under a Python dispatch mode (a memory counter, a debug mode): dynamo then
+        skips the frame and runs it eagerly, so the step must be the eager one."""
+        ok, n = not is_in_torch_dispatch_mode(), 0
         for w in work:  # plain loops: this runs every step
             ok = ok and w.record.stepped
             for p in w.params:
