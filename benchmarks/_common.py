@@ -64,6 +64,7 @@ def table(header: list[str], rows: list[list[object]]) -> str:
 # ---------------------------------------------------------------------------
 
 
+from muonfx.distributed import pick_backend  # noqa: E402,F401  (re-exported for the scripts)
 from muonfx.memory import FreshMemory, step_memory  # noqa: E402,F401  (re-exported for the scripts)
 
 
@@ -80,13 +81,3 @@ def fmt_bytes(n: float) -> str:
 # ---------------------------------------------------------------------------
 
 
-def pick_backend(ranks: int, local_rank: int = 0) -> tuple[str, torch.device]:
-    """``("nccl", cuda:local_rank)`` when this machine has a GPU for each of its ``ranks``;
-    ``("gloo", cpu)`` otherwise (no GPU, or ranks that would share one: an NCCL error).
-
-    ``ranks`` counts the ranks on this machine (torchrun's ``LOCAL_WORLD_SIZE``; the world
-    size on one machine).
-    """
-    if torch.cuda.is_available() and torch.cuda.device_count() >= ranks:
-        return "nccl", torch.device("cuda", local_rank)
-    return "gloo", torch.device("cpu")

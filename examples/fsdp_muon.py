@@ -6,7 +6,7 @@
 
 The process group is NCCL, each rank on its own GPU, only when this machine has a GPU for
 every rank on it; otherwise (no GPU, or more ranks than GPUs) gloo on the CPU: ranks
-sharing one GPU is an NCCL error. See :func:`pick_backend`.
+sharing one GPU is an NCCL error. See :func:`muonfx.distributed.pick_backend`.
 
 A small GPT-style model is ``fully_shard``-ed block by block; ``mfx.muon_adamw``
 runs through ``mfx.TransformOptimizer`` unchanged: elementwise work (momentum,
@@ -26,6 +26,8 @@ os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
+
+from muonfx.distributed import pick_backend  # noqa: E402
 
 
 class Block(nn.Module):
@@ -61,18 +63,6 @@ class TinyGPT(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.lm_head(self.ln_f(x))
-
-
-def pick_backend(ranks: int, local_rank: int = 0) -> tuple[str, torch.device]:
-    """``("nccl", cuda:local_rank)`` when this machine has a GPU for each of its ``ranks``;
-    ``("gloo", cpu)`` otherwise (no GPU, or ranks that would share one: an NCCL error).
-
-    ``ranks`` counts the ranks on this machine (torchrun's ``LOCAL_WORLD_SIZE``; the world
-    size on one machine).
-    """
-    if torch.cuda.is_available() and torch.cuda.device_count() >= ranks:
-        return "nccl", torch.device("cuda", local_rank)
-    return "gloo", torch.device("cpu")
 
 
 def train(args: argparse.Namespace, device: torch.device) -> None:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..distributed import pick_backend
+
 __all__ = ["Runtime", "pick_backend", "setup", "teardown", "shard_model"]
 
 
@@ -47,14 +49,6 @@ def auto_threads() -> int:
     except (AttributeError, OSError):
         return n
     return max(1, min(n, int(free + 0.5)))
-
-
-def pick_backend(ranks: int, local_rank: int = 0) -> tuple[str, torch.device]:
-    """``("nccl", cuda:local_rank)`` when this machine has a GPU for each of its ``ranks``;
-    ``("gloo", cpu)`` otherwise (ranks sharing one GPU would deadlock NCCL)."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= ranks:
-        return "nccl", torch.device("cuda", local_rank)
-    return "gloo", torch.device("cpu")
 
 
 def setup(device: str, fsdp: bool, threads: int, amp: str) -> Runtime:

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
     from .backend import CommStats, DTensorBackend
 
-__all__ = ["install", "uninstall", "check_params", "comm_stats", "BACKEND", "CommStats", "DTensorBackend",
-           "assign_owners", "shard_sizes"]
+__all__ = ["install", "uninstall", "check_params", "comm_stats", "pick_backend", "BACKEND", "CommStats",
+           "DTensorBackend", "assign_owners", "shard_sizes"]
 
 _LAZY = ("BACKEND", "CommStats", "DTensorBackend")
 
@@ -34,6 +34,25 @@ def __getattr__(name: str) -> Any:
 
         return getattr(backend, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def pick_backend(ranks: int, local_rank: int = 0) -> tuple[str, torch.device]:
+    """``("nccl", cuda:local_rank)`` when this machine has a GPU for each of its ``ranks``;
+    ``("gloo", cpu)`` otherwise (no GPU, or ranks that would share one: an NCCL error).
+
+    ``ranks`` counts the ranks on this machine (torchrun's ``LOCAL_WORLD_SIZE``; the world
+    size on one machine). The CLI, the FSDP2 example and the benchmarks choose with it.
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx.distributed import pick_backend
+        >>> pick_backend(2) if not torch.cuda.is_available() else ("gloo", torch.device("cpu"))
+        ('gloo', device(type='cpu'))
+    """
+    if torch.cuda.is_available() and torch.cuda.device_count() >= ranks:
+        return "nccl", torch.device("cuda", local_rank)
+    return "gloo", torch.device("cpu")
 
 
 def install() -> DTensorBackend:
