@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from ..base import Key, build, foreach, key_str, tree_pairs as _tree_pairs, tree_replace as _rebuild
 from ..state_tree import merge, restrict
 from ..wrappers import inject_hyperparams
-from .groups import GroupWork
+from .groups import GroupWork, static_key as _static_key
 
 __all__ = ["Executor", "GroupWork", "write_back"]
 
@@ -118,19 +118,6 @@ def _store(old: Any, new: Any) -> Any:
     if dst:
         torch._foreach_copy_(dst, src)
     return _rebuild(new, taken) if taken else new
-
-
-def _static_key(hp: dict[str, Any]) -> tuple:
-    """The hyperparameters that select a compiled function: everything but numbers."""
-    out = []
-    for n, v in hp.items():
-        if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool):
-            continue
-        if isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
-            out.append((n, len(v)))
-            continue
-        out.append((n, v if isinstance(v, (str, bool, type(None), torch.dtype)) else id(v)))
-    return tuple(out)
 
 
 class Executor:

@@ -14,7 +14,7 @@ from ..base import GradientTransformation, Key, build, foreach, key_str, leaves
 from ..wrappers import InjectHyperparamsState, inject_hyperparams, signature
 
 __all__ = ["GroupRecord", "lr_multiplier", "as_factory", "factory_defaults", "check_known", "serialisable",
-           "ADAPTER_KEYS", "GroupWork", "gather"]
+           "ADAPTER_KEYS", "GroupWork", "gather", "static_key"]
 
 TxOrFactory = Union[GradientTransformation, Callable[..., GradientTransformation]]
 
@@ -90,8 +90,24 @@ def check_known(factory: Callable[..., Any], given: dict[str, Any], what: str) -
         )
 
 
-_NUMBERS = (int, float, torch.Tensor)
-_PLAIN = (str, bool, type(None), torch.dtype, tuple)
+def static_key(hp: dict[str, Any]) -> tuple:
+    """The hyperparameters that select a transform (and a compiled step): everything but
+    numbers and tuples of numbers (``betas``), which live in the injected state.
+
+    Example::
+
+        >>> static_key({"lr": 0.1, "betas": (0.9, 0.99), "adjust_lr": "original"})
+        (('betas', 2), ('adjust_lr', 'original'))
+    """
+    out = []
+    for n, v in hp.items():
+        if isinstance(v, (int, float, torch.Tensor)) and not isinstance(v, bool):
+            continue
+        if isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+            out.append((n, len(v)))
+            continue
+        out.append((n, v if isinstance(v, (str, bool, type(None), torch.dtype)) else id(v)))
+    return tuple(out)
 
 
 def _reuse_last(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
@@ -171,14 +187,9 @@ class GroupRecord:
 
     def transform(self, hp: dict[str, Any]) -> GradientTransformation:
         """The injected transform for ``hp``, built once per set of static values."""
-        # numbers live in the state; anything else (strings, dtypes, schedules,
-        # tuples such as betas) is part of the key
-        key = []
-        for n, v in hp.items():
-            if isinstance(v, _NUMBERS) and not isinstance(v, bool):
-                continue
-            key.append((n, v if isinstance(v, _PLAIN) else id(v)))
-        key = tuple(key)
+        # numbers (and tuples of them, such as betas) live in the state; anything
+        # else (strings, dtypes, schedules) selects the transform
+        key = static_key(hp)
         tx = self.transforms.get(key)
         if tx is None:
             tx = self.transforms[key] = inject_hyperparams(_reuse_last(self.factory))(**hp)
