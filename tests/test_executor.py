@@ -175,14 +175,20 @@ def _hybrid(named, compiled):
     return opt.compile(backend="aot_eager") if compiled else opt
 
 
+def _two_good_steps(opt, named, only=None):
+    """Two good steps (``only``: the parameters that get gradients), then every
+    parameter's gradient for the step that is to raise."""
+    for step in range(2):
+        _grads(named, step, only)
+        opt.step()
+    _grads(named, 2)
+
+
 def _trigger_nan_lr(compiled):
     """A NaN lr in the AdamW group, after the Muon group's update was computed."""
     named = _named(SHAPES)
     opt = _hybrid(named, compiled)
-    for step in range(2):
-        _grads(named, step)
-        opt.step()
-    _grads(named, 2)
+    _two_good_steps(opt, named)
     opt.param_groups[1]["lr"] = float("nan")
     return opt, ValueError, "lr"
 
@@ -194,10 +200,7 @@ def _trigger_schedule_nan(compiled):
     opt = mfx.TransformOptimizer(named, mfx.chain(mfx.momentum(0.9), mfx.scale_by_learning_rate(sched)))
     if compiled:
         opt.compile(backend="aot_eager")
-    for step in range(2):
-        _grads(named, step)
-        opt.step()
-    _grads(named, 2)
+    _two_good_steps(opt, named)
     return opt, ValueError, "nan"
 
 
@@ -207,20 +210,14 @@ def _trigger_vector_gets_grad_in_muon_group(compiled):
     opt = mfx.TransformOptimizer(named, mfx.muon, lr=0.02, ns_dtype=torch.float32)
     if compiled:
         opt.compile(backend="aot_eager")
-    for step in range(2):
-        _grads(named, step, only={"w"})
-        opt.step()
-    _grads(named, 2)
+    _two_good_steps(opt, named, only={"w"})
     return opt, ValueError, "'b'"
 
 
 def _trigger_sparse_grad_in_second_group(compiled):
     named = _named(SHAPES)
     opt = _hybrid(named, compiled)
-    for step in range(2):
-        _grads(named, step)
-        opt.step()
-    _grads(named, 2)
+    _two_good_steps(opt, named)
     named[-1][1].grad = named[-1][1].grad.to_sparse()
     return opt, ValueError, "sparse"
 
@@ -246,10 +243,7 @@ def _trigger_user_transform_raises(compiled):
     opt = mfx.TransformOptimizer(groups, mfx.adamw)
     if compiled:
         opt.compile(backend="aot_eager")
-    for step in range(2):
-        _grads(named, step)
-        opt.step()
-    _grads(named, 2)
+    _two_good_steps(opt, named)
     return opt, RuntimeError, "flaky"
 
 
@@ -322,6 +316,19 @@ def test_the_transform_is_built_once_while_static_hyperparameters_stay():
     assert len(calls) == 2 and calls[-1][0] == 0.01
 
 
+def test_changing_betas_builds_no_new_transform():
+    """Tuples of numbers (Adam's betas) live in the injected state like lr: a scheduler
+    or hand edit changing them every step must not build (and keep) a transform each time."""
+    named = _named(SHAPES)
+    opt = mfx.TransformOptimizer(named, mfx.adamw, lr=1e-2)
+    for step in range(5):
+        _grads(named, step)
+        opt.param_groups[0]["betas"] = (0.9 - 0.01 * step, 0.999)
+        opt.step()
+    assert len(opt.records[0].transforms) == 1
+    assert opt.transform_state(0).hyperparams["betas"] == (0.9 - 0.04, 0.999)
+
+
 def _count_muonfx_calls(fn) -> int:
     root = os.path.dirname(mfx.__file__)
     n = 0
@@ -348,10 +355,7 @@ def test_a_muon_optimizer_step_makes_at_most_120_muonfx_calls():
         shapes |= {f"h.{i}.attn": (32, 96), f"h.{i}.proj": (32, 32), f"h.{i}.fc": (32, 128), f"h.{i}.out": (128, 32)}
     named = _named(shapes)
     opt = mfx.MuonOptimizer([p for _, p in named], lr=0.02)
-    for step in range(2):
-        _grads(named, step)
-        opt.step()
-    _grads(named, 2)
+    _two_good_steps(opt, named)
     calls = _count_muonfx_calls(opt.step)
     assert calls <= 120, calls
     # and it does not grow with the model: twice the layers, (nearly) the same count
