@@ -18,11 +18,12 @@ parameter per expert. ``--layers`` overrides every set's default; ``--shrink K``
 every matrix dimension by K (a quick look at a GPU set on a CPU).
 
 Both optimizers get the same gradients; steps are timed in alternating rounds (median).
-muonfx runs its defaults for the device (float32 Newton-Schulz on CPU, bf16 on CUDA) and,
-as extra rows, the Gram iteration (float32, rectangular only), bf16 NS, and bf16 with the
-Gram iteration on every matrix (restarts every 2 steps); a row that computes exactly what
-an earlier row computes on this device (on CUDA: bf16 NS is the default, and the Gram
-option only acts in float32) is left out. torch.optim.Muon runs its bf16 NS.
+muonfx runs its defaults for the device (Newton-Schulz in bf16 on CUDA and on CPUs with
+native bf16 matmul, float32 elsewhere: ``muonfx.linalg.ns_dtype_for``; ``ns_method="auto"``:
+the Gram iteration on rectangular matrices in bf16) and, as extra rows, float32 NS, bf16
+standard NS (torch.optim.Muon's arithmetic), bf16 auto, and bf16 with the Gram iteration
+on every matrix (restarts every 2 steps); a row that computes exactly what an earlier row
+computes on this device is left out. torch.optim.Muon runs its bf16 standard NS.
 
 Extra step memory: the peak bytes allocated during one ``opt.step()`` beyond what existed
 before it (the optimizer state already created), measured in one more, untimed step per
@@ -39,6 +40,7 @@ import _common  # (sets ONEDNN_MAX_CPU_ISA before torch)
 import torch
 
 import muonfx as mfx
+from muonfx.linalg import cpu_ns_choice, ns_dtype_for
 
 #: per-layer matrices and the default number of layers of each set
 SETS: dict[str, tuple[tuple[tuple[str, tuple[int, ...]], ...], int]] = {
@@ -49,8 +51,9 @@ SETS: dict[str, tuple[tuple[tuple[str, tuple[int, ...]], ...], int]] = {
     "moe32": ((("w1", (32, 1024, 2048)), ("w2", (32, 2048, 1024))), 8),
 }
 
-VARIANTS = {"muonfx default": {}, "muonfx gram": {"ns_method": "auto"},
-            "muonfx bf16": {"ns_dtype": torch.bfloat16},
+VARIANTS = {"muonfx default": {}, "muonfx float32": {"ns_dtype": torch.float32},
+            "muonfx bf16 standard": {"ns_dtype": torch.bfloat16, "ns_method": "standard"},
+            "muonfx bf16 auto": {"ns_dtype": torch.bfloat16},
             "muonfx bf16 gram": {"ns_dtype": torch.bfloat16, "ns_method": "gram"}}
 
 
@@ -68,13 +71,13 @@ def matrices(kind: str, layers: int | None = None, shrink: int = 1) -> dict[str,
 
 def distinct_variants(device: torch.device) -> dict[str, dict]:
     """The variants that compute differently on ``device`` (the first name of each)."""
-    default_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    default_dtype = ns_dtype_for(device)
     out, seen = {}, set()
     for name, kw in VARIANTS.items():
         dtype = kw.get("ns_dtype", default_dtype)
-        method = kw.get("ns_method", "standard")
-        if method == "auto" and dtype not in (torch.float32, torch.float64):
-            method = "standard"  # "auto" takes the Gram iteration in float32/float64 only
+        method = kw.get("ns_method", "auto")
+        if method == "auto" and dtype in (torch.float32, torch.float64):
+            method = "standard"  # "auto" takes the Gram iteration in 16-bit dtypes only
         if (dtype, method) not in seen:
             seen.add((dtype, method))
             out[name] = kw
@@ -133,6 +136,9 @@ def main(argv=None) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(f"\nMuon step, muonfx vs torch.optim.Muon ({_common.machine()})")
+    why = cpu_ns_choice().reason if device.type == "cpu" else f"the {device.type} default"
+    print(f"muonfx default Newton-Schulz dtype here: {str(ns_dtype_for(device)).replace('torch.', '')} ({why}); "
+          "method auto (Gram on rectangular matrices in bf16)")
     print(_common.table(["set", "matrices", "muonfx variant", "muonfx ms", "torch ms", "muonfx/torch",
                          "muonfx extra mem", "torch extra mem"], rows))
     print("extra mem: peak bytes allocated during one step beyond those allocated before it "

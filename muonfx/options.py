@@ -52,10 +52,11 @@ class MuonOptions:
             means the same, as in torch), ``"match_rms_adamw"`` or ``"spectral"``.
         eps: floor of the Newton-Schulz normaliser, ``X <- G / max(||G||_F, eps)``
             (torch.optim.Muon's ``eps``).
-        ns_dtype: Newton-Schulz compute dtype; ``None``: bfloat16 on CUDA, float32
-            elsewhere.
-        ns_method: ``"standard"``, ``"gram"`` or ``"auto"`` (see
-            :func:`~muonfx.newton_schulz`).
+        ns_dtype: Newton-Schulz compute dtype; ``None``: the device's default
+            (bfloat16 on CUDA and on CPUs with native bf16 matmul, float32 elsewhere;
+            :func:`muonfx.linalg.ns_dtype_for`).
+        ns_method: ``"auto"`` (default: the Gram iteration where it needs fewer flops),
+            ``"standard"`` or ``"gram"`` (see :func:`~muonfx.newton_schulz`).
         mu_dtype: dtype of the momentum buffer (``None``: the parameter's).
 
     :meth:`steps` is Muon's named chain built from them; ``muon(**opts)`` is
@@ -79,7 +80,7 @@ class MuonOptions:
     adjust_lr: str | None = "original"
     eps: float = 1e-7
     ns_dtype: torch.dtype | None = None
-    ns_method: str = "standard"
+    ns_method: str = "auto"
     mu_dtype: torch.dtype | None = None
 
     def kwargs(self) -> dict[str, Any]:

@@ -10,6 +10,11 @@ import os
 # bf16 matmul on CPUs whose VM forbids AMX dies with SIGILL unless oneDNN is capped.
 # Must be set before torch is imported; the library itself never depends on it.
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+# Newton-Schulz's default dtype follows the CPU (bf16 where it is native): pin float32 so
+# every machine runs the same numerics against the float32 references (also in the
+# subprocesses of CLI and FSDP tests, which inherit the environment).
+# tests/test_precision.py lifts the pin to test the per-device default itself.
+os.environ.setdefault("MUONFX_NS_DTYPE", "float32")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -103,11 +103,22 @@ def test_bf16_check_advises_the_faster_newton_schulz_dtype(monkeypatch):
     monkeypatch.setattr(cli_info, "_probe", lambda env: (True, "works"))
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     monkeypatch.setattr(cli_info, "_speed_probe", lambda env: (190.0, 430.0))  # AVX-512 bf16
+    from muonfx.linalg import precision
+
+    native = precision.CpuChoice(torch.bfloat16, "native bf16 matmul (avx512_bf16)")
+    emulated = precision.CpuChoice(torch.float32, "bf16 would be emulated")
+    monkeypatch.setattr(precision, "_cpu", native)
     text = "\n".join(cli_info.bf16_matmul_check())
-    assert "float32 190 GFLOP/s, bf16 430 GFLOP/s" in text and "ns_dtype=torch.bfloat16" in text
+    assert "float32 190 GFLOP/s, bf16 430 GFLOP/s" in text and "default (CPU): bf16 (native" in text
+    assert "bf16 is the faster one here" in text and "MUONFX_NS_DTYPE" not in text
     monkeypatch.setattr(cli_info, "_speed_probe", lambda env: (153.0, 69.0))   # bf16 emulated
+    monkeypatch.setattr(precision, "_cpu", emulated)
     text = "\n".join(cli_info.bf16_matmul_check())
-    assert "keep the float32 default" in text and "ns_dtype=torch.bfloat16" not in text
+    assert "default (CPU): float32" in text and "float32 is the faster one here" in text
+    # the rule and the measurement disagree (a busy machine): say how to override
+    monkeypatch.setattr(precision, "_cpu", native)
+    text = "\n".join(cli_info.bf16_matmul_check())
+    assert "but float32 measured faster" in text and "MUONFX_NS_DTYPE=float32" in text
     # the real probe returns two positive rates
     rates = cli_info._speed_probe(dict(os.environ))
     assert rates is not None and all(r > 0 for r in rates)

@@ -82,7 +82,7 @@ def _train(make_opt, params, grads_seq, between=None):
 
 
 def _mfx_muon(named, **kw):
-    return mfx.TransformOptimizer(named, mfx.muon, lr=LR, weight_decay=WD, ns_dtype=torch.bfloat16, momentum=MU,
+    return mfx.TransformOptimizer(named, mfx.muon, lr=LR, weight_decay=WD, ns_dtype=torch.bfloat16, ns_method="standard", momentum=MU,
                                   nesterov=True, adjust_lr="original", **kw)
 
 

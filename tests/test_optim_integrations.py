@@ -95,7 +95,7 @@ def test_muon_parity_with_torch_under_scheduler(wd=0.1):
     mine_np = clone_params(MUON_SHAPES)
     theirs_np = clone_params(MUON_SHAPES)
     mine = mfx.MuonOptimizer(mine_np, lr=0.02, momentum=0.95, weight_decay=wd, nesterov=True,
-                             ns_dtype=torch.bfloat16)
+                             ns_dtype=torch.bfloat16, ns_method="standard")
     theirs = torch.optim.Muon([p for _, p in theirs_np], lr=0.02, momentum=0.95, weight_decay=wd,
                               nesterov=True, adjust_lr_fn=None)
     err = run_pair(mine, theirs, [p for _, p in mine_np], [p for _, p in theirs_np],

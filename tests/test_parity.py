@@ -122,7 +122,7 @@ def test_muon_bf16_matches_torch_optim_muon(adjust_lr, nesterov):
     lr, wd, mu = 0.02, 0.1, 0.95
     got = run_mfx(
         mfx.muon(lr=lr, momentum=mu, nesterov=nesterov, weight_decay=wd, adjust_lr=adjust_lr,
-                 ns_dtype=torch.bfloat16),
+                 ns_dtype=torch.bfloat16, ns_method="standard"),
         params, grads_seq,
     )
     want = run_torch(
@@ -367,18 +367,24 @@ def test_gram_ns_matches_standard_and_truth(preset, shape):
     gram = _ns_method(g.float(), preset, "gram", torch.float32).double()
     e_std, e_gram = rel_err(std, truth), rel_err(gram, truth)
     assert e_gram <= 2 * e_std + 1e-6, (e_gram, e_std)
-    # and "auto" picks Gram here (rectangular, float32) with the same result
-    assert torch.equal(_ns_method(g.float(), preset, "auto", torch.float32).double(), gram)
+    # and "auto" keeps the standard iteration in float32 (Gram's error grows on tall inputs)
+    assert torch.equal(_ns_method(g.float(), preset, "auto", torch.float32).double(), std)
 
 
-def test_gram_ns_restarts_in_bf16_and_auto_keeps_standard_there():
+def test_gram_ns_restarts_in_bf16_and_auto_takes_it_where_it_pays():
     gen = torch.Generator().manual_seed(47)
     g = torch.randn(2, 32, 96, generator=gen)
     truth = _ns_method(g.double(), "keller", "standard", torch.float64)
-    gram = _ns_method(g, "keller", "gram", torch.bfloat16).double()
-    assert rel_err(gram, truth) < 0.1  # measured ~0.035 with restarts every 2 steps
-    auto = _ns_method(g, "keller", "auto", torch.bfloat16)
-    assert torch.equal(auto, _ns_method(g, "keller", "standard", torch.bfloat16))
+    gram = _ns_method(g, "keller", "gram", torch.bfloat16)
+    std = _ns_method(g, "keller", "standard", torch.bfloat16)
+    e_gram, e_std = rel_err(gram.double(), truth), rel_err(std.double(), truth)
+    assert e_gram < 0.1 and e_gram < 3 * e_std, (e_gram, e_std)  # measured ~0.035 vs ~0.02
+    # 32x96 (n = 3m): Gram with restarts needs 0.83x the flops, "auto" takes it in bf16
+    assert torch.equal(_ns_method(g, "keller", "auto", torch.bfloat16), gram)
+    # square: it would need more, "auto" keeps the standard form
+    sq = torch.randn(2, 48, 48, generator=gen)
+    assert torch.equal(_ns_method(sq, "keller", "auto", torch.bfloat16),
+                       _ns_method(sq, "keller", "standard", torch.bfloat16))
 
 
 def _ns_method(g, preset, method, dtype):

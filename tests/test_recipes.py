@@ -335,9 +335,12 @@ MUON_BUILDERS = {
 #: ``eps`` renames of the "Changed" entry: ``moonlight(eps=)`` (Adam's) is ``adamw_eps``,
 #: ``moonlight(ns_eps=)``/``normuon(ns_eps=)`` are ``eps``, ``normuon(eps=)`` and
 #: ``fsdp_muon``/``FSDPMuonOptimizer(eps=)`` (row normalisation's) are ``row_eps``.
+#: ``ns_method``'s default changed on purpose from ``"standard"`` to ``"auto"`` (issue 11;
+#: CHANGELOG): "auto" is the standard iteration in float32 and the Gram form on
+#: rectangular matrices in bf16 only.
 BEFORE = {
     mfx.muon: dict(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients="keller", weight_decay=0.0,
-                   adjust_lr="original", eps=1e-07, ns_dtype=None, ns_method="standard", mu_dtype=None),
+                   adjust_lr="original", eps=1e-07, ns_dtype=None, ns_method="auto", mu_dtype=None),
     mfx.muon_adamw: dict(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients="keller",
                          weight_decay=0.0, adjust_lr="original", eps=1e-07, ns_dtype=None, adamw_lr=0.001,
                          adamw_betas=(0.9, 0.95), adamw_eps=1e-08, adamw_weight_decay=0.01, labels=None),

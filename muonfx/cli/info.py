@@ -95,12 +95,22 @@ def _speed_probe(env: dict) -> tuple[float, float] | None:
 
 
 def ns_dtype_advice(f32: float, bf16: float) -> str:
-    """Which Newton-Schulz dtype is faster on this CPU, from the two matmul rates."""
+    """The measured matmul rates next to muonfx's default Newton-Schulz dtype on this CPU
+    (:func:`muonfx.linalg.cpu_ns_choice`), and a word where the two disagree."""
+    import torch
+
+    from ..linalg import cpu_ns_choice
+
     head = f"matmul (CPU): float32 {f32:.0f} GFLOP/s, bf16 {bf16:.0f} GFLOP/s"
-    if bf16 > 1.3 * f32:
-        return (f"{head}\n  -> bf16 is native here: mfx.muon(ns_dtype=torch.bfloat16) (and ns_method='gram') "
-                "makes Newton-Schulz ~2x faster than the float32 default, at bf16's accuracy")
-    return f"{head}\n  -> keep the float32 default for Newton-Schulz on this CPU (bf16 is not faster here)"
+    faster = "bf16" if bf16 > 1.3 * f32 else "float32"
+    choice = cpu_ns_choice()
+    default = "bf16" if choice.dtype == torch.bfloat16 else "float32"
+    line = f"{head}\nNewton-Schulz default (CPU): {default} ({choice.reason})"
+    if faster == default:
+        return f"{line}; measured: {faster} is the faster one here"
+    return (f"{line}\n  -> but {faster} measured faster here (a busy machine can blur this): "
+            f"export MUONFX_NS_DTYPE={'bfloat16' if faster == 'bf16' else 'float32'} or pass "
+            f"ns_dtype=torch.{'bfloat16' if faster == 'bf16' else 'float32'} to use it")
 
 
 def _cpu_name() -> str:
@@ -158,6 +168,12 @@ def run_info(args) -> int:
     bench = find_benchmarks()
     print(f"benchmarks  {bench if bench else 'not found (installed package; they live in the source repository)'}")
     print(f"cache       {args.cache_dir or default_cache_dir()}")
+    from ..linalg import cpu_ns_choice
+
+    choice = cpu_ns_choice()
+    print(f"ns dtype    CPU {str(choice.dtype).replace('torch.', '')} ({choice.reason})"
+          + ("; CUDA bfloat16" if torch.cuda.is_available() else "")
+          + (f"; MUONFX_NS_DTYPE={os.environ['MUONFX_NS_DTYPE']} overrides it" if os.environ.get("MUONFX_NS_DTYPE") else ""))
     if args.no_bf16_check:
         print("bf16        not checked (--no-bf16-check)")
     else:

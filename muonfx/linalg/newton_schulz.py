@@ -18,17 +18,17 @@ from __future__ import annotations
 import torch
 
 from .coefficients import Schedule
+from .precision import ns_dtype_for
 
-__all__ = ["newton_schulz_batched", "default_compute_dtype", "gram_pays_off"]
+__all__ = ["newton_schulz_batched", "default_compute_dtype", "gram_pays_off", "gram_flops", "standard_flops",
+           "default_restart"]
 
 
 def default_compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """bfloat16 on CUDA; elsewhere the input dtype, at least float32."""
-    if t.device.type == "cuda":
-        return torch.bfloat16
-    if t.dtype == torch.float64:
-        return torch.float64
-    return torch.float32
+    """The compute dtype used for ``t`` when none is given: see :mod:`muonfx.linalg.precision`
+    (bfloat16 on CUDA and on CPUs with native bf16 matmul, float32 elsewhere, float64 for
+    float64 input)."""
+    return ns_dtype_for(t.device, t.dtype)
 
 
 def _standard(x: torch.Tensor, steps) -> torch.Tensor:
@@ -64,11 +64,37 @@ def _gram(x: torch.Tensor, steps, restart: int | None) -> torch.Tensor:
     return x
 
 
-def gram_pays_off(m: int, n: int, steps: int) -> bool:
-    """True when the Gram iteration needs fewer flops than the standard one (``m <= n``):
-    standard ``K (4 m^2 n + 2 m^3)`` vs Gram ``4 m^2 n + (8K - 6) m^3``."""
+def standard_flops(m: int, n: int, steps: int) -> int:
+    """Flops of the standard iteration on one ``m x n`` matrix: ``K (4 m^2 n + 2 m^3)``, ``m <= n``."""
     m, n = min(m, n), max(m, n)
-    return steps > 1 and 4 * m * m * n + (8 * steps - 6) * m ** 3 < steps * (4 * m * m * n + 2 * m ** 3)
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def gram_flops(m: int, n: int, steps: int, restart: int | None = None) -> int:
+    """Flops of the Gram iteration with restarts every ``restart`` steps (``None``: never).
+
+    A segment of ``L`` steps costs ``4 m^2 n`` (``R = X X^T`` and ``X <- Q X``) plus
+    ``2 m^3`` per step for ``p(R)``, ``2 m^3`` per step after the first for ``Q <- p Q``
+    and ``4 m^3`` per step but the last for ``R <- p R p``: ``4 m^2 n + (8 L - 6) m^3``.
+    """
+    m, n = min(m, n), max(m, n)
+    segments = -(-steps // (restart or steps))
+    return 4 * segments * m * m * n + (8 * steps - 6 * segments) * m ** 3
+
+
+def default_restart(dtype: torch.dtype) -> int | None:
+    """Gram restarts: every 2 steps in 16-bit dtypes (as published for bf16), else never."""
+    return 2 if dtype in (torch.bfloat16, torch.float16) else None
+
+
+def gram_pays_off(m: int, n: int, steps: int, restart: int | None = None) -> bool:
+    """True when the Gram iteration (restarting every ``restart`` steps) needs fewer flops
+    than the standard one: for 5 steps, ``n > 1.2 m`` without restarts and ``n > 1.5 m``
+    restarting every 2 steps (``m <= n``)."""
+    m, n = min(m, n), max(m, n)
+    segments = -(-steps // (restart or steps))  # gram_flops < standard_flops, inline (hot path)
+    return steps > 1 and 4 * segments * m * m * n + (8 * steps - 6 * segments) * m ** 3 < steps * (
+        4 * m * m * n + 2 * m ** 3)
 
 
 def newton_schulz_batched(
@@ -76,35 +102,38 @@ def newton_schulz_batched(
     schedule: Schedule,
     eps: float = 1e-7,
     dtype: torch.dtype | None = None,
-    method: str = "standard",
+    method: str = "auto",
     restart: int | None = None,
 ) -> torch.Tensor:
     """Orthogonalise each matrix of ``g`` (``[N, m, n]``); returns a new tensor like ``g``.
 
+    ``dtype``: the compute dtype; ``None`` means the device's default
+    (:func:`muonfx.linalg.ns_dtype_for`: bfloat16 on CUDA and on CPUs with native bf16
+    matmul, float32 elsewhere, float64 for float64 input).
+
     ``method``: ``"standard"`` (the iteration above), ``"gram"`` (iterate on the
-    ``m x m`` Gram matrix, mathematically the same function; fewer flops for
-    rectangular matrices), or ``"auto"`` (Gram in float32/float64 where it needs fewer
-    flops, see :func:`gram_pays_off`; standard in 16-bit dtypes, where Gram loses about
-    2x accuracy). ``restart`` (Gram only) re-forms ``X`` every that many steps;
-    ``None`` means never in float32/float64 and every 2 steps in 16-bit dtypes, as
-    published for bf16. The whole batch is one call: how many matrices a batch holds
-    is decided by :mod:`muonfx.linalg.batching` (the seam plans the batches).
-    ``g`` is never modified, even when it already has the compute dtype.
+    ``m x m`` Gram matrix, mathematically the same function), or ``"auto"`` (default:
+    in 16-bit dtypes the Gram form where it needs fewer flops counting its restarts,
+    see :func:`gram_pays_off`, i.e. rectangular matrices with ``n > 1.5 m``; there it is
+    within 2x of the standard form's rounding error. In float32/float64 always the
+    standard form: there Gram's error (~1e-4..1e-3 relative on tall matrices) is
+    orders of magnitude above the dtype's own). ``restart`` (Gram
+    only) re-forms ``X`` every that many steps; ``None`` means
+    :func:`default_restart`: never in float32/float64 and every 2 steps in 16-bit
+    dtypes, as published for bf16. The whole batch is one call: how many matrices a
+    batch holds is decided by :mod:`muonfx.linalg.batching` (the seam plans the
+    batches). ``g`` is never modified, even when it already has the compute dtype.
     """
     if g.ndim != 3:
         raise ValueError(f"newton_schulz_batched takes [N, m, n], got {tuple(g.shape)}")
     if method not in ("standard", "gram", "auto"):
         raise ValueError(f"unknown Newton-Schulz method {method!r}; use 'standard', 'gram' or 'auto'")
-    cdtype = dtype
-    if cdtype is None:  # default_compute_dtype(g), inline: this runs once per batch
-        cdtype = torch.bfloat16 if g.device.type == "cuda" else (
-            torch.float64 if g.dtype == torch.float64 else torch.float32)
-    m, n = min(g.shape[-2], g.shape[-1]), max(g.shape[-2], g.shape[-1])
-    use_gram = method == "gram" or (
-        method == "auto" and cdtype in (torch.float32, torch.float64) and gram_pays_off(m, n, len(schedule.steps))
-    )
-    if use_gram and restart is None and cdtype in (torch.bfloat16, torch.float16):
+    cdtype = dtype if dtype is not None else ns_dtype_for(g.device, g.dtype)
+    low = cdtype in (torch.bfloat16, torch.float16)
+    if restart is None and low:  # default_restart(cdtype), inline: this runs once per batch
         restart = 2
+    use_gram = method == "gram" or (
+        method == "auto" and low and gram_pays_off(g.shape[-2], g.shape[-1], len(schedule.steps), restart))
     return _orthogonalize(g, schedule, eps, cdtype, use_gram, restart)
 
 

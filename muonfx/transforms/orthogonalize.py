@@ -18,7 +18,7 @@ def newton_schulz(
     eps: float = 1e-7,
     dtype: torch.dtype | None = None,
     safety: float | None = None,
-    method: str = "standard",
+    method: str = "auto",
 ) -> GradientTransformation:
     """Replace each matrix by an approximate polar factor (``U V^T`` of its SVD).
 
@@ -34,15 +34,24 @@ def newton_schulz(
             ``"cubic"``), one ``(a, b, c)`` triple, or a sequence of per-step triples
             (a short sequence repeats its last triple).
         eps: floor of the normaliser (torch.optim.Muon: 1e-7).
-        dtype: compute dtype; ``None`` means bfloat16 on CUDA and float32 (float64
-            for float64 input) elsewhere. The output keeps the update's dtype.
+        dtype: compute dtype; ``None`` means the device's default
+            (:func:`muonfx.linalg.ns_dtype_for`): bfloat16 on CUDA and on CPUs with
+            native bf16 matmul, float32 elsewhere, float64 for float64 input;
+            overridable process-wide with :func:`muonfx.linalg.set_default_ns_dtype`
+            or ``MUONFX_NS_DTYPE``. The output keeps the update's dtype.
         safety: normalisation safety factor; ``None`` uses the preset's (1.02 for
             polar_express, else 1).
-        method: ``"standard"`` (default), ``"gram"`` or ``"auto"`` (the Gram-matrix
-            iteration for rectangular float32/float64 matrices, where it needs fewer
-            flops and is as accurate on one input; the standard one otherwise). The Gram
-            form amplifies small input perturbations more (FSDP2 reduction-order noise
-            grows from ~7e-7 to ~5e-6 over 10 steps), hence opt-in. See
+        method: ``"auto"`` (default), ``"standard"`` or ``"gram"``. ``"auto"`` takes
+            the Gram-matrix iteration (the same function, iterated on the small
+            ``m x m`` Gram matrix) wherever it needs fewer flops counting its restarts:
+            rectangular matrices with ``n > 1.5 m`` in bf16 (restarting every 2 steps)
+            and ``n > 1.2 m`` in float32; the standard iteration otherwise. In float32
+            the Gram form amplifies small input perturbations more (FSDP2
+            reduction-order noise grows from ~7e-7 to ~5e-6 over 10 steps); in bf16 it
+            differs from the exact iteration by ~2e-2 against standard bf16's ~1e-2,
+            both 5-20x below the 5-step schedule's own distance to the exact polar
+            factor (0.09-0.45, ``docs/performance.md``).
+            ``"standard"`` computes what torch.optim.Muon computes. See
             :func:`muonfx.linalg.newton_schulz_batched`.
 
     Leaves: 2-D are matrices, 3-D are batches of matrices (MoE experts), 4-D+ are

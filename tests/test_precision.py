@@ -1,0 +1,156 @@
+"""The default Newton-Schulz dtype of each device (muonfx.linalg.precision) and the default
+method ("auto": Gram on rectangular matrices in bf16 only).
+
+conftest.py pins ``MUONFX_NS_DTYPE=float32`` for the rest of the suite; the tests here lift
+the pin to exercise the per-device default itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import muonfx as mfx
+from muonfx.linalg import cpu_ns_choice, ns_dtype_for, precision, set_default_ns_dtype
+from muonfx.linalg.newton_schulz import gram_flops, gram_pays_off, standard_flops
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def unpinned(monkeypatch):
+    """No override: the device's own choice."""
+    monkeypatch.delenv(precision.ENV, raising=False)
+    set_default_ns_dtype(None)
+    yield
+    set_default_ns_dtype(None)
+
+
+def _never(*_):
+    raise AssertionError("no probe process expected here")
+
+
+@pytest.mark.parametrize("vendor, flags, cap, machine, probe, want", [
+    ("AuthenticAMD", {"avx512f", "avx512_bf16"}, None, "x86_64", _never, torch.bfloat16),
+    ("AuthenticAMD", {"avx512f", "avx512_bf16"}, "AVX512_CORE", "x86_64", _never, torch.float32),
+    ("AuthenticAMD", {"avx512f", "avx512_bf16"}, "avx512_core_bf16", "x86_64", _never, torch.bfloat16),
+    ("GenuineIntel", {"avx2", "fma"}, None, "x86_64", _never, torch.float32),
+    ("GenuineIntel", {"avx512_bf16", "amx_bf16"}, "AVX512_CORE_BF16", "x86_64", _never, torch.bfloat16),
+    ("GenuineIntel", {"avx512_bf16", "amx_bf16"}, None, "x86_64", lambda: True, torch.bfloat16),
+    ("GenuineIntel", {"avx512_bf16", "amx_bf16"}, None, "x86_64", lambda: False, torch.float32),
+    ("GenuineIntel", {"avx512_bf16", "amx_bf16"}, "AVX512_CORE_AMX", "x86_64", lambda: False, torch.float32),
+    ("", {"fp", "asimd", "bf16"}, None, "aarch64", _never, torch.bfloat16),
+    ("", set(), None, "arm64", _never, torch.float32),  # no /proc/cpuinfo (macOS)
+])
+def test_cpu_rule(vendor, flags, cap, machine, probe, want):
+    """bf16 where the CPU announces native bf16 and oneDNN's cap leaves it on; a probe
+    process only where oneDNN might pick AMX (Intel, uncapped or capped at AMX); float32
+    when that probe fails (SIGILL in a VM that forbids AMX)."""
+    choice = precision._decide_cpu((vendor, flags), cap, machine, bf16_runs=probe)
+    assert choice.dtype == want, choice
+    assert choice.reason
+
+
+def test_the_probe_process_runs_bf16_here():
+    # conftest caps oneDNN (ONEDNN_MAX_CPU_ISA), so bf16 matmul runs on every CI CPU
+    assert precision._bf16_runs_in_subprocess() is True
+
+
+def test_this_cpu_is_decided_once(unpinned, monkeypatch):
+    first = cpu_ns_choice()
+    monkeypatch.setattr(precision, "_decide_cpu", _never)
+    assert cpu_ns_choice() is first and ns_dtype_for(CPU) == first.dtype
+    vendor, flags = precision._cpu_flags()
+    if flags:  # Linux: the choice follows the flags read here
+        native = bool({"avx512_bf16", "amx_bf16", "bf16"} & flags)
+        assert (first.dtype == torch.bfloat16) == (native and precision._isa_cap_allows_bf16(
+            __import__("os").environ.get("ONEDNN_MAX_CPU_ISA"))), first
+
+
+def test_overrides_in_order_of_precedence(unpinned, monkeypatch):
+    fake = precision.CpuChoice(torch.bfloat16, "fake native CPU")
+    monkeypatch.setattr(precision, "_cpu", fake)
+    assert ns_dtype_for(CPU) == torch.bfloat16
+    assert ns_dtype_for(torch.device("cuda")) == torch.bfloat16
+    assert ns_dtype_for(torch.device("meta")) == torch.float32  # other devices: float32
+    assert ns_dtype_for(CPU, torch.float64) == torch.float64    # a float64 reference stays float64
+    monkeypatch.setenv(precision.ENV, "float32")
+    assert ns_dtype_for(CPU) == torch.float32 and ns_dtype_for(torch.device("cuda")) == torch.float32
+    monkeypatch.setenv(precision.ENV, "auto")  # "auto": the device's choice
+    assert ns_dtype_for(CPU) == torch.bfloat16
+    set_default_ns_dtype("float32")             # beats the environment
+    monkeypatch.setenv(precision.ENV, "bfloat16")
+    assert ns_dtype_for(CPU) == torch.float32
+    set_default_ns_dtype(None)
+    assert ns_dtype_for(CPU) == torch.bfloat16
+    # an explicit dtype beats everything
+    g = TensorDict({"w": torch.randn(8, 24)}, [])
+    tx = mfx.newton_schulz(dtype=torch.float32)
+    explicit, _ = tx.update(g, tx.init(g))
+    set_default_ns_dtype(torch.bfloat16)
+    again, _ = tx.update(g, tx.init(g))
+    assert torch.equal(explicit["w"], again["w"])
+
+
+def test_bad_overrides_name_the_setting(unpinned, monkeypatch):
+    with pytest.raises(ValueError, match="set_default_ns_dtype.*int32"):
+        set_default_ns_dtype(torch.int32)
+    with pytest.raises(ValueError, match="set_default_ns_dtype.*'fp8'"):
+        set_default_ns_dtype("fp8")
+    assert ns_dtype_for(CPU) == cpu_ns_choice().dtype  # nothing changed
+    monkeypatch.setenv(precision.ENV, "half-ish")
+    with pytest.raises(ValueError, match="MUONFX_NS_DTYPE.*'half-ish'"):
+        ns_dtype_for(CPU)
+
+
+def test_the_default_is_what_newton_schulz_computes(unpinned):
+    g = TensorDict({"wide": torch.randn(2, 16, 64), "square": torch.randn(24, 24)}, [])
+    tx = mfx.newton_schulz()
+    got, _ = tx.update(g, tx.init(g))
+    want_tx = mfx.newton_schulz(dtype=cpu_ns_choice().dtype)
+    want, _ = want_tx.update(g, want_tx.init(g))
+    for k in ("wide", "square"):
+        assert torch.equal(got[k], want[k])
+        assert got[k].dtype == torch.float32
+
+
+def test_auto_takes_gram_only_in_bf16_and_only_where_it_needs_fewer_flops():
+    # restarts every 2 steps (bf16): pays for n > 1.5 m; none (float32 rule): n > 1.2 m
+    assert not gram_pays_off(768, 768, 5, 2) and not gram_pays_off(768, 1100, 5, 2)
+    assert gram_pays_off(768, 1200, 5, 2) and gram_pays_off(2048, 5632, 5, 2)
+    assert gram_flops(768, 3072, 5, 2) / standard_flops(768, 3072, 5) == pytest.approx(70 / 90)
+    assert gram_flops(768, 3072, 5) == 4 * 768 ** 2 * 3072 + 34 * 768 ** 3
+    gen = torch.Generator().manual_seed(3)
+    x = TensorDict({"w": torch.randn(16, 48, generator=gen)}, [])
+
+    def ns(dtype, method):
+        tx = mfx.newton_schulz(dtype=dtype, method=method)
+        return tx.update(x, tx.init(x))[0]["w"]
+
+    assert torch.equal(ns(torch.bfloat16, "auto"), ns(torch.bfloat16, "gram"))
+    assert not torch.equal(ns(torch.bfloat16, "auto"), ns(torch.bfloat16, "standard"))
+    assert torch.equal(ns(torch.float32, "auto"), ns(torch.float32, "standard"))
+
+
+def test_default_muon_on_this_cpu_tracks_torch_optim_muon(unpinned):
+    """The default (whatever this CPU gets) stays within bf16 accuracy of torch.optim.Muon
+    over 10 steps, relative to the distance moved. Worst of 5 seeds measured: bf16 + Gram
+    (native-bf16 CPUs) 1.4e-2 wide, 1.9e-2 tall, 9e-6 square (standard there); float32
+    4.9e-3..6.6e-3 (that is torch's own bf16 rounding); bf16 standard 1e-5."""
+    shapes = {"wide": (16, 48), "tall": (48, 16), "square": (24, 24)}
+    gen = torch.Generator().manual_seed(5)
+    init = {k: torch.randn(*s, generator=gen) for k, s in shapes.items()}
+    grads = [{k: torch.randn(*s, generator=gen) for k, s in shapes.items()} for _ in range(10)]
+    ours = [(k, torch.nn.Parameter(v.clone())) for k, v in init.items()]
+    theirs = [torch.nn.Parameter(v.clone()) for v in init.values()]
+    a = mfx.TransformOptimizer(ours, mfx.muon, lr=0.02, weight_decay=0.1)
+    b = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+    for g in grads:
+        for (k, p), q in zip(ours, theirs):
+            p.grad, q.grad = g[k].clone(), g[k].clone()
+        a.step()
+        b.step()
+    for (k, p), q, w in zip(ours, theirs, init.values()):
+        err = ((p - q).norm() / (q - w).norm()).item()  # relative to the distance moved
+        assert err < 3e-2, (k, err)
