@@ -1,0 +1,181 @@
+"""Newton-Schulz with symmetric Triton products (CUDA; the interpreter runs it on a CPU).
+
+Every ``m x m`` product of the Newton-Schulz iterations is symmetric:
+
+* standard: ``A = X X^T`` and ``b A + c A A`` (``A A = A A^T``, ``A`` symmetric);
+* Gram form: ``R = X X^T``, ``p(R) = b R + c R R``, ``Q <- p Q`` and ``R <- p (R p)`` (all
+  polynomials in the same ``R``, so they commute and every product is symmetric).
+
+One kernel computes ``C = alpha * X Y^T + beta * C0`` for such a symmetric result: each
+program computes one tile on or above the diagonal (a ``BLOCK x BLOCK`` block of rows
+``i`` and columns ``j >= i``), accumulating in float32, and stores it twice, at ``(i, j)``
+and transposed at ``(j, i)``. Programs below the diagonal exit at once, so the products
+cost about ``(T + 1) / (2 T)`` of a full one with ``T`` tiles per side: a standard
+iteration ``3 m^2 n + m^3`` instead of ``4 m^2 n + 2 m^3`` flops, for large ``m``. The
+remaining ``X <- a X + B X`` is a general product (``torch.baddbmm``).
+
+The functions here compute exactly the iterations of :mod:`muonfx.linalg.newton_schulz`
+(same order of operations, float32 accumulation, one rounding per product); the tests
+compare them to it in bf16 on square, wide, tall, ragged and single-matrix batches.
+Triton is optional and imported lazily: :func:`available` says whether this path can run
+for a tensor. The default route (:func:`muonfx.linalg.newton_schulz_batched`) takes it for
+bf16/fp16 on CUDA when Triton is installed, and falls back to the torch products for the
+rest of the process (with one warning on the ``muonfx`` logger) if a launch ever fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+
+import torch
+
+__all__ = ["available", "sym_product", "standard_sym", "gram_sym", "interpreting"]
+
+log = logging.getLogger("muonfx")
+
+
+def interpreting() -> bool:
+    """Whether Triton runs in its interpreter (``TRITON_INTERPRET=1``): CPU tensors, for tests."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether the symmetric Triton products can run for ``t``: Triton is installed and
+    ``t`` is on CUDA (or on the CPU under the interpreter)."""
+    if not _triton_installed():
+        return False
+    return t.device.type == "cuda" or (t.device.type == "cpu" and interpreting())
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def sym_kernel(x_ptr, y_ptr, c0_ptr, out_ptr, m, k, alpha, beta,
+                   sxb, sxm, sxk, syb, sym, syk, scb, scm, scn, sob, som, son,
+                   HAS_C0: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_i = tl.program_id(0)
+        pid_j = tl.program_id(1)
+        b = tl.program_id(2)
+        if pid_i > pid_j:  # below the diagonal: the mirror of (j, i)
+            return
+        rows = pid_i * BLOCK + tl.arange(0, BLOCK)
+        cols = pid_j * BLOCK + tl.arange(0, BLOCK)
+        ks = tl.arange(0, BLOCK_K)
+        x_base = x_ptr + b * sxb
+        y_base = y_ptr + b * syb
+        acc = tl.full((BLOCK, BLOCK), 0.0, tl.float32)  # (tl.zeros is a jit function: the interpreter needs it set up at import)
+        for k0 in range(0, k, BLOCK_K):
+            kk = k0 + ks
+            xt = tl.load(x_base + rows[:, None] * sxm + kk[None, :] * sxk,
+                         mask=(rows[:, None] < m) & (kk[None, :] < k), other=0.0)
+            yt = tl.load(y_base + cols[:, None] * sym + kk[None, :] * syk,
+                         mask=(cols[:, None] < m) & (kk[None, :] < k), other=0.0)
+            if UPCAST:  # the interpreter's dot mishandles bf16: exact products in float32 instead
+                xt = xt.to(tl.float32)
+                yt = yt.to(tl.float32)
+            acc += tl.dot(xt, tl.trans(yt), input_precision="ieee")  # float32: no tf32 rounding
+        acc = acc * alpha
+        inside = (rows[:, None] < m) & (cols[None, :] < m)
+        if HAS_C0:
+            c0 = tl.load(c0_ptr + b * scb + rows[:, None] * scm + cols[None, :] * scn, mask=inside, other=0.0)
+            acc += beta * c0.to(tl.float32)
+        if ROUND_BF16:  # the interpreter truncates float32 -> bf16; round to nearest even first
+            bits = acc.to(tl.uint32, bitcast=True)
+            bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+            acc = bits.to(tl.float32, bitcast=True)
+        val = acc.to(out_ptr.dtype.element_ty)
+        o_base = out_ptr + b * sob
+        tl.store(o_base + rows[:, None] * som + cols[None, :] * son, val, mask=inside)
+        if pid_i != pid_j:
+            tl.store(o_base + cols[:, None] * som + rows[None, :] * son, tl.trans(val),
+                     mask=(cols[:, None] < m) & (rows[None, :] < m))
+
+    configs = [triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+               triton.Config({"BLOCK": 128, "BLOCK_K": 32}, num_warps=4, num_stages=4),
+               triton.Config({"BLOCK": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4)]
+    tuned = triton.autotune(configs, key=["m", "k"])(sym_kernel)
+    return sym_kernel, tuned, triton
+
+
+def sym_product(x: torch.Tensor, y: torch.Tensor | None = None, alpha: float = 1.0, beta: float = 0.0,
+                c0: torch.Tensor | None = None) -> torch.Tensor:
+    """``alpha * X Y^T + beta * C0`` for a batch whose result is known to be symmetric.
+
+    ``x``, ``y``: ``[B, m, k]`` (``y`` defaults to ``x``); ``c0``: ``[B, m, m]``, symmetric.
+    Only tiles on and above the diagonal are computed; each is stored at its place and
+    mirrored. The result has ``x``'s dtype, accumulated in float32 and rounded once.
+    """
+    y = x if y is None else y
+    bsz, m, k = x.shape
+    out = torch.empty(bsz, m, m, dtype=x.dtype, device=x.device)
+    plain, tuned, triton = _kernels()
+    c = c0 if c0 is not None else out  # a valid pointer; unread when HAS_C0 is False
+    args = (x, y, c, out, m, k, float(alpha), float(beta),
+            *x.stride(), *y.stride(), *c.stride(), *out.stride())
+    if interpreting():
+        block = 16 if m <= 64 else 32
+        grid = (triton.cdiv(m, block), triton.cdiv(m, block), bsz)
+        plain[grid](*args, HAS_C0=c0 is not None, UPCAST=True, ROUND_BF16=x.dtype == torch.bfloat16,
+                    BLOCK=block, BLOCK_K=16)
+    else:
+        def grid(meta):
+            t = triton.cdiv(m, meta["BLOCK"])
+            return (t, t, bsz)
+        tuned[grid](*args, HAS_C0=c0 is not None, UPCAST=False, ROUND_BF16=False)
+    return out
+
+
+def standard_sym(x: torch.Tensor, steps) -> torch.Tensor:
+    """The standard iteration (``_standard`` of :mod:`.newton_schulz`) with symmetric products."""
+    for a, b, c in steps:
+        gram = sym_product(x)
+        poly = sym_product(gram, gram, alpha=c, beta=b, c0=gram)
+        x = torch.baddbmm(x, poly, x, beta=a)
+    return x
+
+
+def gram_sym(x: torch.Tensor, steps, restart: int | None) -> torch.Tensor:
+    """The Gram iteration (``_gram`` of :mod:`.newton_schulz`) with symmetric products."""
+    steps = list(steps)
+    seg = len(steps) if not restart else restart
+    for start in range(0, len(steps), seg):
+        part = steps[start:start + seg]
+        r = sym_product(x)
+        q = None
+        for i, (a, b, c) in enumerate(part):
+            p = sym_product(r, r, alpha=c, beta=b, c0=r)
+            p.diagonal(dim1=-2, dim2=-1).add_(a)
+            q = p if q is None else sym_product(p, q)          # p q = p q^T (q symmetric)
+            if i < len(part) - 1:
+                r = sym_product(p, sym_product(r, p))           # r p and p (r p): symmetric
+        x = torch.bmm(q, x)
+    return x
+
+
+_failed = False
+
+
+def run_or_none(fn, *args):
+    """``fn(*args)``, or None after the first failure (logged once); the caller then uses
+    the torch products for the rest of the process."""
+    global _failed
+    if _failed:
+        return None
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - any launch/compile failure: keep training on torch's path
+        _failed = True
+        log.warning("muonfx: the symmetric Triton Newton-Schulz failed (%s: %s); using torch's "
+                    "products from now on", type(e).__name__, e)
+        return None

@@ -1,0 +1,130 @@
+"""The symmetric Triton Newton-Schulz (muonfx.linalg.triton_ns), run by Triton's interpreter
+on the CPU (small shapes); tests/test_cuda.py runs it for real on a GPU.
+
+Triton is a dev dependency on Linux x86_64 (pyproject's ``dev`` extra), so CI runs these.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed (pip install triton; a dev dependency on Linux x86_64)")
+
+from muonfx.linalg import newton_schulz_batched, resolve, triton_ns  # noqa: E402
+from muonfx.linalg.newton_schulz import _gram, _standard  # noqa: E402
+
+STEPS = resolve("keller", 5).steps
+# square, wide, tall (the NS transposes it), sizes that are not multiples of the 16/32
+# tiles, batches of one
+SHAPES = [(2, 32, 32), (1, 20, 70), (3, 45, 17), (1, 33, 33), (2, 16, 48)]
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_ns, "_failed", False)
+    yield
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _unit(shape, seed, dtype):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    if x.shape[-2] > x.shape[-1]:
+        x = x.mT.contiguous()
+    return (x / x.norm(dim=(-2, -1), keepdim=True)).to(dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_sym_product_is_the_full_product_and_exactly_symmetric(interpreter, shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    got = triton_ns.sym_product(x)
+    assert torch.equal(got, got.mT)
+    torch.testing.assert_close(got, torch.bmm(x, x.mT), rtol=1e-5, atol=1e-5)
+    # the epilogue: alpha * X Y^T + beta * C0, Y a second symmetric-result factor
+    a = got / got.norm()
+    want = 0.7 * a + (-1.3) * torch.bmm(a, a)
+    torch.testing.assert_close(triton_ns.sym_product(a, a, alpha=-1.3, beta=0.7, c0=a), want, rtol=1e-5, atol=1e-6)
+    # strided (transposed) inputs are read through their strides
+    xt = x.mT.contiguous().mT
+    torch.testing.assert_close(triton_ns.sym_product(xt), torch.bmm(x, x.mT), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bf16_sym_product_rounds_once_like_bmm(interpreter, shape):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(2)).bfloat16()
+    got, ref = triton_ns.sym_product(x), torch.bmm(x, x.mT)
+    assert got.dtype == torch.bfloat16
+    exact = torch.bmm(x.double(), x.double().mT)
+    # both are float32 accumulations rounded once to bf16: within one bf16 ulp of the exact
+    ulp = exact.abs().clamp_min(exact.abs().max() * 2 ** -8) * 2 ** -7
+    assert ((got.double() - exact).abs() <= ulp).all()
+    assert ((ref.double() - exact).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_iterations_compute_the_same_function(interpreter, shape):
+    """float32: the symmetric standard iteration equals torch's to float32 rounding; bf16
+    (standard and Gram with restarts, as routed): the distance to the float64 iteration is
+    within 1.5x (+2e-3) of torch's bf16 path. Measured: standard 1.3e-2..1.6e-2 for both,
+    Gram 3.1e-2..3.8e-2 against torch's 2.6e-2..3.5e-2."""
+    x32 = _unit(shape, 3, torch.float32)
+    truth_std = _standard(x32.double(), STEPS)
+    truth_gram = _gram(x32.double(), STEPS, 2)
+    torch.testing.assert_close(triton_ns.standard_sym(x32, STEPS), _standard(x32, STEPS), rtol=0, atol=2e-5)
+    # float32 Gram without restarts amplifies the rounding of each product; under the
+    # interpreter (numpy products) it ends 1e-4..5e-4 from the float64 iteration, against
+    # 1e-6..1e-5 for torch's products. The library routes only 16-bit work here (below:
+    # bf16 Gram within 1.5x of torch's).
+    truth_gram1 = _gram(x32.double(), STEPS, None)
+    assert _rel(triton_ns.gram_sym(x32, STEPS, None), truth_gram1) < 1e-3
+    xb = x32.bfloat16()
+    e_ours, e_torch = _rel(triton_ns.standard_sym(xb, STEPS), truth_std), _rel(_standard(xb, STEPS), truth_std)
+    assert e_ours <= 1.5 * e_torch + 2e-3, (e_ours, e_torch)
+    e_ours, e_torch = _rel(triton_ns.gram_sym(xb, STEPS, 2), truth_gram), _rel(_gram(xb, STEPS, 2), truth_gram)
+    assert e_ours <= 1.5 * e_torch + 2e-3, (e_ours, e_torch)
+
+
+def test_newton_schulz_routes_16_bit_work_to_the_kernels(interpreter, monkeypatch):
+    calls = []
+    real_std, real_gram = triton_ns.standard_sym, triton_ns.gram_sym
+    monkeypatch.setattr(triton_ns, "standard_sym", lambda *a: calls.append("standard") or real_std(*a))
+    monkeypatch.setattr(triton_ns, "gram_sym", lambda *a: calls.append("gram") or real_gram(*a))
+    sched = resolve("keller", 5)
+    square = torch.randn(2, 24, 24, generator=torch.Generator().manual_seed(4))
+    wide = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(5))
+    out = newton_schulz_batched(square, sched, dtype=torch.bfloat16)
+    assert calls == ["standard"] and out.dtype == torch.float32
+    newton_schulz_batched(wide, sched, dtype=torch.bfloat16)  # "auto": Gram pays off at n = 4m
+    assert calls == ["standard", "gram"]
+    newton_schulz_batched(square, sched, dtype=torch.float32)  # float32: torch's products
+    assert calls == ["standard", "gram"]
+
+
+def test_a_failing_launch_falls_back_once_with_a_warning(interpreter, monkeypatch, caplog):
+    def broken(*_):
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(triton_ns, "standard_sym", broken)
+    sched = resolve("keller", 5)
+    g = torch.randn(2, 24, 24, generator=torch.Generator().manual_seed(6))
+    with caplog.at_level(logging.WARNING, logger="muonfx"):
+        got = newton_schulz_batched(g, sched, dtype=torch.bfloat16)
+        again = newton_schulz_batched(g, sched, dtype=torch.bfloat16)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    want = newton_schulz_batched(g, sched, dtype=torch.bfloat16)  # the torch path
+    assert torch.equal(got, want) and torch.equal(again, want)
+    warned = [r for r in caplog.records if "symmetric Triton" in r.getMessage()]
+    assert len(warned) == 1 and "no kernel for this GPU" in warned[0].getMessage()
+
+
+def test_not_available_without_a_gpu_or_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not triton_ns.available(torch.zeros(1))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_ns.available(torch.zeros(1))
