@@ -4,10 +4,16 @@
     python benchmarks/newton_schulz.py --only speed   # or: --only accuracy, --only restarts
 
 Speed: the batched NS (muonfx.linalg.newton_schulz_batched) on same-shape groups of
-GPT-2-small matrices, in float32 and bf16, standard and Gram forms. Achieved GFLOP/s
-counts the *standard* iteration's flops, ``5 * (4 m^2 n + 2 m^3)`` per matrix, so the
-Gram form (fewer flops for the same function) can exceed 100% of peak. The peak is a
-plain ``bmm`` of the largest square size, measured in the same run, same dtype.
+matrices, standard and Gram forms: on the CPU GPT-2-small matrices in float32 and bf16;
+on CUDA (bf16) GPT-2 small, the Llama-1B-like set (2048^2, 256x2048, 2048x5632) and MoE
+experts (1024x2048), each with torch's products and, where Triton is installed, the
+symmetric Triton products (muonfx.linalg.triton_ns). Achieved GFLOP/s counts the
+*standard* iteration's flops, ``5 * (4 m^2 n + 2 m^3)`` per matrix, so forms that need
+fewer flops for the same function (Gram, symmetric products) can exceed 100% of peak.
+The peak is a plain ``bmm`` measured in the same run, same dtype: of the largest square
+size on the CPU, of 8192^2 on CUDA.
+
+    python benchmarks/newton_schulz.py --only speed --device cuda   # the GPU table
 
 Accuracy: relative Frobenius error to the exact polar factor ``U V^T`` (SVD, float64)
 and the singular-value band, for each coefficient schedule on a Gaussian matrix and on
@@ -25,7 +31,7 @@ import argparse
 import _common
 import torch
 
-from muonfx.linalg import PRESETS, newton_schulz_batched, resolve
+from muonfx.linalg import PRESETS, newton_schulz_batched, resolve, triton_ns
 
 
 def flops(m: int, n: int, steps: int = 5) -> int:
@@ -33,23 +39,67 @@ def flops(m: int, n: int, steps: int = 5) -> int:
     return steps * (4 * m * m * n + 2 * m ** 3)
 
 
+SHAPES = {  # (rows, cols): matrices per batch
+    "cpu": {(768, 2304): 4, (768, 768): 4, (768, 3072): 4},
+    # GPT-2 small per 12 layers; the Llama-1B-like set per 22 layers; one MoE layer
+    "cuda": {(768, 2304): 12, (768, 768): 12, (768, 3072): 24, (2048, 2048): 44, (256, 2048): 44,
+             (2048, 5632): 66, (1024, 2048): 64},
+}
+
+
+def _peak(device: torch.device, dtype: torch.dtype, repeats: int) -> tuple[float, str]:
+    """GFLOP/s of a plain ``bmm``: the largest square size of the set (CPU), 8192^2 (CUDA)."""
+    size, count = (768, 4) if device.type == "cpu" else (8192, 1)
+    a = torch.randn(count, size, size, device=device, dtype=dtype)
+    t = _common.interleaved({"mm": lambda: torch.bmm(a, a)}, repeats, 1, device)["mm"]
+    return count * 2 * size ** 3 / t / 1e9, f"{count}x{size}^2 bmm"
+
+
+def _routes(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """"torch" products everywhere; the symmetric Triton kernels too where they run."""
+    probe = torch.empty(1, device=device)
+    return ["torch", "triton"] if dtype == torch.bfloat16 and triton_ns.available(probe) else ["torch"]
+
+
 def speed(device: torch.device, repeats: int) -> str:
     rows = []
     sched = resolve("keller", 5)
-    for dtype in (torch.float32, torch.bfloat16):
-        a = torch.randn(4, 768, 768, device=device, dtype=dtype)
-        peak_t = _common.interleaved({"mm": lambda: torch.bmm(a, a)}, repeats, 1, device)["mm"]
-        peak = 4 * 2 * 768 ** 3 / peak_t / 1e9
-        for shape, count in (((768, 2304), 4), ((768, 768), 4), ((768, 3072), 4)):
+    shapes = SHAPES["cuda" if device.type == "cuda" else "cpu"]
+    dtypes = (torch.bfloat16,) if device.type == "cuda" else (torch.float32, torch.bfloat16)
+    peaks = []
+    for dtype in dtypes:
+        peak, what = _peak(device, dtype, repeats)
+        peaks.append(f"{str(dtype).replace('torch.', '')} {peak:.0f} GFLOP/s ({what})")
+        for shape, count in shapes.items():
             g = torch.randn(count, *shape, device=device)
-            fns = {m: (lambda m=m: newton_schulz_batched(g, sched, dtype=dtype, method=m)) for m in ("standard", "gram")}
+            fns = {}
+            for route in _routes(device, dtype):
+                for m in ("standard", "gram"):
+                    def fn(m=m, route=route):
+                        if route == "torch":
+                            with _torch_products():
+                                return newton_schulz_batched(g, sched, dtype=dtype, method=m)
+                        return newton_schulz_batched(g, sched, dtype=dtype, method=m)
+                    fns[(route, m)] = fn
             t = _common.interleaved(fns, repeats, 1, device)
-            for m, sec in t.items():
+            for (route, m), sec in t.items():
                 gf = count * flops(*shape) / sec / 1e9
-                rows.append([str(dtype).replace("torch.", ""), f"{count}x{shape[0]}x{shape[1]}", m,
-                             f"{sec * 1e3:.0f}", f"{gf:.0f}", f"{peak:.0f}", f"{100 * gf / peak:.0f}%"])
-    return "\n".join([f"\nNewton-Schulz speed ({_common.machine()})",
-                      _common.table(["dtype", "batch", "form", "ms", "GFLOP/s", "matmul peak", "of peak"], rows)])
+                rows.append([str(dtype).replace("torch.", ""), f"{count}x{shape[0]}x{shape[1]}", m, route,
+                             f"{sec * 1e3:.1f}", f"{gf:.0f}", f"{100 * gf / peak:.0f}%"])
+            del g
+    return "\n".join([f"\nNewton-Schulz speed ({_common.machine()})", "measured peak: " + "; ".join(peaks),
+                      _common.table(["dtype", "batch", "form", "products", "ms", "GFLOP/s", "of peak"], rows)])
+
+
+class _torch_products:
+    """Within: the torch products even where the symmetric Triton kernels would run."""
+
+    def __enter__(self):
+        self._saved = triton_ns.available
+        triton_ns.available = lambda t: False
+
+    def __exit__(self, *exc):
+        triton_ns.available = self._saved
 
 
 def _polar(x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +120,7 @@ def accuracy(m: int, n: int) -> str:
             exact = _polar(x)
             cells = [name, label]
             for dtype in (torch.float32, torch.bfloat16):
-                o = newton_schulz_batched(x.float()[None], sched, dtype=dtype)[0].double()
+                o = newton_schulz_batched(x.float()[None], sched, dtype=dtype, method="standard")[0].double()
                 err = ((o - exact).norm() / exact.norm()).item()
                 sv = torch.linalg.svdvals(o)
                 cells += [f"{err:.3f}", f"[{sv.min():.2f}, {sv.max():.2f}]"]
@@ -92,7 +142,7 @@ def restarts(m: int, n: int, count: int = 4) -> str:
             ref = newton_schulz_batched(x, sched, dtype=torch.float64)
             err = lambda o: f"{((o.double() - ref).norm() / ref.norm()).item():.1e}"  # noqa: E731
             g = x.float()
-            cells = [name, label, err(newton_schulz_batched(g, sched, dtype=torch.bfloat16))]
+            cells = [name, label, err(newton_schulz_batched(g, sched, dtype=torch.bfloat16, method="standard"))]
             cells += [err(newton_schulz_batched(g, sched, dtype=torch.bfloat16, method="gram", restart=r))
                       for r in (2, 3, 5)]
             rows.append(cells)

@@ -7,7 +7,9 @@ skipped elsewhere (``tests/conftest.py``), the CPU-only CI included:
   on CUDA matrices (same-shape ones go through the batched Newton-Schulz);
 * the extra memory of a Muon step: the model-size terms of the pure update plus a few
   batches of the byte budget (:func:`muonfx.linalg.batch_bytes`), derived below;
-* ``opt.compile()`` on CUDA: the same training as eager while lr and weight decay change.
+* ``opt.compile()`` on CUDA: the same training as eager while lr and weight decay change;
+* the symmetric Triton Newton-Schulz kernels (:mod:`muonfx.linalg.triton_ns`) against
+  torch's bf16 products, on square, wide, tall and ragged shapes.
 
 The CUDA tolerances were set without a GPU (none was lent when they were written): they
 come from the same problems measured on the CPU, with the margin stated next to each.
@@ -211,6 +213,38 @@ def _load(path: Path, name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@cuda
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize("shape", [(4, 1024, 1024), (2, 256, 2048), (1, 2048, 5632), (3, 300, 700), (1, 700, 300)])
+def test_symmetric_triton_newton_schulz_on_cuda(shape, monkeypatch):
+    """The symmetric kernels (the default bf16 route on CUDA) against torch's bf16 products:
+    the distance to the float64 iteration within 1.5x (+2e-3) of torch's (as on the CPU
+    under the interpreter, tests/test_triton_ns.py); and the route really takes them."""
+    from muonfx.linalg import newton_schulz_batched, resolve, triton_ns
+    from muonfx.linalg.newton_schulz import _gram, _standard
+
+    sched = resolve("keller", 5)
+    g = torch.randn(*shape, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    x = g.mT if shape[1] > shape[2] else g
+    x = (x / x.norm(dim=(-2, -1), keepdim=True)).double()
+    truth = {"standard": _standard(x, sched.steps), "gram": _gram(x, sched.steps, 2)}
+    calls = []
+    for name in ("standard_sym", "gram_sym"):
+        real = getattr(triton_ns, name)
+        monkeypatch.setattr(triton_ns, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    for method in ("standard", "gram"):
+        ours = newton_schulz_batched(g, sched, dtype=torch.bfloat16, method=method)
+        with monkeypatch.context() as m:
+            m.setattr(triton_ns, "available", lambda t: False)
+            theirs = newton_schulz_batched(g, sched, dtype=torch.bfloat16, method=method)
+        if shape[1] > shape[2]:
+            ours, theirs = ours.mT, theirs.mT
+        e_ours = ((ours.double() - truth[method]).norm() / truth[method].norm()).item()
+        e_torch = ((theirs.double() - truth[method]).norm() / truth[method].norm()).item()
+        assert e_ours <= 1.5 * e_torch + 2e-3, (method, e_ours, e_torch)
+    assert calls == ["standard_sym", "gram_sym"] and not triton_ns._failed
 
 
 @pytest.mark.parametrize("where", ["examples/fsdp_muon.py", "benchmarks/_common.py"])
