@@ -8,7 +8,7 @@ from . import linalg, schedules, seam
 from .base import EmptyState, GradientTransformation, apply_updates, identity
 from .combine import MaskedState, PartitionState, chain, mask_by_ndim, masked, named_chain, partition
 from .distributed.fsdp import FSDPMuonOptimizer
-from .familiar import MuonOptimizer, create_hybrid_optimizer
+from .familiar import MeaningChangedWarning, MuonOptimizer, create_hybrid_optimizer
 from .optim import TransformOptimizer, lr_multiplier
 from .options import MuonOptions
 from .presets import adamw, default_muon_labels, muon, muon_adamw
@@ -35,4 +35,5 @@ __all__ = [
     "blockwise", "split_newton_schulz", "muon_per_head",
     "schedules", "linalg", "seam",
     "TransformOptimizer", "lr_multiplier", "MuonOptimizer", "create_hybrid_optimizer", "FSDPMuonOptimizer",
+    "MeaningChangedWarning",
 ]

@@ -146,6 +146,8 @@ def takes_muon_options(
     rename: Mapping[str, str] | None = None,
     exclude: Iterable[str] = (),
     positional: bool = False,
+    legacy_order: Iterable[str] = (),
+    legacy_name: str = "",
 ) -> Callable[[F], F]:
     """Decorator: give a builder declared as ``f(<own params>, **options)`` the Muon options.
 
@@ -161,6 +163,11 @@ def takes_muon_options(
     ``positional=True``). A call is bound against that signature (so unknown or
     repeated arguments raise ``TypeError`` as for any function), defaults are filled in,
     and ``f`` receives every option under its field name in ``**options``.
+
+    ``legacy_order`` names (by their names here) the parameters an older API
+    (``legacy_name``, e.g. ``"muon_fsdp.MuonOptimizer"``) took by position after the
+    ones that are still positional here: a call with too many positional arguments then raises a
+    ``TypeError`` that says which keyword each extra argument must become.
 
     Example::
 
@@ -203,12 +210,24 @@ def takes_muon_options(
         full = sig.replace(parameters=lead + options + trail)
         field_of = {pub: name for name, pub in public.items()}
         leading = [p.name for p in lead]
+        n_positional = len([p for p in full.parameters.values() if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)])
+        old = list(legacy_order)
 
         @functools.wraps(fn)
         def with_options(*args: Any, **kwargs: Any) -> Any:
             try:
                 bound = full.bind(*args, **kwargs)
             except TypeError as e:
+                if old and len(args) > n_positional:
+                    names = [p.name for p in full.parameters.values()][:n_positional]
+                    names = names[1:] if names and names[0] == "self" else names
+                    extra = args[n_positional:]
+                    if len(extra) <= len(old):
+                        fix = ", ".join(f"{k}={v!r}" for k, v in zip(old, extra))
+                        raise TypeError(
+                            f"{fn.__qualname__}() takes only {', '.join(names)} by position. {legacy_name} took "
+                            f"{', '.join(old[:len(extra)])} next; here they are keyword-only, so that no "
+                            f"argument silently changes meaning. Pass them by keyword: {fix}") from None
                 raise TypeError(f"{fn.__qualname__}() {e}") from None
             bound.apply_defaults()
             given = bound.arguments
