@@ -124,7 +124,7 @@ class MuonOptimizer(TransformOptimizer):
         if isinstance(params, torch.nn.Module):
             groups, fallbacks = self._split_model(params, strict, fallback)
         elif strict or isinstance(params, torch.Tensor):
-            groups, fallbacks = params, []
+            groups, fallbacks = params if isinstance(params, torch.Tensor) else list(params), []
         else:
             groups, fallbacks = self._split_params(params, fallback)
         fallback_groups = [gi for gi, g in enumerate(groups) if any(g is f for f in fallbacks)]
