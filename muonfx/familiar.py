@@ -162,25 +162,34 @@ class MuonOptimizer(TransformOptimizer):
     def _split_params(params: Iterable[Any], fallback: dict) -> tuple[list[Any], list[dict]]:
         """``(param groups, the AdamW fallback groups among them)``."""
         items = list(params)
-        if not items:
-            return items, []  # TransformOptimizer's error
-        given = items if isinstance(items[0], dict) else [dict(params=items)]
+        given = [dict(g) for g in items] if items and isinstance(items[0], dict) else [dict(params=items)]
+        for g in given:
+            ps = g.get("params")
+            g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps) if isinstance(ps, Iterable) else ps
+        def splits(g: dict) -> bool:
+            ps = g["params"]
+            return ("tx" not in g and isinstance(ps, list) and all(isinstance(_tensor(x), torch.Tensor) for x in ps)
+                    and any(_tensor(x).ndim < 2 for x in ps))
+        if not any(splits(g) for g in given):
+            return items, []  # nothing to split (or TransformOptimizer's error to raise)
+        # the groups gain names (torch wants all or none named): plain parameters are
+        # named by their place in what was given, param0, param1, ...
+        start = 0
+        for g in given:
+            if isinstance(g["params"], list):
+                g["params"] = [x if isinstance(x, tuple) else (f"param{start + i}", x) for i, x in enumerate(g["params"])]
+                start += len(g["params"])
         groups: list[dict] = []
         fallbacks: list[dict] = []
-        for group in given:
-            ps = group.get("params")
-            ps = [ps] if isinstance(ps, torch.Tensor) else list(ps) if isinstance(ps, Iterable) else ps
-            if "tx" in group or not isinstance(ps, list) or not all(
-                    isinstance(_tensor(x), torch.Tensor) for x in ps):
-                groups.append(group)  # TransformOptimizer checks it
+        for g in given:
+            if not splits(g):
+                groups.append(g)
                 continue
-            matrices = [x for x in ps if _tensor(x).ndim >= 2]
-            others = [x for x in ps if _tensor(x).ndim < 2]
-            if matrices or not others:
-                groups.append({**group, "params": matrices} if others else group)
-            if others:
-                fallbacks.append(_adamw_group(others, **fallback))
-                groups.append(fallbacks[-1])
+            matrices = [x for x in g["params"] if _tensor(x).ndim >= 2]
+            if matrices:
+                groups.append({**g, "params": matrices})
+            fallbacks.append(_adamw_group([x for x in g["params"] if _tensor(x).ndim < 2], **fallback))
+            groups.append(fallbacks[-1])
         return groups, fallbacks
 
 
