@@ -288,3 +288,63 @@ def test_fsdp_snippets_run_on_two_ranks():
 def run(*cmd: str, cwd: Path = ROOT, timeout: int = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_pytest_cov_muon_fsdp_names_the_package():
+    """``pytest tests/ --cov=muon_fsdp`` (the predecessor's README) stops with the fix
+    instead of a bare 'unrecognized arguments'."""
+    proc = run(sys.executable, "-m", "pytest", "tests/test_predecessor.py", "--cov=muon_fsdp", "-p", "no:cacheprovider",
+               "--collect-only", "-q")
+    assert proc.returncode != 0
+    assert "--cov=muon_fsdp: the package is muonfx now; use --cov=muonfx" in proc.stderr + proc.stdout
+
+
+def test_muon_fsdp_command_points_to_muonfx(capsys):
+    """The ``muon-fsdp`` command (pyproject's script) says what it runs now and runs it."""
+    from muonfx.cli import legacy
+
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert re.search(r'^muon-fsdp = "muonfx\.cli\.legacy:main"', pyproject, re.M)
+    assert legacy.translate(["check", "--full"])[0] == ["info"]
+    assert legacy.translate(["train", "--steps", "3"])[0] == ["train", "--steps", "3"]
+    assert legacy.main(["info", "--no-bf16-check"]) == 0
+    out = capsys.readouterr()
+    assert "muon-fsdp is now muonfx" in out.err and "running 'muonfx info --no-bf16-check'" in out.err
+    assert "torch" in out.out
+
+
+def test_train_gpt_old_flags_are_aliases(tmp_path, monkeypatch, capsys):
+    """``examples/train_gpt.py --seq-length --save-dir --num-workers --no-mixed-precision``
+    (the predecessor's flags) run, each with a deprecation line naming the new flag."""
+    import importlib.util
+
+    from muonfx.cli.corpus import load_corpus
+
+    cache = tmp_path / "cache"
+    load_corpus(cache)
+    monkeypatch.setenv("MUONFX_CACHE_DIR", str(cache))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    spec = importlib.util.spec_from_file_location("train_gpt", ROOT / "examples" / "train_gpt.py")
+    train_gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_gpt)
+    save_dir = tmp_path / "run"
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            code = train_gpt.main(["--model", "tiny", "--steps", "2", "--batch-size", "2", "--threads", "1",
+                                   "--eval-batches", "1", "--no-progress", "--device", "cpu", "--seq-length", "32",
+                                   "--save-dir", str(save_dir), "--num-workers", "4", "--no-mixed-precision"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "--seq-length 32 is deprecated" in err and "use --context 32" in err
+    assert f"use --save {save_dir}/checkpoint.pt --out {save_dir}" in err
+    assert "--num-workers 4 is deprecated" in err and "--no-mixed-precision is deprecated" in err
+    assert "use --amp off" in err
+    assert (save_dir / "checkpoint.pt").is_file() and (save_dir / "summary.json").is_file()
+    import json
+
+    summary = json.loads((save_dir / "summary.json").read_text())
+    assert "--context 32" in summary["command"] and "--amp off" in summary["command"]
