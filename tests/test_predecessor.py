@@ -348,3 +348,106 @@ def test_train_gpt_old_flags_are_aliases(tmp_path, monkeypatch, capsys):
 
     summary = json.loads((save_dir / "summary.json").read_text())
     assert "--context 32" in summary["command"] and "--amp off" in summary["command"]
+
+
+# -- silent changes of meaning -------------------------------------------------------
+
+
+@pytest.mark.parametrize("call,fix", [
+    (lambda m: mfx.create_hybrid_optimizer(m, 0.02, 1e-3, 0.0), "adamw_lr=0.001, muon_weight_decay=0.0"),
+    (lambda m: mfx.MuonOptimizer(m.parameters(), 0.02, 0.9), "momentum=0.9"),
+    (lambda m: mfx.FSDPMuonOptimizer(m, None, 0.02, 0.01, 0.9), "weight_decay=0.01, momentum=0.9"),
+])
+def test_old_positional_calls_name_the_keywords(call, fix):
+    """The predecessor's positional orders are errors that say which keyword each
+    extra argument becomes (nothing is accepted with a new meaning)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    with pytest.raises(TypeError) as e:
+        call(model)
+    assert f"Pass them by keyword: {fix}" in str(e.value) and "muon_fsdp" in str(e.value)
+
+
+def test_fsdp_meaning_changes_warn_once_at_construction():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mfx.FSDPMuonOptimizer(model, beta2=0.99, gradient_accumulation_steps=2)
+        mfx.FSDPMuonOptimizer(model)
+        mfx.FSDPMuonOptimizer(model, beta2=None, gradient_accumulation_steps=1)
+    messages = [str(w.message) for w in caught if w.category is mfx.MeaningChangedWarning]
+    assert len(messages) == 2
+    assert "beta2=0.99" in messages[0] and "NorMuon" in messages[0] and "beta2=None" in messages[0]
+    assert "after EVERY micro-batch" in messages[1] and "gradient_accumulation_steps=1" in messages[1]
+    assert all(w.filename == __file__ for w in caught)  # points at the caller's line
+
+
+# -- MuonOptimizer's AdamW fallback ----------------------------------------------------
+
+
+class TiedLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = torch.nn.Embedding(16, 8)
+        self.block = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.out = torch.nn.Linear(8, 16, bias=False)
+        self.out.weight = self.wte.weight          # tied head
+        self.classifier = torch.nn.Linear(8, 8)    # head-like name
+
+    def forward(self, idx):
+        return self.out(self.norm(self.classifier(torch.relu(self.block(self.wte(idx))))))
+
+
+def test_model_given_sends_embeddings_tied_and_named_heads_to_adamw():
+    opt = mfx.MuonOptimizer(TiedLM(), lr=0.02, adamw_lr=3e-3, adamw_betas=(0.9, 0.99))
+    muon_group, adamw_group = opt.param_groups
+    assert muon_group["param_names"] == ["block.weight"]
+    assert adamw_group["param_names"] == ["wte.weight", "block.bias", "norm.weight", "norm.bias",
+                                          "classifier.weight", "classifier.bias"]
+    assert adamw_group["lr"] == 3e-3 and adamw_group["betas"] == (0.9, 0.99) and "nesterov" not in adamw_group
+    assert muon_group["nesterov"] is False
+
+
+def test_parameters_given_split_by_ndim_and_groups_keep_their_settings():
+    model = TiedLM()
+    named = list(model.named_parameters())
+    opt = mfx.MuonOptimizer([{"params": [p for _, p in named[:3]], "lr": 0.05},
+                             {"params": [p for _, p in named[3:]]}], lr=0.02)
+    assert [g["param_names"] for g in opt.param_groups] == [
+        ["param0", "param1"], ["param2"], ["param5"], ["param3", "param4", "param6"]]
+    assert [g["lr"] for g in opt.param_groups] == [0.05, 1e-3, 0.02, 1e-3]
+    # nothing to split: the groups stay as given (the checkpoint format of a matrices-only run)
+    mats = mfx.MuonOptimizer([p for _, p in named if p.ndim == 2])
+    assert len(mats.param_groups) == 1 and "param_names" not in mats.param_groups[0]
+
+
+def test_strict_refuses_and_the_fallback_trains_and_round_trips(tmp_path):
+    with pytest.raises(ValueError, match=r"'block.bias' has shape \(8,\).*strict=True"):
+        mfx.MuonOptimizer(TiedLM().named_parameters(), strict=True)
+    with pytest.raises(ValueError, match="strict=True"):
+        mfx.MuonOptimizer(TiedLM(), strict=True)
+    with pytest.raises(TypeError, match="strict must be True or False"):
+        mfx.MuonOptimizer(TiedLM(), strict="yes")
+
+    torch.manual_seed(0)
+    a, b = TiedLM(), TiedLM()
+    b.load_state_dict(a.state_dict())
+    idx = torch.randint(0, 16, (4, 6))
+
+    def step(model, opt):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+        opt.step()
+
+    opt_a = mfx.MuonOptimizer(a)
+    before = {n: p.detach().clone() for n, p in a.named_parameters()}
+    step(a, opt_a)
+    assert all(not torch.equal(p, before[n]) for n, p in a.named_parameters())
+    torch.save(opt_a.state_dict(), tmp_path / "opt.pt")
+    b.load_state_dict(a.state_dict())
+    opt_b = mfx.MuonOptimizer(b)
+    opt_b.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    step(a, opt_a)
+    step(b, opt_b)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n
