@@ -133,7 +133,7 @@ SKIP = {
 }
 
 #: the blocks whose construction must warn: an argument that means something else now
-WARNS = {("README.md", 4): "beta2", ("FAQ.md", 6): "gradient_accumulation_steps",
+WARNS = {("README.md", 4): "beta2=0.99 turns on NorMuon", ("FAQ.md", 6): "gradient_accumulation_steps",
          ("FAQ.md", 20): "gradient_accumulation_steps"}
 
 ALL = [(doc, i) for doc in ("README.md", "FAQ.md") for i in range(len(blocks(doc)))]
@@ -375,9 +375,11 @@ def test_fsdp_meaning_changes_warn_once_at_construction():
         mfx.FSDPMuonOptimizer(model)
         mfx.FSDPMuonOptimizer(model, beta2=None, gradient_accumulation_steps=1)
     messages = [str(w.message) for w in caught if w.category is mfx.MeaningChangedWarning]
-    assert len(messages) == 2
-    assert "beta2=0.99" in messages[0] and "NorMuon" in messages[0] and "beta2=None" in messages[0]
-    assert "after EVERY micro-batch" in messages[1] and "gradient_accumulation_steps=1" in messages[1]
+    assert len(messages) == 1                          # one warning per construction, naming each change
+    assert "(1) beta2=0.99" in messages[0] and "NorMuon" in messages[0] and "beta2=None" in messages[0]
+    assert "(2) gradient_accumulation_steps=2" in messages[0] and "after EVERY micro-batch" in messages[0]
+    with pytest.warns(mfx.MeaningChangedWarning, match=r"eps=1e-08 is the Newton-Schulz floor.*row_eps"):
+        mfx.FSDPMuonOptimizer(model, eps=1e-8)
     assert all(w.filename == __file__ for w in caught)  # points at the caller's line
 
 

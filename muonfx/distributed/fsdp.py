@@ -123,20 +123,26 @@ class FSDPMuonOptimizer(TransformOptimizer):
         self.model = model
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
+        changed = []
         if beta2 is not None:
-            warnings.warn(
-                f"FSDPMuonOptimizer(beta2={beta2!r}) turns on NorMuon-style row normalisation after "
-                "orthogonalisation (mfx.row_normalize); in muon_fsdp, whose README used beta2=0.99, beta2 had no "
-                "effect on the step. Drop beta2 (or pass beta2=None) for plain Muon.",
-                MeaningChangedWarning, stacklevel=3)
+            changed.append(
+                f"beta2={beta2!r} turns on NorMuon-style row normalisation after orthogonalisation "
+                "(mfx.row_normalize); in muon_fsdp, whose README used beta2=0.99, beta2 had no effect on the step. "
+                "Drop beta2 (or pass beta2=None) for plain Muon.")
+        if muon_options["eps"] != MuonOptions.eps:
+            changed.append(
+                f"eps={muon_options['eps']!r} is the Newton-Schulz floor here (default 1e-7); muon_fsdp's eps "
+                "(the row normaliser's, used with beta2) is row_eps.")
         if gradient_accumulation_steps > 1:
-            warnings.warn(
-                f"FSDPMuonOptimizer(gradient_accumulation_steps={gradient_accumulation_steps}): call "
-                "opt.zero_grad() and opt.step() after EVERY micro-batch; muonfx sums the gradients itself and "
-                f"moves the parameters once every {gradient_accumulation_steps} step() calls, with their mean. "
-                "(muon_fsdp's step() skipped calls and relied on .grad accumulating between them; if your loop "
-                "accumulates in .grad and steps once per k micro-batches, pass gradient_accumulation_steps=1.)",
-                MeaningChangedWarning, stacklevel=3)
+            changed.append(
+                f"gradient_accumulation_steps={gradient_accumulation_steps}: call opt.zero_grad() and opt.step() "
+                "after EVERY micro-batch; muonfx sums the gradients itself and moves the parameters once every "
+                f"{gradient_accumulation_steps} step() calls, with their mean. (muon_fsdp's step() skipped calls "
+                "and relied on .grad accumulating between them; if your loop accumulates in .grad and steps once "
+                "per k micro-batches, pass gradient_accumulation_steps=1.)")
+        if changed:
+            warnings.warn("FSDPMuonOptimizer: arguments that muon_fsdp read differently: " + " ".join(
+                f"({i}) {c}" for i, c in enumerate(changed, 1)), MeaningChangedWarning, stacklevel=3)
         named = list(model.named_parameters()) if params is None else list(params)
         if named and not isinstance(named[0], tuple):
             by_id = {id(p): n for n, p in model.named_parameters()}
