@@ -387,10 +387,31 @@ def test_zero_grad_exact():
 
 def test_matrix_only_transform_on_general_params_names_the_error():
     with pytest.raises(ConformanceError) as info:
-        check_transform(mfx.newton_schulz(), laws=["purity"], **FAST)
+        check_transform(mfx.newton_schulz(), laws=["purity"], matrices_only=False, **FAST)
     msg = str(info.value)
     assert "update raised ValueError" in msg and "matrices_only=True" in msg
     assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_the_kit_learns_a_matrix_only_domain():
+    """``check_transform(mfx.muon())`` with no options: the kit sees muon refuse 0-D/1-D
+    leaves by name, checks it on matrices and says so (no purity error about a 0-D leaf)."""
+    report = check_transform(mfx.muon(), laws=["purity", "dtype_preservation"], **FAST)
+    assert report["purity"] == report["dtype_preservation"] == "ok"
+    assert report["domain"].startswith("matrices only (2-D to 4-D leaves): the transform refuses 0-D leaves")
+    assert "newton_schulz needs matrices" in report["domain"]
+    # a transform that takes every rank: no probe verdict, every rank drawn
+    assert "domain" not in check_transform(mfx.scale(2.0), laws=["purity"], **FAST)
+
+    def refuses_everything():
+        def update(u, s, p=None):
+            raise ValueError("never")
+        return mfx.GradientTransformation(lambda p: mfx.EmptyState(), update)
+
+    # refusing matrices too is not a domain: the law reports the error
+    with pytest.raises(ConformanceError, match="never") as info:
+        check_transform(refuses_everything(), laws=["purity"], **FAST)
+    assert "domain" not in info.value.report
 
 
 def test_arguments_are_validated():
