@@ -49,7 +49,8 @@ class MuonOptions:
             ``"polar_express"``, ``"cubic"``, one ``(a, b, c)`` triple or a sequence.
         weight_decay: decoupled weight decay, ``W <- W - lr * wd * W``.
         adjust_lr: shape scale of the orthogonalised update: ``"original"`` (``None``
-            means the same, as in torch), ``"match_rms_adamw"`` or ``"spectral"``.
+            means the same, as in torch), ``"match_rms_adamw"``, ``"spectral"`` or
+            ``"none"`` (scale 1, what dion's ``adjust_lr=None`` means).
         eps: floor of the Newton-Schulz normaliser, ``X <- G / max(||G||_F, eps)``
             (torch.optim.Muon's ``eps``).
         ns_dtype: Newton-Schulz compute dtype; ``None``: bfloat16 on CUDA, float32
