@@ -44,12 +44,10 @@ PUBLIC: dict[str, tuple[str, Callable[[], mfx.GradientTransformation], dict[str,
     "momentum": (ANY, lambda: mfx.momentum(0.9), dict(zero_grad_exact=True)),
     "momentum_nesterov_bf16_mu": (ANY, lambda: mfx.momentum(0.9, nesterov=True, mu_dtype=torch.bfloat16), {}),
     "nesterov": (ANY, lambda: mfx.nesterov(0.95), dict(zero_grad_exact=True)),
-    "bias_corrected_momentum": (ANY, lambda: mfx.bias_corrected_momentum(0.9), dict(zero_grad_exact=True)),
     "newton_schulz": (MATRIX, mfx.newton_schulz, dict(zero_grad_exact=True)),
     "newton_schulz_polar_express_gram": (
         MATRIX, lambda: mfx.newton_schulz(coefficients="polar_express", method="auto"), {}),
     "row_normalize": (MATRIX, lambda: mfx.chain(mfx.newton_schulz(), mfx.row_normalize(0.95)), {}),
-    "row_normalize_larger": (MATRIX, lambda: mfx.chain(mfx.newton_schulz(), mfx.row_normalize(axis="larger")), {}),
     "scale_by_shape": (MATRIX, lambda: mfx.scale_by_shape("spectral"), dict(zero_grad_exact=True)),
     "decoupled_decay": (ANY, lambda: mfx.decoupled_decay(0.1), {}),
     "scale": (ANY, lambda: mfx.scale(-0.5), dict(zero_grad_exact=True)),
@@ -57,8 +55,6 @@ PUBLIC: dict[str, tuple[str, Callable[[], mfx.GradientTransformation], dict[str,
     "scale_by_learning_rate_schedule": (
         ANY, lambda: mfx.scale_by_learning_rate(schedules.warmup_cosine_decay(0.0, 1.0, 1, 4)), {}),
     "scale_by_adam": (ANY, mfx.scale_by_adam, dict(zero_grad_exact=True)),
-    "scale_by_adam_nadam_eps_first": (
-        ANY, lambda: mfx.scale_by_adam(nesterov=True, eps_before_bias_correction=True), dict(zero_grad_exact=True)),
     "clip_by_global_norm": (ANY, lambda: mfx.clip_by_global_norm(0.5), dict(zero_grad_exact=True)),
     # combinators
     "chain": (ANY, lambda: mfx.chain(mfx.momentum(0.9), mfx.decoupled_decay(0.1),
@@ -82,6 +78,8 @@ PUBLIC: dict[str, tuple[str, Callable[[], mfx.GradientTransformation], dict[str,
     # recipes
     "moonlight": (ANY, mfx.moonlight, {}),
     "normuon": (MATRIX, mfx.normuon, {}),
+    # bias_corrected_momentum and scale_by_adam(nesterov=True) run inside optax_muon,
+    # row_normalize(axis="larger") inside modded_nanogpt_normuon
     "optax_muon": (ANY, lambda: mfx.optax_muon(weight_decay=0.1, adam_weight_decay=0.1), {}),
     "modded_nanogpt_normuon": (MATRIX, lambda: mfx.modded_nanogpt_normuon(weight_decay=0.1), {}),
     "cautious_decay": (ANY, lambda: mfx.cautious_decay(0.1), {}),
