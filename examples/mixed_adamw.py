@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 import muonfx as mfx
+from muonfx import create_hybrid_optimizer  # noqa: F401  the predecessor's `from examples.mixed_adamw import create_hybrid_optimizer`
 
 DIGITS = 10  # tokens 0..9 are digits
 SEP = DIGITS  # token 10 separates the input from its reversal

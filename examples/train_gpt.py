@@ -17,6 +17,11 @@ steps, the number of steps that draws as many tokens as the split holds
 (4,228,452 tokens on CPython 3.11: 1033 steps of tiny at batch 32 x 128, 130
 steps of gpt2 at 32 x 1024). ``--epochs`` may be fractional; ``--steps`` wins
 over ``--epochs``. Under ``--fsdp`` the batch is the global one (all ranks).
+
+The predecessor's flags still work, each with a deprecation line: ``--seq-length T``
+is ``--context T``, ``--save-dir DIR`` is ``--save DIR/checkpoint.pt --out DIR``,
+``--no-mixed-precision`` is ``--amp off``, ``--num-workers`` is ignored (the data is
+in memory).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import os
 import sys
 
 from muonfx.cli import Parser
-from muonfx.cli.args import DEFAULTS, add_train_args
+from muonfx.cli.args import DEFAULTS, add_train_args, translate_legacy_flags
 from muonfx.cli.corpus import load_corpus
 from muonfx.cli.model import MODELS
 from muonfx.cli.train_cmd import train_command
@@ -41,7 +46,10 @@ def epochs_to_steps(epochs: float, train_tokens: int, batch_size: int, context: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, notes = translate_legacy_flags(list(sys.argv[1:] if argv is None else argv), PROG)
+    if os.environ.get("RANK", "0") == "0":
+        for note in notes:
+            print(note, file=sys.stderr, flush=True)
     p = Parser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=float, metavar="E",

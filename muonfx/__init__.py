@@ -8,13 +8,13 @@ from . import linalg, schedules, seam
 from .base import EmptyState, GradientTransformation, apply_updates, identity
 from .combine import MaskedState, PartitionState, chain, mask_by_ndim, masked, named_chain, partition
 from .distributed.fsdp import FSDPMuonOptimizer
-from .familiar import MuonOptimizer, create_hybrid_optimizer
+from .familiar import MeaningChangedWarning, MuonOptimizer, create_hybrid_optimizer
 from .optim import TransformOptimizer, lr_multiplier
 from .options import MuonOptions
 from .presets import adamw, default_muon_labels, muon, muon_adamw
 from .recipes import (blockwise, cautious_decay, momentum_warmup, moonlight, muon_cautious, muon_per_head,
-                      muon_with_momentum_warmup, normuon, split_newton_schulz)
-from .transforms import (MomentumState, RowNormalizeState, ScaleByAdamState, ScaleByScheduleState, clip_by_global_norm,
+                      modded_nanogpt_normuon, muon_with_momentum_warmup, normuon, optax_muon, split_newton_schulz)
+from .transforms import (BiasCorrectedMomentumState, MomentumState, RowNormalizeState, bias_corrected_momentum, ScaleByAdamState, ScaleByScheduleState, clip_by_global_norm,
                          decoupled_decay, global_norm, momentum, nesterov, newton_schulz, row_normalize, scale,
                          scale_by_adam, scale_by_learning_rate, scale_by_shape)
 from .wrappers import (AccumulateState, ApplyIfFiniteState, InjectHyperparamsState, accumulate,
@@ -35,4 +35,6 @@ __all__ = [
     "blockwise", "split_newton_schulz", "muon_per_head",
     "schedules", "linalg", "seam",
     "TransformOptimizer", "lr_multiplier", "MuonOptimizer", "create_hybrid_optimizer", "FSDPMuonOptimizer",
+    "MeaningChangedWarning", "optax_muon", "modded_nanogpt_normuon", "bias_corrected_momentum",
+    "BiasCorrectedMomentumState",
 ]

@@ -675,7 +675,7 @@ def check_transform(
     hyperparams: Mapping[str, Any] | None = None,
     static_args: tuple[str, ...] = (),
     params: st.SearchStrategy | None = None,
-    matrices_only: bool = False,
+    matrices_only: bool | None = None,
     laws: Iterable[str] | None = None,
     steps: int = 2,
     max_examples: int = 20,
@@ -723,13 +723,19 @@ def check_transform(
         params: a strategy of ``(params, grads)`` pairs; defaults to
             :func:`params_and_grads` (0-D to 4-D leaves), or its matrices (2-D to 4-D)
             with ``matrices_only=True``.
+        matrices_only: ``None`` (default) learns the transform's domain: if one update
+            of a 0-D or a 1-D leaf raises ``ValueError`` while a 2-D leaf goes through
+            (Muon, Newton-Schulz and the other matrix-only transforms refuse vectors by
+            name), only matrices are drawn and the report's ``"domain"`` entry says why.
+            ``True`` draws matrices only, ``False`` every rank (no probe).
         laws: the laws to check (default: all that apply).
         steps: updates per run.
         max_examples: hypothesis examples per law.
         derandomize: use a fixed hypothesis seed (reproducible, e.g. in CI).
 
     Returns:
-        ``{law: "ok" | "skipped: <why>"}`` for every law in :data:`LAWS`.
+        ``{law: "ok" | "skipped: <why>"}`` for every law in :data:`LAWS`, plus
+        ``"domain": "matrices only: ..."`` when the check restricted itself to matrices.
 
     The hypothesis settings (no deadline, no example database, ``too_slow`` health
     check off) apply to these checks only.
@@ -770,8 +776,11 @@ def check_transform(
             raise ValueError(f"check_transform: unknown laws {unknown}; the laws are {list(LAWS)}")
         if "inject_hyperparams" in selected and not has_inject:
             raise ValueError("check_transform: the inject_hyperparams law needs factory= and hyperparams=")
+    domain = None
     if params is None:
-        params = params_and_grads(min_ndim=2) if matrices_only else params_and_grads()
+        if matrices_only is None:
+            domain = _matrix_domain(tx)
+        params = params_and_grads(min_ndim=2) if matrices_only or domain else params_and_grads()
     elif matrices_only:
         raise TypeError("check_transform: pass either params= or matrices_only=True, not both")
     cfg = _Config(steps, float(rtol), float(atol), factory, hp, tuple(static_args), zero_grad_exact)
@@ -807,6 +816,31 @@ def check_transform(
             + ("\nlaws passed before it: " + ", ".join(k for k, v in report.items() if v == "ok")
                if any(v == "ok" for v in report.values()) else "")
         )
+        if domain:
+            report["domain"] = domain
         err = ConformanceError(law, expectation, fail.detail, fail.example, report, message)
         raise err from fail.__cause__
+    if domain:
+        report["domain"] = domain
     return report
+
+
+def _matrix_domain(tx: GradientTransformation) -> str | None:
+    """``"matrices only: ..."`` if ``tx`` refuses 0-D or 1-D leaves with a ``ValueError``
+    (one init and update of a one-leaf TensorDict) but takes a 2-D one; else ``None``."""
+    from tensordict import TensorDict
+
+    def refusal(shape: tuple[int, ...]) -> ValueError | None:
+        leaf = TensorDict({"probe": torch.linspace(-1.0, 1.0, math.prod(shape)).reshape(shape)}, [])
+        try:
+            tx.update(leaf.clone(), tx.init(leaf), leaf)
+        except ValueError as e:
+            return e
+        return None
+
+    refused = [(shape, e) for shape in ((), (4,)) if (e := refusal(shape)) is not None]
+    if not refused or refusal((4, 3)) is not None:
+        return None
+    shape, e = refused[0]
+    return (f"matrices only (2-D to 4-D leaves): the transform refuses {len(shape)}-D leaves "
+            f"(ValueError: {str(e).splitlines()[0][:160]})")

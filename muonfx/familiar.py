@@ -3,6 +3,7 @@ as thin builders on :class:`muonfx.TransformOptimizer`."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Hashable, Iterable
 
 import torch
@@ -11,7 +12,9 @@ from .optim import TransformOptimizer
 from .options import takes_muon_options
 from .presets import adamw, default_muon_labels, muon
 
-__all__ = ["MuonOptimizer", "create_hybrid_optimizer", "model_labels"]
+__all__ = ["MuonOptimizer", "create_hybrid_optimizer", "model_labels", "MeaningChangedWarning"]
+
+_log = logging.getLogger("muonfx")
 
 
 def model_labels(model: torch.nn.Module) -> Callable[[str, torch.Tensor], Hashable]:
@@ -29,40 +32,170 @@ def model_labels(model: torch.nn.Module) -> Callable[[str, torch.Tensor], Hashab
     return labels
 
 
+class MeaningChangedWarning(UserWarning):
+    """An argument that the predecessor ``muon_fsdp`` read one way and muonfx reads
+    another (e.g. ``FSDPMuonOptimizer(beta2=0.99)``). Raised once per call site by
+    Python's default warning filter; silence it with
+    ``warnings.filterwarnings("ignore", category=mfx.MeaningChangedWarning)``."""
+
+
+#: The defaults of :class:`MuonOptimizer`'s AdamW fallback (:func:`create_hybrid_optimizer`'s).
+ADAMW_FALLBACK = dict(adamw_lr=1e-3, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=0.01)
+
+_said = set()
+
+
+def say_once(key: str, message: str) -> None:
+    """Log ``message`` on the ``muonfx`` logger: at WARNING the first time ``key`` is
+    said in this process (so a user sees it without configuring logging), then at INFO."""
+    _log.log(logging.INFO if key in _said else logging.WARNING, message)
+    _said.add(key)
+
+
+def _adamw_group(params: list, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> dict:
+    return dict(params=params, tx=adamw, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                sparse_grad="densify")
+
+
+def _tensor(item: Any) -> torch.Tensor:
+    return item[1] if isinstance(item, tuple) else item
+
+
+def _few(names: list[str], n: int = 3) -> str:
+    shown = ", ".join(names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
 class MuonOptimizer(TransformOptimizer):
-    """Muon as a ``torch.optim.Optimizer`` (the predecessor's signature and defaults).
+    """Muon as a ``torch.optim.Optimizer`` (the predecessor's signature and defaults),
+    with an AdamW fallback for the parameters Muon does not take.
 
     ``MuonOptimizer(params, lr=0.02, *, momentum=0.95, nesterov=False, ns_steps=5,
     ns_coefficients="keller", weight_decay=0.0, adjust_lr="original", eps=1e-7,
-    ns_dtype=None, ns_method="standard", mu_dtype=None)`` is
-    ``TransformOptimizer(params, mfx.muon, ...)``: the options are :func:`muonfx.muon`'s
-    (:class:`~muonfx.MuonOptions`, ``eps`` the Newton-Schulz floor), and every one is a
-    param-group hyperparameter read at each step. Note the predecessor's
-    ``nesterov=False`` default (torch.optim.Muon and ``mfx.muon`` use ``True``). Every
-    parameter must be a matrix (2-D, 3-D stack or conv weight); use
-    :func:`create_hybrid_optimizer` for a whole model.
+    ns_dtype=None, ns_method="auto", mu_dtype=None, strict=False, adamw_lr=1e-3,
+    adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=0.01)``.
+
+    ``params`` is what the predecessor took (``model.parameters()``,
+    ``model.named_parameters()``, param-group dicts) or the model itself. The matrices
+    (2-D, 3-D stacks, conv weights) get :func:`muonfx.muon` with the Muon options
+    (:class:`~muonfx.MuonOptions`, ``eps`` the Newton-Schulz floor), each a param-group
+    hyperparameter read at every step. The rest goes to a second param group (a third,
+    fourth, ... for param-group dicts) running AdamW with ``adamw_lr``, ``adamw_betas``,
+    ``adamw_eps`` and ``adamw_weight_decay`` (:func:`create_hybrid_optimizer`'s defaults):
+
+    * given parameters (plain or named): the 0-D/1-D ones (biases, norm weights);
+    * given a model (an ``nn.Module``): its trainable parameters split as
+      :func:`create_hybrid_optimizer` splits them (:func:`model_labels`): 0-D/1-D
+      tensors, the parameters of ``nn.Embedding``/``nn.EmbeddingBag`` modules (so an
+      output head tied to the embedding too) and parameters named like embeddings or an
+      output head (:data:`muonfx.ADAMW_KEY_PATTERN`: ``lm_head``, ``head``, ``wte``, ...).
+
+    The split is logged once on the ``muonfx`` logger (at WARNING the first time in a
+    process). ``strict=True`` keeps the fallback off: every parameter must then be a
+    matrix, and a 0-D/1-D one raises ``ValueError``. Note the predecessor's
+    ``nesterov=False`` default (torch.optim.Muon and ``mfx.muon`` use ``True``). The
+    predecessor gave 0-D/1-D parameters momentum SGD at Muon's lr and embeddings Muon.
 
     Example::
 
         >>> import torch, muonfx as mfx
-        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(16, 8, bias=False))
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
         >>> opt = mfx.MuonOptimizer(model.parameters(), lr=0.02, momentum=0.95, weight_decay=0.01)
+        >>> [len(g["params"]) for g in opt.param_groups]        # Muon: 2 weights; AdamW: 2 biases
+        [2, 2]
     """
 
-    @takes_muon_options(defaults={"nesterov": False})
-    def __init__(self, params: Iterable[Any], **muon_options: Any) -> None:
-        super().__init__(params, muon, **muon_options)
+    @takes_muon_options(defaults={"nesterov": False}, legacy_order=("momentum", "weight_decay", "nesterov", "ns_steps"),
+                        legacy_name="muon_fsdp.MuonOptimizer")
+    def __init__(
+        self,
+        params: Iterable[Any] | torch.nn.Module,
+        *,
+        strict: bool = False,
+        adamw_lr: float = ADAMW_FALLBACK["adamw_lr"],
+        adamw_betas: tuple[float, float] = ADAMW_FALLBACK["adamw_betas"],
+        adamw_eps: float = ADAMW_FALLBACK["adamw_eps"],
+        adamw_weight_decay: float = ADAMW_FALLBACK["adamw_weight_decay"],
+        **muon_options: Any,
+    ) -> None:
+        if not isinstance(strict, bool):
+            raise TypeError(f"MuonOptimizer: strict must be True or False, got {strict!r}")
+        fallback = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
+        if isinstance(params, torch.nn.Module):
+            groups, fallbacks = self._split_model(params, strict, fallback)
+        elif strict or isinstance(params, torch.Tensor):
+            groups, fallbacks = params if isinstance(params, torch.Tensor) else list(params), []
+        else:
+            groups, fallbacks = self._split_params(params, fallback)
+        fallback_groups = [gi for gi, g in enumerate(groups) if any(g is f for f in fallbacks)]
+        super().__init__(groups, muon, **muon_options)
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
-                if p.ndim < 2:
+                if p.ndim < 2 and self.records[gi].factory is muon:
                     raise ValueError(
                         f"MuonOptimizer: parameter {self._name(gi, i)!r} has shape {tuple(p.shape)}; Muon "
-                        "needs matrices. Give 0-D/1-D parameters (biases, norms) and embeddings to AdamW: "
-                        "mfx.create_hybrid_optimizer(model, ...) splits a model for you."
+                        "needs matrices (strict=True). Leave strict off to give 0-D/1-D parameters (biases, "
+                        "norms) AdamW, or use mfx.create_hybrid_optimizer(model, ...)."
                     )
+        moved = [f"{self._name(gi, i)!r} {tuple(p.shape)}" for gi in fallback_groups
+                 for i, p in enumerate(self.param_groups[gi]["params"])]
+        if moved:
+            say_once("MuonOptimizer fallback", (
+                f"muonfx: MuonOptimizer gives {len(moved)} parameter(s) that are not hidden matrices "
+                f"({_few(moved)}) AdamW (lr={adamw_lr:g}, betas={tuple(adamw_betas)}, weight_decay="
+                f"{adamw_weight_decay:g}), the matrices Muon; strict=True refuses them instead"))
+
+    @staticmethod
+    def _split_model(model: torch.nn.Module, strict: bool, fallback: dict) -> tuple[list[dict], list[dict]]:
+        """``(param groups, the AdamW fallback groups among them)``."""
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if strict:
+            return [dict(params=named)], []
+        label = model_labels(model)
+        muon_part = [(n, p) for n, p in named if label(n, p) == "muon"]
+        other = [_adamw_group([(n, p) for n, p in named if label(n, p) != "muon"], **fallback)]
+        if not other[0]["params"]:
+            other = []
+        return ([dict(params=muon_part)] if muon_part else []) + other, other
+
+    @staticmethod
+    def _split_params(params: Iterable[Any], fallback: dict) -> tuple[list[Any], list[dict]]:
+        """``(param groups, the AdamW fallback groups among them)``."""
+        items = list(params)
+        given = [dict(g) for g in items] if items and isinstance(items[0], dict) else [dict(params=items)]
+        for g in given:
+            ps = g.get("params")
+            g["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps) if isinstance(ps, Iterable) else ps
+        def splits(g: dict) -> bool:
+            ps = g["params"]
+            return ("tx" not in g and isinstance(ps, list) and all(isinstance(_tensor(x), torch.Tensor) for x in ps)
+                    and any(_tensor(x).ndim < 2 for x in ps))
+        if not any(splits(g) for g in given):
+            return items, []  # nothing to split (or TransformOptimizer's error to raise)
+        # the groups gain names (torch wants all or none named): plain parameters are
+        # named by their place in what was given, param0, param1, ...
+        start = 0
+        for g in given:
+            if isinstance(g["params"], list):
+                g["params"] = [x if isinstance(x, tuple) else (f"param{start + i}", x) for i, x in enumerate(g["params"])]
+                start += len(g["params"])
+        groups: list[dict] = []
+        fallbacks: list[dict] = []
+        for g in given:
+            if not splits(g):
+                groups.append(g)
+                continue
+            matrices = [x for x in g["params"] if _tensor(x).ndim >= 2]
+            if matrices:
+                groups.append({**g, "params": matrices})
+            fallbacks.append(_adamw_group([x for x in g["params"] if _tensor(x).ndim < 2], **fallback))
+            groups.append(fallbacks[-1])
+        return groups, fallbacks
 
 
-@takes_muon_options(rename={"lr": "muon_lr", "momentum": "muon_momentum", "weight_decay": "muon_weight_decay"})
+@takes_muon_options(rename={"lr": "muon_lr", "momentum": "muon_momentum", "weight_decay": "muon_weight_decay"},
+                    legacy_order=("adamw_lr", "muon_weight_decay", "adamw_weight_decay"),
+                    legacy_name="muon_fsdp's create_hybrid_optimizer")
 def create_hybrid_optimizer(
     model: torch.nn.Module,
     *,

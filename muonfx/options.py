@@ -49,7 +49,8 @@ class MuonOptions:
             ``"polar_express"``, ``"cubic"``, one ``(a, b, c)`` triple or a sequence.
         weight_decay: decoupled weight decay, ``W <- W - lr * wd * W``.
         adjust_lr: shape scale of the orthogonalised update: ``"original"`` (``None``
-            means the same, as in torch), ``"match_rms_adamw"`` or ``"spectral"``.
+            means the same, as in torch), ``"match_rms_adamw"``, ``"spectral"`` or
+            ``"none"`` (scale 1, what dion's ``adjust_lr=None`` means).
         eps: floor of the Newton-Schulz normaliser, ``X <- G / max(||G||_F, eps)``
             (torch.optim.Muon's ``eps``).
         ns_dtype: Newton-Schulz compute dtype; ``None``: the device's default
@@ -147,6 +148,8 @@ def takes_muon_options(
     rename: Mapping[str, str] | None = None,
     exclude: Iterable[str] = (),
     positional: bool = False,
+    legacy_order: Iterable[str] = (),
+    legacy_name: str = "",
 ) -> Callable[[F], F]:
     """Decorator: give a builder declared as ``f(<own params>, **options)`` the Muon options.
 
@@ -162,6 +165,11 @@ def takes_muon_options(
     ``positional=True``). A call is bound against that signature (so unknown or
     repeated arguments raise ``TypeError`` as for any function), defaults are filled in,
     and ``f`` receives every option under its field name in ``**options``.
+
+    ``legacy_order`` names (by their names here) the parameters an older API
+    (``legacy_name``, e.g. ``"muon_fsdp.MuonOptimizer"``) took by position after the
+    ones that are still positional here: a call with too many positional arguments then raises a
+    ``TypeError`` that says which keyword each extra argument must become.
 
     Example::
 
@@ -204,12 +212,24 @@ def takes_muon_options(
         full = sig.replace(parameters=lead + options + trail)
         field_of = {pub: name for name, pub in public.items()}
         leading = [p.name for p in lead]
+        n_positional = len([p for p in full.parameters.values() if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)])
+        old = list(legacy_order)
 
         @functools.wraps(fn)
         def with_options(*args: Any, **kwargs: Any) -> Any:
             try:
                 bound = full.bind(*args, **kwargs)
             except TypeError as e:
+                if old and len(args) > n_positional:
+                    names = [p.name for p in full.parameters.values()][:n_positional]
+                    names = names[1:] if names and names[0] == "self" else names
+                    extra = args[n_positional:]
+                    if len(extra) <= len(old):
+                        fix = ", ".join(f"{k}={v!r}" for k, v in zip(old, extra))
+                        raise TypeError(
+                            f"{fn.__qualname__}() takes only {', '.join(names)} by position. {legacy_name} took "
+                            f"{', '.join(old[:len(extra)])} next; here they are keyword-only, so that no "
+                            f"argument silently changes meaning. Pass them by keyword: {fix}") from None
                 raise TypeError(f"{fn.__qualname__}() {e}") from None
             bound.apply_defaults()
             given = bound.arguments

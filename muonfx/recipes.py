@@ -10,6 +10,8 @@
 :func:`blockwise`              run a matrix transform on blocks of each matrix
 :func:`split_newton_schulz`    Newton-Schulz per block (q, k, v or per head)
 :func:`muon_per_head`          Muon orthogonalising fused QKV weights per block
+:func:`optax_muon`             optax ``contrib.muon``: bias-corrected Nesterov, NAdamW for the rest
+:func:`modded_nanogpt_normuon` modded-nanogpt's NorMuon: wide matrices by column, lr^2 decay
 =============================  ===============================================================
 
 MoE expert stacks need no recipe: :func:`muonfx.muon` treats a 3-D leaf ``[E, m, n]``
@@ -40,14 +42,16 @@ from .combine import MaskSpec, chain, masked, named_chain, partition
 from .options import MuonOptions, insert_step, takes_muon_options
 from .presets import adamw, default_muon_labels, muon
 from .schedules import linear
-from .transforms import newton_schulz, row_normalize
+from .transforms import (bias_corrected_momentum, decoupled_decay, newton_schulz, row_normalize, scale_by_adam,
+                         scale_by_learning_rate)
 from .transforms._matrix import matrix_dims
 from .wrappers import inject_hyperparams
 
 SplitSizes = Union[int, Sequence[int]]
 
 __all__ = ["moonlight", "normuon", "cautious_decay", "muon_cautious", "momentum_warmup",
-           "muon_with_momentum_warmup", "blockwise", "split_newton_schulz", "muon_per_head"]
+           "muon_with_momentum_warmup", "blockwise", "split_newton_schulz", "muon_per_head", "optax_muon",
+           "modded_nanogpt_normuon"]
 
 
 # ---------------------------------------------------------------------------
@@ -61,6 +65,7 @@ def moonlight(
     betas: tuple[float, float] = (0.9, 0.95),
     adamw_eps: float = 1e-8,
     labels: Callable[[str, torch.Tensor], Hashable] | None = None,
+    adamw_eps_before_bias_correction: bool = False,
     **muon_options: Any,
 ) -> GradientTransformation:
     """Moonlight's Muon (Liu et al., 2025, "Muon is Scalable for LLM Training").
@@ -80,7 +85,9 @@ def moonlight(
     Defaults follow Moonlight's released example (lr 1e-3, wd 0.1, momentum 0.95
     Nesterov, 5 NS steps, AdamW betas (0.9, 0.95), Adam epsilon 1e-8). Moonlight keeps
     momentum in the sum form ``M <- mu M + G``; muonfx's EMA form differs by a positive
-    factor only, which Newton-Schulz normalises away.
+    factor only, which Newton-Schulz normalises away. Moonlight's AdamW adds ``eps`` to
+    the uncorrected ``sqrt(v)``; ``adamw_eps_before_bias_correction=True`` does the same
+    (:func:`~muonfx.scale_by_adam`'s option), the default is torch's AdamW.
 
     Example::
 
@@ -88,10 +95,19 @@ def moonlight(
         >>> tx = mfx.moonlight(lr=3e-4, weight_decay=0.1)
     """
     opts = MuonOptions(**muon_options)
+    if adamw_eps_before_bias_correction:
+        b1, b2 = betas
+        aux = named_chain(
+            ("adam", scale_by_adam(b1, b2, adamw_eps, eps_before_bias_correction=True)),
+            ("weight_decay", decoupled_decay(opts.weight_decay)),
+            ("lr", scale_by_learning_rate(opts.lr)),
+        )
+    else:
+        aux = adamw(lr=opts.lr, betas=betas, eps=adamw_eps, weight_decay=opts.weight_decay)
     return partition(
         {
             "muon": muon(**muon_options),
-            "adamw": adamw(lr=opts.lr, betas=betas, eps=adamw_eps, weight_decay=opts.weight_decay),
+            "adamw": aux,
         },
         labels or default_muon_labels,
     )
@@ -429,3 +445,98 @@ def muon_per_head(
     per_block = partition({"blocks": blockwise(ns_and_scale, split_sizes, dim), "whole": ns_and_scale},
                           lambda key, t: "blocks" if pattern.search(key) else "whole")
     return named_chain(*insert_step(steps, "momentum", "orthogonalize", per_block).items())
+
+
+# ---------------------------------------------------------------------------
+# other libraries' formulas, by name (see docs/migration.md)
+# ---------------------------------------------------------------------------
+
+
+def optax_labels(key: str, tensor: torch.Tensor) -> str:
+    """optax ``contrib.muon``'s default split: ``"muon"`` for 2-D leaves, ``"adam"`` otherwise."""
+    return "muon" if tensor.ndim == 2 else "adam"
+
+
+@takes_muon_options(defaults={"eps": 1e-8})
+def optax_muon(
+    *,
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.999,
+    adam_weight_decay: float = 0.0,
+    labels: Callable[[str, torch.Tensor], Hashable] | None = None,
+    **muon_options: Any,
+) -> GradientTransformation:
+    """optax ``contrib.muon``'s arithmetic (its defaults; ``momentum`` is optax's ``beta``).
+
+    ``partition({"muon": ..., "adam": ...}, labels)``, by default 2-D leaves to Muon and
+    every other leaf (biases, norms, but also 3-D and 4-D ones) to Adam, as optax does::
+
+        "muon":  bias_corrected_momentum(momentum, nesterov) -> newton_schulz(ns_steps, ns_coefficients, eps)
+                 -> scale_by_shape(adjust_lr) -> decoupled_decay(weight_decay) -> scale_by_learning_rate(lr)
+        "adam":  scale_by_adam(adam_b1, adam_b2, eps, nesterov=nesterov)    (NAdam when nesterov)
+                 -> decoupled_decay(adam_weight_decay) -> scale_by_learning_rate(lr)
+
+    What differs from :func:`~muonfx.muon`: the momentum is bias-corrected, and with
+    Nesterov (optax's default) its two terms are corrected separately,
+    ``beta * m / (1 - beta^(t+1)) + (1 - beta) * g / (1 - beta^t)``, which changes Muon's
+    steps by 8-60 % from the second step on; the Adam part is NAdam then; one ``eps``
+    (default optax's 1e-8) is both the Newton-Schulz floor and Adam's epsilon; the
+    Adam part has the same ``lr`` and no weight decay by default. optax's
+    ``consistent_rms=0.2`` is ``adjust_lr="match_rms_adamw"``. optax normalises by
+    ``||X|| + eps`` where muonfx uses ``max(||X||, eps)`` (a relative ``eps / ||X||``).
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> tx = mfx.optax_muon(lr=0.02)               # optax.contrib.muon(learning_rate=0.02)
+    """
+    opts = MuonOptions(**muon_options)
+    steps = opts.steps()
+    steps["momentum"] = bias_corrected_momentum(opts.momentum, opts.nesterov, opts.mu_dtype)
+    adam = named_chain(
+        ("adam", scale_by_adam(adam_b1, adam_b2, opts.eps, opts.mu_dtype, nesterov=opts.nesterov)),
+        ("weight_decay", decoupled_decay(adam_weight_decay)),
+        ("lr", scale_by_learning_rate(opts.lr)),
+    )
+    return partition({"muon": named_chain(*steps.items()), "adam": adam}, labels or optax_labels)
+
+
+@takes_muon_options(defaults={"ns_coefficients": "polar_express"})
+def modded_nanogpt_normuon(*, beta2: float = 0.95, row_eps: float = 1e-10, **muon_options: Any) -> GradientTransformation:
+    """modded-nanogpt's ``NorMuon`` for its matrices (the speedrun's arithmetic).
+
+    :func:`~muonfx.muon`'s options (Polar Express coefficients by default), chain::
+
+        "momentum"       momentum(momentum, nesterov)
+        "orthogonalize"  newton_schulz(ns_steps, ns_coefficients, eps, ns_dtype)
+        "row_normalize"  row_normalize(beta2, row_eps, axis="larger")   rows, or columns of wide matrices
+        "weight_decay"   cautious_decay(weight_decay * lr)
+        "scale_by_shape" scale_by_shape(adjust_lr)
+        "lr"             scale_by_learning_rate(lr)
+
+    so, with ``s = sqrt(max(1, A/B))`` and ``V`` the normalised update::
+
+        W <- W - lr * s * V - lr^2 * s * weight_decay * W * [sign(V) == sign(W)]
+
+    Two things differ from :func:`normuon`: the second moment is kept per column for
+    wide matrices (``rows < cols``), per row otherwise; and the weight decay is
+    cautious and scaled by ``lr^2`` times the shape factor (modded-nanogpt multiplies
+    ``weight_decay * lr`` by its effective lr ``lr * s``). ``lr`` must be a number
+    here (the decay depends on it); a scheduler driving
+    :class:`~muonfx.TransformOptimizer`'s ``lr`` rebuilds both. The reference divides by
+    ``sqrt(max(v, 1e-10))``, this by ``sqrt(v) + row_eps``; both equal where ``v`` is
+    not tiny.
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> tx = mfx.modded_nanogpt_normuon(lr=0.02, weight_decay=0.025)
+    """
+    opts = MuonOptions(**muon_options)
+    if callable(opts.lr):
+        raise ValueError("modded_nanogpt_normuon: lr must be a number (the weight decay is scaled by lr^2); "
+                         "drive it with an lr scheduler on TransformOptimizer instead of a schedule")
+    steps = insert_step(opts.steps(), "orthogonalize", "row_normalize", row_normalize(beta2, row_eps, axis="larger"))
+    order = ("momentum", "orthogonalize", "row_normalize", "weight_decay", "scale_by_shape", "lr")
+    steps["weight_decay"] = cautious_decay(opts.weight_decay * opts.lr)
+    return named_chain(*((name, steps[name]) for name in order))

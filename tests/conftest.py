@@ -55,3 +55,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+# The predecessor's README said ``pytest tests/ --cov=muon_fsdp``: name the package
+# that exists now (and pytest-cov, when it is not installed) instead of a bare
+# "unrecognized arguments".
+def pytest_addoption(parser, pluginmanager):
+    if not pluginmanager.has_plugin("pytest_cov"):
+        parser.addoption("--cov", action="append", nargs="?", const=True, default=[], dest="muonfx_cov",
+                         help="needs pytest-cov (pip install pytest-cov); measure with --cov=muonfx")
+
+
+def pytest_configure(config):
+    given = getattr(config.option, "muonfx_cov", None) or getattr(config.option, "cov_source", None) or []
+    if any(isinstance(v, str) and "muon_fsdp" in v for v in given):
+        raise pytest.UsageError("--cov=muon_fsdp: the package is muonfx now; use --cov=muonfx")
+    if getattr(config.option, "muonfx_cov", None):
+        raise pytest.UsageError("--cov needs pytest-cov, which is not installed: pip install pytest-cov "
+                                "(then pytest --cov=muonfx)")

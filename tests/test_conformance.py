@@ -78,6 +78,10 @@ PUBLIC: dict[str, tuple[str, Callable[[], mfx.GradientTransformation], dict[str,
     # recipes
     "moonlight": (ANY, mfx.moonlight, {}),
     "normuon": (MATRIX, mfx.normuon, {}),
+    # bias_corrected_momentum and scale_by_adam(nesterov=True) run inside optax_muon,
+    # row_normalize(axis="larger") inside modded_nanogpt_normuon
+    "optax_muon": (ANY, lambda: mfx.optax_muon(weight_decay=0.1, adam_weight_decay=0.1), {}),
+    "modded_nanogpt_normuon": (MATRIX, lambda: mfx.modded_nanogpt_normuon(weight_decay=0.1), {}),
     "cautious_decay": (ANY, lambda: mfx.cautious_decay(0.1), {}),
     "muon_cautious": (MATRIX, mfx.muon_cautious, {}),
     "momentum_warmup": (ANY, lambda: mfx.scale_by_learning_rate(mfx.momentum_warmup(steps=3)), {}),
@@ -387,10 +391,31 @@ def test_zero_grad_exact():
 
 def test_matrix_only_transform_on_general_params_names_the_error():
     with pytest.raises(ConformanceError) as info:
-        check_transform(mfx.newton_schulz(), laws=["purity"], **FAST)
+        check_transform(mfx.newton_schulz(), laws=["purity"], matrices_only=False, **FAST)
     msg = str(info.value)
     assert "update raised ValueError" in msg and "matrices_only=True" in msg
     assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_the_kit_learns_a_matrix_only_domain():
+    """``check_transform(mfx.muon())`` with no options: the kit sees muon refuse 0-D/1-D
+    leaves by name, checks it on matrices and says so (no purity error about a 0-D leaf)."""
+    report = check_transform(mfx.muon(), laws=["purity", "dtype_preservation"], **FAST)
+    assert report["purity"] == report["dtype_preservation"] == "ok"
+    assert report["domain"].startswith("matrices only (2-D to 4-D leaves): the transform refuses 0-D leaves")
+    assert "newton_schulz needs matrices" in report["domain"]
+    # a transform that takes every rank: no probe verdict, every rank drawn
+    assert "domain" not in check_transform(mfx.scale(2.0), laws=["purity"], **FAST)
+
+    def refuses_everything():
+        def update(u, s, p=None):
+            raise ValueError("never")
+        return mfx.GradientTransformation(lambda p: mfx.EmptyState(), update)
+
+    # refusing matrices too is not a domain: the law reports the error
+    with pytest.raises(ConformanceError, match="never") as info:
+        check_transform(refuses_everything(), laws=["purity"], **FAST)
+    assert "domain" not in info.value.report
 
 
 def test_arguments_are_validated():

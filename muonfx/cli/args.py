@@ -137,3 +137,58 @@ def validate(args: argparse.Namespace) -> str | None:
     if args.batch_size % world:
         return f"--batch-size {args.batch_size} must be a multiple of the {world} ranks (each takes an equal share)"
     return None
+
+
+#: the predecessor's ``examples/train_gpt.py`` flags: old flag -> (new flags, what changed);
+#: ``{}`` in a new flag is the old flag's value
+LEGACY_FLAGS = {
+    "--seq-length": (["--context", "{}"], "the sequence length is --context"),
+    "--save-dir": (["--save", "{}/checkpoint.pt", "--out", "{}"],
+                   "the checkpoint is --save PATH, the summary and plot go to --out DIR"),
+    "--num-workers": ([], "the data is in memory: no loader workers, the flag has no effect"),
+    "--no-mixed-precision": (["--amp", "off"], "precision is --amp auto|bf16|off"),
+}
+
+
+def translate_legacy_flags(argv: list[str], prog: str) -> tuple[list[str], list[str]]:
+    """Rewrite the predecessor's flags (:data:`LEGACY_FLAGS`) into today's.
+
+    Returns ``(argv, notes)``: the new command line and one deprecation line per old
+    flag (``"train_gpt.py: --seq-length 64 is deprecated: ... use --context 64"``).
+    Both ``--flag value`` and ``--flag=value`` are read; other arguments pass unchanged.
+
+    Example::
+
+        >>> from muonfx.cli.args import translate_legacy_flags
+        >>> translate_legacy_flags(["--seq-length", "64", "--steps", "5"], "train_gpt.py")[0]
+        ['--context', '64', '--steps', '5']
+    """
+    out: list[str] = []
+    notes: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        flag, eq, value = arg.partition("=")
+        if arg == "--":
+            out += argv[i:]
+            break
+        if flag not in LEGACY_FLAGS:
+            out.append(arg)
+            i += 1
+            continue
+        new, why = LEGACY_FLAGS[flag]
+        takes_value = flag != "--no-mixed-precision"
+        if takes_value and not eq:
+            if i + 1 >= len(argv):
+                out.append(arg)  # argparse's own error ("expected one argument") follows
+                i += 1
+                continue
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        replaced = [part.replace("{}", value) for part in new]
+        out += replaced
+        old = f"{flag} {value}" if takes_value else flag
+        notes.append(f"{prog}: {old} is deprecated ({why}); "
+                     + (f"use {' '.join(replaced)}" if replaced else "dropping it"))
+    return out, notes

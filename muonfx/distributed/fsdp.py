@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Iterable, Iterator
 
 import torch
 
 from ..base import GradientTransformation
 from ..combine import named_chain
-from ..familiar import model_labels
+from ..familiar import MeaningChangedWarning, model_labels, say_once
 from ..optim import TransformOptimizer
 from ..options import MuonOptions, insert_step, takes_muon_options
 from ..presets import adamw
@@ -101,7 +102,9 @@ class FSDPMuonOptimizer(TransformOptimizer):
         >>> opt = mfx.FSDPMuonOptimizer(model, lr=0.02)    # also on a fully_shard-ed model
     """
 
-    @takes_muon_options(defaults={"weight_decay": 0.01})
+    @takes_muon_options(defaults={"weight_decay": 0.01}, legacy_name="muon_fsdp.FSDPMuonOptimizer", legacy_order=(
+        "weight_decay", "momentum", "nesterov", "ns_steps", "ns_stepsize", "beta2", "row_eps",
+        "gradient_accumulation_steps"))
     def __init__(
         self,
         model: torch.nn.Module,
@@ -120,6 +123,26 @@ class FSDPMuonOptimizer(TransformOptimizer):
         self.model = model
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
+        changed = []
+        if beta2 is not None:
+            changed.append(
+                f"beta2={beta2!r} turns on NorMuon-style row normalisation after orthogonalisation "
+                "(mfx.row_normalize); in muon_fsdp, whose README used beta2=0.99, beta2 had no effect on the step. "
+                "Drop beta2 (or pass beta2=None) for plain Muon.")
+        if muon_options["eps"] != MuonOptions.eps:
+            changed.append(
+                f"eps={muon_options['eps']!r} is the Newton-Schulz floor here (default 1e-7); muon_fsdp's eps "
+                "(the row normaliser's, used with beta2) is row_eps.")
+        if gradient_accumulation_steps > 1:
+            changed.append(
+                f"gradient_accumulation_steps={gradient_accumulation_steps}: call opt.zero_grad() and opt.step() "
+                "after EVERY micro-batch; muonfx sums the gradients itself and moves the parameters once every "
+                f"{gradient_accumulation_steps} step() calls, with their mean. (muon_fsdp's step() skipped calls "
+                "and relied on .grad accumulating between them; if your loop accumulates in .grad and steps once "
+                "per k micro-batches, pass gradient_accumulation_steps=1.)")
+        if changed:
+            warnings.warn("FSDPMuonOptimizer: arguments that muon_fsdp read differently: " + " ".join(
+                f"({i}) {c}" for i, c in enumerate(changed, 1)), MeaningChangedWarning, stacklevel=3)
         named = list(model.named_parameters()) if params is None else list(params)
         if named and not isinstance(named[0], tuple):
             by_id = {id(p): n for n, p in model.named_parameters()}
@@ -142,6 +165,11 @@ class FSDPMuonOptimizer(TransformOptimizer):
         if not groups:
             raise ValueError("FSDPMuonOptimizer: no trainable parameters")
         super().__init__(groups, fsdp_muon)
+        if other:
+            shown = ", ".join(repr(n) for n, _ in other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
+            say_once("FSDPMuonOptimizer fallback", (
+                f"muonfx: FSDPMuonOptimizer gives {len(other)} parameter(s) that are not hidden matrices ({shown}: "
+                f"biases, norms, embeddings, the output head) AdamW (lr={adamw_lr:g}), the matrices Muon"))
 
     def unshard_params(self) -> contextlib.AbstractContextManager:
         """Context manager: the model's parameters are full tensors inside, resharded on exit."""

@@ -26,15 +26,25 @@ class ScaleByAdamState(NamedTuple):
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                  mu_dtype: torch.dtype | None = None) -> GradientTransformation:
+                  mu_dtype: torch.dtype | None = None, *, nesterov: bool = False,
+                  eps_before_bias_correction: bool = False) -> GradientTransformation:
     """Adam's direction with bias correction (torch.optim.Adam's arithmetic).
 
     Formula (``t`` counts from 1)::
 
         m <- lerp(m, g, 1 - b1);   v <- b2 * v + (1 - b2) * g * g
-        out = (m / (1 - b1^t)) / (sqrt(v) / sqrt(1 - b2^t) + eps)
+        out = m_hat / (sqrt(v) / sqrt(1 - b2^t) + eps),    m_hat = m / (1 - b1^t)
 
-    Defaults are torch's. ``mu_dtype`` stores both moments in that dtype.
+    Defaults are torch's. ``mu_dtype`` stores both moments in that dtype. Two
+    variants other libraries compute, by name:
+
+    * ``nesterov=True``: NAdam as optax computes it (``optax.nadamw``, and the 1-D
+      parameters of ``optax.contrib.muon`` with Nesterov on):
+      ``m_hat = b1 * m / (1 - b1^(t+1)) + (1 - b1) * g / (1 - b1^t)``;
+    * ``eps_before_bias_correction=True``: epsilon added to the uncorrected
+      ``sqrt(v)``, as Moonlight's AdamW does:
+      ``out = (sqrt(1 - b2^t) / (1 - b1^t)) * m / (sqrt(v) + eps)``, i.e. an epsilon
+      ``eps / sqrt(1 - b2^t)`` in the standard form (larger in the first steps).
 
     Example::
 
@@ -70,8 +80,13 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         # out = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps) = (sqrt(bc2) / bc1) * m / (sqrt(v) + eps * sqrt(bc2))
         bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
         den = foreach("sqrt", new_v)
-        foreach("add_", den, eps * math.sqrt(bc2))
-        out = foreach("div", new_m, den)
+        foreach("add_", den, eps if eps_before_bias_correction else eps * math.sqrt(bc2))
+        if nesterov:  # bc1 * m_hat = b1 * m * bc1 / (1 - b1^(t+1)) + (1 - b1) * g
+            num = foreach("mul", new_m, b1 * bc1 / (1.0 - b1 ** (t + 1)))
+            foreach("add_", num, gs, alpha=1.0 - b1)
+        else:
+            num = new_m
+        out = foreach("div", num, den)
         foreach("mul_", out, math.sqrt(bc2) / bc1)
         store = lambda new, old: [n if n.dtype == o.dtype else n.to(o.dtype) for n, o in zip(new, old)]  # noqa: E731
         return build(keys, out), ScaleByAdamState(t, build(keys, store(new_m, ms)), build(keys, store(new_v, vs)))

@@ -74,3 +74,66 @@ def nesterov(beta: float = 0.95, mu_dtype: torch.dtype | None = None) -> Gradien
         >>> tx = mfx.nesterov(0.95)
     """
     return momentum(beta, nesterov=True, mu_dtype=mu_dtype)
+
+
+class BiasCorrectedMomentumState(NamedTuple):
+    """State of :func:`bias_corrected_momentum`.
+
+    Attributes:
+        count: number of updates made so far (for the bias correction).
+        mu: EMA buffer, one tensor per parameter, zeros at ``init``.
+    """
+
+    count: int
+    mu: TensorDict
+
+
+def bias_corrected_momentum(beta: float = 0.95, nesterov: bool = True,
+                            mu_dtype: torch.dtype | None = None) -> GradientTransformation:
+    """EMA momentum with Adam-style bias correction (optax ``contrib.muon``'s momentum).
+
+    Formula (``t`` counts from 1; buffer ``m`` starting at zero)::
+
+        m <- lerp(m, g, 1 - beta)
+        out = m / (1 - beta^t)                                            (nesterov=False)
+        out = beta * m / (1 - beta^(t+1)) + (1 - beta) * g / (1 - beta^t)  (nesterov=True)
+
+    Without Nesterov the output is :func:`momentum`'s times ``1 / (1 - beta^t)``, a
+    positive factor that Newton-Schulz normalises away. With Nesterov the two terms are
+    corrected separately, which changes the direction, not just the size, in the first
+    steps (at ``t = 1`` both forms give ``g``; from ``t = 2`` on the mix of ``m`` and
+    ``g`` differs from torch's ``lerp(g, m, beta)``, and Muon steps differ by 8-60 %);
+    the difference fades as ``beta^t -> 0``. State: ``count`` and ``mu`` (``mu_dtype`` or
+    the parameter's dtype).
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> g = TensorDict({"w": torch.ones(2)}, [])
+        >>> tx = mfx.bias_corrected_momentum(0.9, nesterov=False)
+        >>> tx.update(g, tx.init(g))[0]["w"].tolist()      # m = 0.1, / (1 - 0.9)
+        [1.0, 1.0]
+    """
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(f"bias_corrected_momentum: beta must be in [0, 1), got {beta!r}")
+
+    def init_fn(params):
+        keys, ps = leaves(params, "params")
+        return BiasCorrectedMomentumState(0, build(keys, [torch.zeros_like(p, dtype=mu_dtype or p.dtype) for p in ps]))
+
+    def update_fn(updates, state, params=None):
+        keys, gs = leaves(updates)
+        ms = aligned(state.mu, keys, "bias_corrected_momentum state (mu)")
+        ms_c = [m if m.dtype == g.dtype else m.to(g.dtype) for m, g in zip(ms, gs)]
+        t = state.count + 1
+        new_m = foreach("lerp", ms_c, gs, 1.0 - beta)
+        if nesterov:
+            out = foreach("mul", new_m, beta / (1.0 - beta ** (t + 1)))
+            foreach("add_", out, gs, alpha=(1.0 - beta) / (1.0 - beta**t))
+        else:
+            out = foreach("mul", new_m, 1.0 / (1.0 - beta**t))
+        stored = [n if n.dtype == m.dtype else n.to(m.dtype) for n, m in zip(new_m, ms)]
+        return build(keys, out), BiasCorrectedMomentumState(t, build(keys, stored))
+
+    return GradientTransformation(init_fn, update_fn)

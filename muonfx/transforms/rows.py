@@ -15,8 +15,9 @@ class RowNormalizeState(NamedTuple):
     """State of :func:`row_normalize`.
 
     Attributes:
-        v: EMA of each matrix row's mean square, shaped like the matrix view without
-            its last dim (``[A]`` for ``A x B``, ``[E, A]`` for expert stacks, ``[out]``
+        v: EMA of each matrix row's mean square (each column's, for wide matrices with
+            ``axis="larger"``), shaped like the matrix view without its last dim (its
+            second-to-last) (``[A]`` for ``A x B``, ``[E, A]`` for expert stacks, ``[out]``
             for conv weights); zeros at init.
     """
 
@@ -28,7 +29,16 @@ def _rows_view(key, t: torch.Tensor) -> torch.Tensor:
     return t if t.ndim <= 3 else t.flatten(1)
 
 
-def row_normalize(beta2: float = 0.95, eps: float = 1e-8) -> GradientTransformation:
+AXES = ("rows", "larger")
+
+
+def _reduce_dim(axis: str, view: torch.Tensor) -> int:
+    """The dim the mean square runs over: the columns (one statistic per row), or for
+    ``axis="larger"`` and a wide matrix (rows < columns) the rows (one per column)."""
+    return -2 if axis == "larger" and view.shape[-2] < view.shape[-1] else -1
+
+
+def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows") -> GradientTransformation:
     """NorMuon-style neuron-wise normalisation of an orthogonalised update.
 
     Formula, per matrix ``O`` (rows ``i``)::
@@ -36,6 +46,10 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8) -> GradientTransformat
         v_i <- lerp(v_i, mean_j O_ij^2, 1 - beta2)
         P   =  O / (sqrt(v) + eps)                 (row-wise)
         out =  P * ||O||_F / ||P||_F               (keeps Muon's update norm)
+
+    ``axis="larger"`` keeps one statistic per index of the larger dimension, as
+    modded-nanogpt's NorMuon does: per row for tall and square matrices, per column
+    (``v_j <- lerp(v_j, mean_i O_ij^2, 1 - beta2)``) for wide ones.
 
     NorMuon (Li et al., 2025) follows the normalisation with a 0.2-RMS lr scale; here
     the update keeps the orthogonalised update's Frobenius norm so the usual
@@ -55,10 +69,13 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8) -> GradientTransformat
     """
     if not 0.0 <= beta2 < 1.0:
         raise ValueError(f"row_normalize: beta2 must be in [0, 1), got {beta2!r}")
+    if axis not in AXES:
+        raise ValueError(f"row_normalize: axis must be one of {AXES}, got {axis!r}")
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
-        return RowNormalizeState(build(keys, [torch.zeros_like(_rows_view(k, p)[..., 0]) for k, p in zip(keys, ps)]))
+        views = [_rows_view(k, p) for k, p in zip(keys, ps)]
+        return RowNormalizeState(build(keys, [torch.zeros_like(v.select(_reduce_dim(axis, v), 0)) for v in views]))
 
     def update_fn(updates, state, params=None):
         keys, us = leaves(updates)
@@ -66,8 +83,9 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8) -> GradientTransformat
         outs, new_vs = [], []
         for k, u, v in zip(keys, us, vs):
             o = _rows_view(k, u)
-            nv = torch.lerp(v.to(o.dtype), o.square().mean(dim=-1), 1.0 - beta2)
-            p = o / (nv.sqrt().unsqueeze(-1) + eps)
+            dim = _reduce_dim(axis, o)
+            nv = torch.lerp(v.to(o.dtype), o.square().mean(dim=dim), 1.0 - beta2)
+            p = o / (nv.sqrt().unsqueeze(dim) + eps)
             dims = (-2, -1)
             ratio = torch.linalg.vector_norm(o, dim=dims, keepdim=True) / torch.linalg.vector_norm(
                 p, dim=dims, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)

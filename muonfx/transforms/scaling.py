@@ -9,7 +9,7 @@ from ..base import EmptyState, GradientTransformation, build, foreach, leaves
 from ..schedules import ScalarOrSchedule, evaluate
 from ._matrix import matrix_shapes
 
-SHAPE_MODES = ("original", "match_rms_adamw", "spectral")
+SHAPE_MODES = ("original", "match_rms_adamw", "spectral", "none")
 
 
 def scale(factor: float) -> GradientTransformation:
@@ -87,6 +87,8 @@ def shape_factor(mode: str, a: int, b: int) -> float:
         return 0.2 * math.sqrt(max(a, b))
     if mode == "spectral":
         return math.sqrt(a / b)
+    if mode == "none":
+        return 1.0
     raise ValueError(f"unknown scale_by_shape mode {mode!r}; choose one of {SHAPE_MODES}")
 
 
@@ -98,7 +100,8 @@ def scale_by_shape(mode: str = "original") -> GradientTransformation:
 
     * ``"original"``: ``sqrt(max(1, A/B))`` (Keller Jordan; torch.optim.Muon's default);
     * ``"match_rms_adamw"``: ``0.2 * sqrt(max(A, B))`` (Moonlight: update RMS matches AdamW's);
-    * ``"spectral"``: ``sqrt(A/B)``.
+    * ``"spectral"``: ``sqrt(A/B)``;
+    * ``"none"``: ``1`` (no shape scale: dion's ``adjust_lr=None``).
 
     Example::
 
