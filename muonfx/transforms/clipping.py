@@ -6,6 +6,7 @@ import torch
 
 from .. import seam
 from ..base import EmptyState, GradientTransformation, build, foreach, leaves
+from ..hyperparams import check
 
 
 def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:
@@ -34,9 +35,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         >>> [round(out[k].item(), 4) for k in ("a", "b")]
         [0.6, 0.8]
     """
-    max_norm = float(max_norm)
-    if not max_norm > 0:
-        raise ValueError(f"clip_by_global_norm: max_norm must be > 0, got {max_norm}")
+    max_norm = float(check("max_norm", max_norm))
 
     def init_fn(params):
         return EmptyState()

@@ -8,6 +8,7 @@ import torch
 
 from .. import seam
 from ..base import EmptyState, GradientTransformation, build, leaves
+from ..hyperparams import check, check_float_dtype
 from ..linalg import CoefficientSpec, newton_schulz_batched, resolve
 from ._matrix import as_stacks
 
@@ -61,6 +62,8 @@ def newton_schulz(
         >>> bool(((s > 0.6) & (s < 1.2)).all())
         True
     """
+    eps = check("eps", eps)
+    check_float_dtype("dtype", dtype)
     schedule = resolve(coefficients, steps, safety)
     if method not in ("auto", "standard", "gram"):
         raise ValueError(f"newton_schulz: unknown method {method!r}; use 'auto', 'standard' or 'gram'")

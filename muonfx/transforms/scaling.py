@@ -6,6 +6,7 @@ import math
 from typing import NamedTuple
 
 from ..base import EmptyState, GradientTransformation, build, foreach, leaves
+from ..hyperparams import check
 from ..schedules import ScalarOrSchedule, evaluate
 from ._matrix import matrix_shapes
 
@@ -23,7 +24,7 @@ def scale(factor: float) -> GradientTransformation:
         >>> mfx.scale(3.0).update(u, None)[0]["w"].tolist()
         [3.0, 3.0]
     """
-    factor = float(factor)
+    factor = float(check("factor", factor))
 
     def init_fn(params):
         return EmptyState()
