@@ -57,8 +57,18 @@ _POSITIVE = (0.0, False, _INF, False, "> 0 and finite")
 _FINITE = (-_INF, False, _INF, False, "finite")
 
 
+_RULES: dict[str, tuple] = {}
+
+
 def rule(name: str) -> tuple:
     """``(low, low_included, high, high_included, wording)`` of the values allowed for ``name``."""
+    r = _RULES.get(name)
+    if r is None:
+        r = _RULES[name] = _rule(name)
+    return r
+
+
+def _rule(name: str) -> tuple:
     base = name.split("[", 1)[0]
     if base == "lr" or base.endswith("_lr") or base == "weight_decay" or base.endswith("_weight_decay") \
             or base == "eps" or base.endswith("_eps"):
@@ -101,7 +111,8 @@ def check(name: str, value: Any, count: Any = None, source: Any = None) -> float
                 if isinstance(value, torch.Tensor) else f"{value!r} (a {type(value).__name__})")
         raise TypeError(f"hyperparameter {name!r} is {what}{_where(count, source)}; it must be a real "
                         "number (or a one-element tensor)")
-    lo, lo_in, hi, hi_in, wording = rule(name)
+    r = _RULES.get(name)  # rule(name), inline: this runs for every hyperparameter of every step
+    lo, lo_in, hi, hi_in, wording = r if r is not None else rule(name)
     # comparisons only: under torch.compile(dynamic=True) ``v`` may be symbolic, and
     # comparisons become guards where math.isfinite would break the graph
     ok = (v >= lo if lo_in else v > lo) and (v <= hi if hi_in else v < hi)

@@ -137,7 +137,7 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
-        accs = aligned(state.acc, keys, "accumulate state (acc)")
+        accs = aligned(state.acc, keys, "accumulate state (acc)", like=gs)
         total = foreach("add", accs, [g if g.dtype == a.dtype else g.to(a.dtype) for g, a in zip(gs, accs)])
         if state.mini_step + 1 < every_k:
             zeros = build(keys, [torch.zeros_like(g) for g in gs])
@@ -276,6 +276,8 @@ def inject_hyperparams(
 
 def _checked(name: str, value: Any, count: int) -> Any:
     """Validate a stored (non-schedule) hyperparameter, keeping ints as ints."""
+    if type(value) is float or type(value) is int:  # the common case first
+        return check(name, value, count)
     if isinstance(value, (tuple, list)):
         return tuple(_checked(f"{name}[{i}]", v, count) for i, v in enumerate(value))
     if is_schedule(value):  # a schedule written into the state between steps

@@ -57,7 +57,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
-        ms = aligned(state.mu, keys, "adam state (mu)")
+        ms = aligned(state.mu, keys, "adam state (mu)", like=gs)
         vs = aligned(state.nu, keys, "adam state (nu)")
         ms_c = [m if m.dtype == g.dtype else m.to(g.dtype) for m, g in zip(ms, gs)]
         vs_c = [v if v.dtype == g.dtype else v.to(g.dtype) for v, g in zip(vs, gs)]

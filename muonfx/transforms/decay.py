@@ -36,7 +36,7 @@ def decoupled_decay(weight_decay: float, mask: MaskSpec | None = None) -> Gradie
 
     def update_fn(updates, state, params=None):
         keys, us = leaves(updates)
-        ps = aligned(params, keys, "params (needed by decoupled_decay)")
+        ps = aligned(params, keys, "params (needed by decoupled_decay)", like=us)
         if weight_decay == 0.0:
             return updates, state
         return build(keys, foreach("add", us, ps, alpha=weight_decay)), state

@@ -54,7 +54,7 @@ def momentum(beta: float = 0.95, nesterov: bool = False, mu_dtype: torch.dtype |
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
-        ms = aligned(state.mu, keys, "momentum state (mu)")
+        ms = aligned(state.mu, keys, "momentum state (mu)", like=gs)
         ms_c = [m if m.dtype == g.dtype else m.to(g.dtype) for m, g in zip(ms, gs)]
         new_m = foreach("lerp", ms_c, gs, 1.0 - beta)
         out = foreach("lerp", gs, new_m, beta) if nesterov else new_m

@@ -24,7 +24,7 @@ def scale(factor: float) -> GradientTransformation:
         >>> mfx.scale(3.0).update(u, None)[0]["w"].tolist()
         [3.0, 3.0]
     """
-    factor = float(check("factor", factor))
+    factor = float(factor)
 
     def init_fn(params):
         return EmptyState()
