@@ -17,7 +17,7 @@ from .hyperparams import check
 from .schedules import evaluate
 
 __all__ = ["apply_if_finite", "ApplyIfFiniteState", "accumulate", "AccumulateState",
-           "inject_hyperparams", "InjectHyperparamsState", "is_schedule"]
+           "inject_hyperparams", "InjectHyperparamsState", "is_schedule", "hyperparam_values"]
 
 
 # ---------------------------------------------------------------------------
@@ -272,6 +272,29 @@ def inject_hyperparams(
     make.__name__ = f"inject_hyperparams({getattr(factory, '__name__', 'factory')})"
     make.__doc__ = factory.__doc__
     return make
+
+
+def hyperparam_values(hparams: dict[str, Any], count: Any) -> dict[str, Any]:
+    """The values a factory gets from :func:`inject_hyperparams` at step ``count``:
+    schedules evaluated, numbers (and tuples of them) checked by
+    :func:`muonfx.hyperparams.check`, anything else (strings, dtypes, label functions)
+    as it is. Raises the error naming the hyperparameter.
+
+    Example::
+
+        >>> from muonfx.wrappers import hyperparam_values
+        >>> hyperparam_values({"lr": lambda step: 0.1 * step, "betas": (0.9, 0.99), "adjust_lr": None}, 3)
+        {'lr': 0.30000000000000004, 'betas': (0.9, 0.99), 'adjust_lr': None}
+    """
+    out = {}
+    for n, v in hparams.items():
+        if is_schedule(v):
+            out[n] = evaluate(n, v, count)
+        elif _is_injectable(v) or isinstance(v, torch.Tensor):
+            out[n] = _checked(n, v, count)
+        else:
+            out[n] = v
+    return out
 
 
 def _checked(name: str, value: Any, count: int) -> Any:

@@ -16,7 +16,7 @@ import torch
 
 from ..base import key_str
 from ..state_tree import unflatten_per_param
-from ..wrappers import signature
+from ..wrappers import hyperparam_values, signature
 from .groups import GroupRecord, serialisable
 
 __all__ = ["torch_state", "param_groups_for_saving", "load"]
@@ -54,6 +54,21 @@ def _check_value(gi: int, name: str, saved: Any, current: Any) -> None:
         saved = saved.item()
     if isinstance(saved, bool) or not isinstance(saved, numbers.Real) or not math.isfinite(float(saved)):
         raise ValueError(f"param group {gi}: saved {name!r} is {saved!r}, not a finite number")
+
+
+def _check_hyperparams(gi: int, rec: GroupRecord, group: dict[str, Any]) -> None:
+    """``ValueError`` naming the group (and the hyperparameter) unless the group's
+    hyperparameters as they would be after loading are valid (the rules of
+    :mod:`muonfx.hyperparams`) and build the group's transform."""
+    try:
+        values = hyperparam_values(rec.hyperparams(group), rec.state.count)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"param group {gi}: saved {e}") from None
+    try:
+        rec.factory(**values)
+    except Exception as e:  # a factory may refuse its arguments any way it likes
+        raise ValueError(f"param group {gi}: the saved hyperparameters do not build this group's transform: "
+                         f"{type(e).__name__}: {e}") from e
 
 
 def renamed_eps(saved: dict[str, Any], takes: Any) -> dict[str, Any]:
@@ -109,6 +124,8 @@ def load(records: list[GroupRecord], param_groups: list[dict], state_dict: dict[
         flat = {k: dict(state_dict["state"].get(pid, {})) for k, pid in zip(rec.keys, ids)}
         names_map = {k: key_str(k) for k in rec.keys}
         new_states.append(unflatten_per_param(rec.state, rec.keys, flat, names_map))
+    for gi, (rec, group, saved) in enumerate(zip(records, param_groups, saved_groups)):
+        _check_hyperparams(gi, rec, {**group, **{k: v for k, v in saved.items() if k not in ("params", "param_names")}})
     # everything checked: now change things
     for rec, group, saved, state in zip(records, param_groups, saved_groups, new_states):
         for k, v in saved.items():

@@ -163,7 +163,8 @@ class GroupRecord:
         if len(set(keys)) != len(keys):
             raise ValueError(f"duplicate parameter names in a param group: {names}")
         lr0 = group.get("lr")
-        rec = cls(factory, keys, float(lr0) if isinstance(lr0, (int, float, torch.Tensor)) else None)
+        one = isinstance(lr0, (int, float)) or isinstance(lr0, torch.Tensor) and lr0.numel() == 1
+        rec = cls(factory, keys, float(lr0) if one else None)  # anything else is refused by the transform
         with torch.no_grad():
             rec.state = rec.transform(rec.hyperparams(group)).init(build(keys, list(group["params"])))
         return rec
@@ -177,8 +178,11 @@ class GroupRecord:
         """
         hp = {n: group[n] for n in signature(self.factory).parameters if n in group}
         base = self.base_lr
-        if "lr" in hp and base:
-            ratio = float(hp["lr"]) / base
+        lr = hp.get("lr")
+        if base and (type(lr) is float or isinstance(lr, (int, float)) and not isinstance(lr, bool)
+                     or isinstance(lr, torch.Tensor) and lr.numel() == 1):
+            # (anything else, a string, None, is refused by name when the transform is built)
+            ratio = float(lr) / base
             if ratio != 1.0:
                 for n, v in hp.items():
                     if n.endswith("_lr") and isinstance(v, (int, float)) and not isinstance(v, bool):
