@@ -146,6 +146,12 @@ class GroupRecord:
         stepped: whether the group has made a step (compiled steps start after it).
         transforms: the group's transforms, one per set of static hyperparameters
             (numbers live in the state, so changing lr or momentum rebuilds nothing).
+        own: the scalar state entries (step counters: ``"count"``, ``"adam.count"``)
+            of the parameters whose counters differ from ``state``'s, by flat name
+            (see :func:`muonfx.state_tree.scalars_per_param`). A parameter that gets no
+            gradient in a step does not step, counters included (torch keeps
+            ``state[p]["step"]`` per parameter); empty while every parameter has
+            made every step.
     """
 
     factory: Callable[..., GradientTransformation]
@@ -154,6 +160,7 @@ class GroupRecord:
     state: Any = None
     stepped: bool = False
     transforms: dict[Any, GradientTransformation] = field(default_factory=dict)
+    own: dict[Key, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def create(cls, factory: Callable[..., GradientTransformation], names: list[str],
@@ -228,6 +235,8 @@ class GroupWork:
     idx: list[int]
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
+    #: the record's ``own`` counters after this step (set by the executor's compute)
+    own: dict[Key, dict[str, Any]] | None = None
 
 def gather(rec: GroupRecord, group: dict[str, Any]) -> GroupWork | None:
     """The group's parameters that have gradients, with those gradients (checked: a
