@@ -135,8 +135,7 @@ def leaves(td: TensorDictBase, what: str = "updates") -> tuple[list[Key], list[t
     """Keys and tensors of every leaf of ``td``, in its order, after validation.
 
     Raises ``TypeError`` naming the key for sparse, complex or non-tensor leaves, and,
-    when ``what`` is ``"updates"``, for integer or bool leaves (``ValueError`` for
-    ``meta``-device ones).
+    when ``what`` is ``"updates"``, for integer or bool leaves.
     """
     if not isinstance(td, TensorDictBase):
         raise TypeError(f"{what} must be a tensordict.TensorDict, got {type(td).__name__}")
@@ -144,8 +143,9 @@ def leaves(td: TensorDictBase, what: str = "updates") -> tuple[list[Key], list[t
     for k, v in td.items(include_nested=True, leaves_only=True):
         key = (k,) if type(k) is str else tuple(k)
         # the checks inline: this runs for every leaf of every transform of every step
-        # (is_floating_point is False for complex, integer and bool tensors)
-        if not isinstance(v, torch.Tensor) or v.layout != torch.strided or not v.is_floating_point() or v.is_meta:
+        # (is_floating_point is False for complex, integer and bool tensors; a meta-device
+        # update is refused where it meets the state or the parameters, see aligned())
+        if not isinstance(v, torch.Tensor) or v.layout != torch.strided or not v.is_floating_point():
             _check_leaf(key, v, what)
         keys.append(key)
         tensors.append(v)
@@ -202,7 +202,8 @@ def check_like(key: Key, u: torch.Tensor, ref: torch.Tensor, what: str = "update
         raise ValueError(f"{what} leaf {key_str(key)!r} has shape {tuple(u.shape)}, but {ref_what} has "
                          f"{tuple(ref.shape)} there (no broadcasting)")
     if u.device != ref.device:
-        raise ValueError(f"{what} leaf {key_str(key)!r} is on {u.device}, but {ref_what} is on {ref.device} there")
+        hint = " (it holds no data)" if u.is_meta else ""
+        raise ValueError(f"{what} leaf {key_str(key)!r} is on {u.device}{hint}, but {ref_what} is on {ref.device} there")
 
 
 # containers that may hold tensors (field-less states such as EmptyState() are skipped)
