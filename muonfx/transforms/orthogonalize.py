@@ -46,6 +46,11 @@ def newton_schulz(
             grows from ~7e-7 to ~5e-6 over 10 steps), hence opt-in. See
             :func:`muonfx.linalg.newton_schulz_batched`.
 
+    A matrix whose float32 (or bfloat16) norm overflows (entries of ~1e19 and more) is
+    scaled by ``2**-100`` before it is normalised, so it gets the update of the same
+    matrix at a sane scale instead of zero (no device sync; nothing changes where the
+    norm is finite).
+
     Leaves: 2-D are matrices, 3-D are batches of matrices (MoE experts), 4-D+ are
     viewed as ``[out, in*kh*kw]``. 0-D/1-D leaves raise ``ValueError`` naming the key;
     route them with :func:`mask_by_ndim` or :func:`partition`. Same-shape matrices are
