@@ -311,10 +311,8 @@ BAD_SCHEDULES = [  # a schedule's value, found bad at the step that uses it
 
 @pytest.mark.parametrize("sched,exc,match", BAD_SCHEDULES)
 def test_a_bad_schedule_value_is_refused_where_it_is_used(sched, exc, match):
-    first = {"n": 0}
-
     def lr(step):  # good at step 0, bad from step 1 on
-        return 0.1 if step == 0 and first["n"] < 10 else sched(step)
+        return 0.1 if step == 0 else sched(step)
 
     params = _params()
     tx = mfx.adamw(lr=lr)
@@ -486,18 +484,16 @@ def test_muon_update_of_a_huge_gradient_is_the_update_of_the_scaled_gradient(sca
 
 
 def test_newton_schulz_is_unchanged_bit_for_bit_where_nothing_overflows():
+    """The overflow guard changes no bit of a finite-norm input: the result equals the
+    iteration started from the plain ``G / max(||G||, eps)`` (the formula before it)."""
     from muonfx.linalg import newton_schulz_batched, resolve
+    from muonfx.linalg.newton_schulz import _standard
 
     g = torch.randn(3, 8, 16, generator=torch.Generator().manual_seed(1))
+    g[1] = 0.0  # the eps floor
     sched = resolve("keller", 5)
-    out = newton_schulz_batched(g, sched)
-    x = g / torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True).clamp_min(1e-7)  # the plain formula
-    for a, b, c in sched.steps:
-        gram = x @ x.mT
-        x = a * x + torch.baddbmm(gram, gram, gram, beta=b, alpha=c) @ x
-    torch.testing.assert_close(out, x, atol=1e-6, rtol=0)  # same iteration
-    bits = newton_schulz_batched(g.clone(), sched)
-    assert torch.equal(out, bits)
+    plain = _standard(g / torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True).clamp_min(1e-7), sched.steps)
+    assert torch.equal(newton_schulz_batched(g, sched), plain)
 
 
 @pytest.mark.parametrize("scale", [1e19, 1e30])
@@ -522,7 +518,10 @@ def test_a_gradient_holding_inf_still_gives_a_nan_not_a_silent_zero():
     g = TensorDict({"w": torch.ones(4, 4)}, [])
     g["w"][0, 0] = INF
     out, _ = mfx.clip_by_global_norm(1.0).update(g, None)
-    assert torch.isnan(out["w"]).any() or not torch.isfinite(out["w"]).all()
+    assert torch.isnan(out["w"][0, 0])  # inf * (1 / inf): a non-finite step that apply_if_finite skips
+    skip = mfx.apply_if_finite(mfx.clip_by_global_norm(1.0))
+    out, state = skip.update(g, skip.init(g))
+    assert state.notfinite_count == 1 and torch.equal(out["w"], torch.zeros(4, 4))
 
 
 # ---------------------------------------------------------------------------
