@@ -155,7 +155,8 @@ def _picks(keys: list[Key], values: list[Any]) -> list[bool]:
     for k, m in zip(keys, values):
         if type(m) is bool:
             out.append(m)
-        elif isinstance(m, torch.Tensor) and m.numel() == 1 or isinstance(m, numbers.Number) and not isinstance(m, complex):
+        elif (isinstance(m, torch.Tensor) and m.numel() == 1
+              or isinstance(m, numbers.Number) and not isinstance(m, complex)):
             out.append(bool(m))
         else:
             what = (f"a tensor of shape {tuple(m.shape)}" if isinstance(m, torch.Tensor)

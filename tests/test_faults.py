@@ -56,7 +56,8 @@ def _snapshot(*objs):
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
-                and (a.is_meta or torch.equal(a, b) or bool(torch.isnan(a).any() and torch.allclose(a, b, equal_nan=True))))
+                and (a.is_meta or torch.equal(a, b)
+                     or bool(torch.isnan(a).any() and torch.allclose(a, b, equal_nan=True))))
     return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 

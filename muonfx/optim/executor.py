@@ -212,8 +212,8 @@ class Executor:
         new_own = dict(own)
         stepped = {keys_all[i] for i in w.idx}
         if None in cohorts:  # the group's counters advance: who did not step keeps its own
-            for k, counters in scalars_per_param(state, [k for k in keys_all if k not in stepped and k not in own]).items():
-                new_own[k] = counters
+            idle = [k for k in keys_all if k not in stepped and k not in own]
+            new_own.update(scalars_per_param(state, idle))
         updates: list[Any] = [None] * len(w.idx)
         new_state = state
         for tag in sorted(cohorts, key=lambda t: t is not None):  # the group's cohort first
