@@ -33,6 +33,7 @@ __all__ = [
     "aligned",
     "build",
     "check_keys",
+    "check_like",
     "foreach",
     "tree_tensors",
     "tree_pairs",
@@ -117,12 +118,24 @@ def _check_leaf(key: Key, t: Any, what: str) -> None:
             f"{what} leaf {key_str(key)!r} is complex ({t.dtype}); muonfx transforms take real "
             "tensors only. Optimize torch.view_as_real(param) instead."
         )
+    if what == "updates":
+        if not t.is_floating_point():
+            raise TypeError(
+                f"updates leaf {key_str(key)!r} has dtype {t.dtype}; gradients and updates must be "
+                "floating point (an integer or bool gradient cannot be optimized)"
+            )
+        if t.is_meta:
+            raise ValueError(
+                f"updates leaf {key_str(key)!r} is on the meta device (it holds no data); "
+                "materialize the model (e.g. model.to_empty(device=...)) before stepping"
+            )
 
 
 def leaves(td: TensorDictBase, what: str = "updates") -> tuple[list[Key], list[torch.Tensor]]:
     """Keys and tensors of every leaf of ``td``, in its order, after validation.
 
-    Raises ``TypeError`` naming the key for sparse, complex or non-tensor leaves.
+    Raises ``TypeError`` naming the key for sparse, complex or non-tensor leaves, and,
+    when ``what`` is ``"updates"``, for integer or bool leaves.
     """
     if not isinstance(td, TensorDictBase):
         raise TypeError(f"{what} must be a tensordict.TensorDict, got {type(td).__name__}")
@@ -130,7 +143,9 @@ def leaves(td: TensorDictBase, what: str = "updates") -> tuple[list[Key], list[t
     for k, v in td.items(include_nested=True, leaves_only=True):
         key = (k,) if type(k) is str else tuple(k)
         # the checks inline: this runs for every leaf of every transform of every step
-        if not isinstance(v, torch.Tensor) or v.layout != torch.strided or v.is_complex():
+        # (is_floating_point is False for complex, integer and bool tensors; a meta-device
+        # update is refused where it meets the state or the parameters, see aligned())
+        if not isinstance(v, torch.Tensor) or v.layout != torch.strided or not v.is_floating_point():
             _check_leaf(key, v, what)
         keys.append(key)
         tensors.append(v)
@@ -149,14 +164,46 @@ def check_keys(expected: Iterable[Key], td: TensorDictBase, what: str, against: 
         )
 
 
-def aligned(td: TensorDictBase | None, keys: Sequence[Key], what: str, against: str = "updates") -> list[torch.Tensor]:
-    """The leaves of ``td`` in the order of ``keys`` (checking that the key sets agree)."""
+def aligned(td: TensorDictBase | None, keys: Sequence[Key], what: str, against: str = "updates",
+            like: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The leaves of ``td`` in the order of ``keys`` (checking that the key sets agree).
+
+    With ``like`` (the tensors of ``against``, in the order of ``keys``), each leaf must
+    also have the shape and device of its ``like`` tensor: ``ValueError`` naming the key
+    otherwise (a ``(4, 1)`` gradient would broadcast against a ``(4, 4)`` parameter).
+    """
     if td is None:
         raise ValueError(f"{what} are required by this transform: pass params=... to update()")
     if not isinstance(td, TensorDictBase):
         raise TypeError(f"{what} must be a tensordict.TensorDict, got {type(td).__name__}")
     check_keys(keys, td, what, against)
-    return [td.get(k) for k in keys]
+    out = [td.get(k) for k in keys]
+    if like is not None:
+        for k, o, u in zip(keys, out, like):
+            if o.shape != u.shape or o.device != u.device:
+                check_like(k, u, o, against, what)
+    return out
+
+
+def check_like(key: Key, u: torch.Tensor, ref: torch.Tensor, what: str = "updates", ref_what: str = "params") -> None:
+    """``ValueError`` naming ``key`` unless ``u`` has the shape and device of ``ref``.
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx.base import check_like
+        >>> try:
+        ...     check_like(("w",), torch.ones(4, 1), torch.ones(4, 4))
+        ... except ValueError as e:
+        ...     print(e)
+        updates leaf 'w' has shape (4, 1), but params has (4, 4) there (no broadcasting)
+    """
+    if u.shape != ref.shape:
+        raise ValueError(f"{what} leaf {key_str(key)!r} has shape {tuple(u.shape)}, but {ref_what} has "
+                         f"{tuple(ref.shape)} there (no broadcasting)")
+    if u.device != ref.device:
+        hint = " (it holds no data)" if u.is_meta else ""
+        raise ValueError(f"{what} leaf {key_str(key)!r} is on {u.device}{hint}, but {ref_what} is on {ref.device} there")
 
 
 # containers that may hold tensors (field-less states such as EmptyState() are skipped)
@@ -356,4 +403,9 @@ def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDict
     """
     keys, ps = leaves(params, "params")
     us = aligned(updates, keys, "updates", against="params")
+    for k, p, u in zip(keys, ps, us):  # all checked before anything is computed
+        if not isinstance(u, torch.Tensor) or u.layout != torch.strided or not u.is_floating_point() or u.is_meta:
+            _check_leaf(k, u, "updates")
+        if u.shape != p.shape or u.device != p.device:
+            check_like(k, u, p)
     return build(keys, [(p + u).to(p.dtype) for p, u in zip(ps, us)])

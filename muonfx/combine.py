@@ -7,6 +7,7 @@ and ``tensor`` the parameter (or, when ``update`` gets no params, the update).
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Hashable, Mapping, NamedTuple, Union
 
 import torch
@@ -146,6 +147,25 @@ class MaskedState(NamedTuple):
     inner_state: Any
 
 
+def _picks(keys: list[Key], values: list[Any]) -> list[bool]:
+    """The mask's values as bools; ``TypeError`` naming the key for a value that is not
+    a bool (a multi-element tensor from ``lambda k, t: t > 0``, ``None`` from a predicate
+    that forgot to return)."""
+    out = []
+    for k, m in zip(keys, values):
+        if type(m) is bool:
+            out.append(m)
+        elif (isinstance(m, torch.Tensor) and m.numel() == 1
+              or isinstance(m, numbers.Number) and not isinstance(m, complex)):
+            out.append(bool(m))
+        else:
+            what = (f"a tensor of shape {tuple(m.shape)}" if isinstance(m, torch.Tensor)
+                    else f"{m!r} (a {type(m).__name__})")
+            raise TypeError(f"mask: the value for leaf {key_str(k)!r} is {what}, not a bool; a mask predicate "
+                            "(key, tensor) -> bool must return one bool per leaf (e.g. t.ndim == 2)")
+    return out
+
+
 def masked(inner: GradientTransformation, mask: MaskSpec) -> GradientTransformation:
     """Apply ``inner`` only to the leaves selected by ``mask``; others pass through unchanged.
 
@@ -166,12 +186,12 @@ def masked(inner: GradientTransformation, mask: MaskSpec) -> GradientTransformat
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
-        pick = [bool(m) for m in resolve_labels(mask, keys, ps, "mask")]
+        pick = _picks(keys, resolve_labels(mask, keys, ps, "mask"))
         return MaskedState(inner.init(_sub(keys, ps, pick)))
 
     def update_fn(updates, state, params=None):
         keys, us, ps, labels = _split(updates, params, mask, "mask")
-        pick = [bool(m) for m in labels]
+        pick = _picks(keys, labels)
         sub_p = _sub(keys, ps, pick) if ps is not None else None
         new_u, new_inner = inner.update(_sub(keys, us, pick), state.inner_state, sub_p)
         out = [new_u.get(k) if p else u for k, u, p in zip(keys, us, pick)]

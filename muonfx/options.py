@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 import torch
 
 from .base import GradientTransformation
+from .hyperparams import check_args, check_float_dtype
 from .linalg import CoefficientSpec
 from .schedules import ScalarOrSchedule
 from .transforms import decoupled_decay, momentum as _momentum, newton_schulz, scale_by_learning_rate, scale_by_shape
@@ -83,6 +84,12 @@ class MuonOptions:
     ns_dtype: torch.dtype | None = None
     ns_method: str = "auto"
     mu_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        # the shared rules (muonfx.hyperparams), under the options' own names
+        check_args(lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, eps=self.eps)
+        check_float_dtype("ns_dtype", self.ns_dtype)
+        check_float_dtype("mu_dtype", self.mu_dtype)
 
     def kwargs(self) -> dict[str, Any]:
         """The options as keyword arguments (``muon(**opts.kwargs())``)."""

@@ -13,6 +13,7 @@ import torch
 
 from .base import GradientTransformation
 from .combine import named_chain, partition
+from .hyperparams import check_args
 from .options import MuonOptions, takes_muon_options
 from .schedules import ScalarOrSchedule
 from .transforms import decoupled_decay, scale_by_adam, scale_by_learning_rate
@@ -70,6 +71,9 @@ def adamw(
         >>> import muonfx as mfx
         >>> tx = mfx.adamw(lr=3e-4, betas=(0.9, 0.95))
     """
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"hyperparameter 'betas' must be a pair (beta1, beta2), got {betas!r}")
+    check_args(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     b1, b2 = betas
     return named_chain(
         ("adam", scale_by_adam(b1, b2, eps)),
@@ -122,6 +126,9 @@ def muon_adamw(
         >>> import muonfx as mfx
         >>> tx = mfx.muon_adamw(lr=0.02, adamw_lr=3e-3)
     """
+    if not isinstance(adamw_betas, (tuple, list)) or len(adamw_betas) != 2:
+        raise TypeError(f"hyperparameter 'adamw_betas' must be a pair (beta1, beta2), got {adamw_betas!r}")
+    check_args(adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay)
     return partition(
         {
             "muon": muon(**muon_options),

@@ -196,7 +196,7 @@ def cautious_decay(weight_decay: float, mask: MaskSpec | None = None) -> Gradien
 
     def update_fn(updates, state, params=None):
         keys, us = leaves(updates)
-        ps = aligned(params, keys, "params (needed by cautious_decay)")
+        ps = aligned(params, keys, "params (needed by cautious_decay)", like=us)
         if weight_decay == 0.0:
             return updates, state
         # gate = sign(p) * sign(u) in {-1, 0, 1} -> [signs agree and u != 0] -> p * gate,

@@ -21,6 +21,8 @@ from typing import Callable, Sequence, Union
 
 import torch
 
+from .hyperparams import check
+
 Schedule = Callable[[int], float]
 ScalarOrSchedule = Union[float, Schedule]
 
@@ -133,12 +135,11 @@ def warmup_cosine_decay(
 def evaluate(name: str, value: ScalarOrSchedule, count) -> float:
     """The value of a hyperparameter at ``count``: ``value(count)`` for schedules.
 
-    Raises ``ValueError`` naming ``name`` if the result is NaN or infinite.
+    The value is checked by :func:`muonfx.hyperparams.check` (the rules shared by every
+    entry point): ``TypeError`` naming ``name`` if it is not a number (a schedule that
+    returned None, a string or a multi-element tensor), ``ValueError`` if it is NaN,
+    infinite or out of ``name``'s range (a negative ``lr``, say).
     """
-    v = value(count) if callable(value) else value
-    f = float(v.item()) if isinstance(v, torch.Tensor) else float(v)
-    # comparisons rather than math.isfinite: under torch.compile(dynamic=True) ``f`` is
-    # symbolic, and comparisons become guards instead of graph breaks
-    if not (f == f and -math.inf < f < math.inf):
-        raise ValueError(f"hyperparameter {name!r} is {f} at step {_step(count)} (schedule {value!r})")
-    return f
+    if callable(value):
+        return float(check(name, value(count), count, value))
+    return float(check(name, value, count))

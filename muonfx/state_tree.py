@@ -26,7 +26,8 @@ from tensordict import TensorDictBase
 from .base import Key, build, key_str
 from .wrappers import InjectHyperparamsState
 
-__all__ = ["flatten_per_param", "unflatten_per_param", "restrict", "merge", "state_tensors"]
+__all__ = ["flatten_per_param", "unflatten_per_param", "restrict", "merge", "state_tensors", "scalars_per_param",
+           "with_scalars", "same_scalars", "own_scalars"]
 
 _ELIDED = ("inner_state", "inner_states")
 
@@ -114,6 +115,68 @@ def flatten_per_param(state: Any, keys: list[Key]) -> dict[Key, dict[str, Any]]:
     return out
 
 
+def scalars_per_param(state: Any, keys: list[Key]) -> dict[Key, dict[str, Any]]:
+    """``{param key: {flat name: scalar}}``: the scalar entries (step counters, flags) of
+    the subtrees each parameter is in; :func:`flatten_per_param` without the tensors.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> from muonfx.state_tree import scalars_per_param
+        >>> p = TensorDict({"w": torch.zeros(2)}, [])
+        >>> scalars_per_param(mfx.adamw().init(p), [("w",)])
+        {('w',): {'adam.count': 0}}
+    """
+    _, scalars, _ = _collect(state)
+    out: dict[Key, dict[str, Any]] = {k: {} for k in keys}
+    everyone = set(keys)
+    for path, value, scope in scalars:
+        for k in (scope if scope is not None else everyone):
+            if k in out:
+                out[k][path] = value
+    return out
+
+
+def same_scalars(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two ``{flat name: scalar}`` dicts hold the same entries and values."""
+    if a.keys() != b.keys():
+        return False
+    for n, v in a.items():
+        o = b[n]
+        if isinstance(v, torch.Tensor) or isinstance(o, torch.Tensor):
+            if not (isinstance(v, torch.Tensor) and isinstance(o, torch.Tensor) and torch.equal(v, o)):
+                return False
+        elif v != o:
+            return False
+    return True
+
+
+def own_scalars(state: Any, keys: list[Key], flat: dict[Key, dict[str, Any]],
+                names: dict[Key, str]) -> dict[Key, dict[str, Any]]:
+    """The parameters whose scalars in ``flat`` (a checkpoint's per-parameter entries)
+    differ from ``state``'s, with those scalars cast like ``state``'s: ``{key: {flat
+    name: value}}`` (the adapter's per-parameter step counters)."""
+    mine = scalars_per_param(state, keys)
+    out = {}
+    for k in keys:
+        got = {n: _cast_like(v, flat[k][n], f"state {n!r} of {names[k]!r}") for n, v in mine[k].items()}
+        if not same_scalars(got, mine[k]):
+            out[k] = got
+    return out
+
+
+def with_scalars(state: Any, values: dict[str, Any]) -> Any:
+    """``state`` with the scalar entries named in ``values`` (flat names, as
+    :func:`scalars_per_param` gives them) replaced; TensorDicts are kept as they are."""
+    _, _, elide = _collect(state)
+
+    def fn(path: str, node: Any) -> Any:
+        return node if isinstance(node, TensorDictBase) else values.get(path, node)
+
+    return _rebuild(state, "", fn, elide)
+
+
 def _cast_like(template: Any, value: Any, where: str) -> Any:
     if isinstance(template, torch.Tensor):
         if not isinstance(value, torch.Tensor):
@@ -195,19 +258,20 @@ def restrict(state: Any, keep: set) -> Any:
     return _rebuild(state, "", fn)
 
 
-def merge(full: Any, sub: Any) -> Any:
-    """``full`` with the entries present in ``sub`` (same structure) replaced."""
+def merge(full: Any, sub: Any, scalars: bool = True) -> Any:
+    """``full`` with the entries present in ``sub`` (same structure) replaced; its
+    scalars too, unless ``scalars=False`` (then only the per-parameter tensors)."""
     if isinstance(full, TensorDictBase):
         sub_keys = set(_td_keys(sub))
         ks = _td_keys(full)
         return build(ks, [sub.get(k) if k in sub_keys else full.get(k) for k in ks])
     if _is_namedtuple(full):
-        return type(full)(*(merge(a, b) for a, b in zip(full, sub)))
+        return type(full)(*(merge(a, b, scalars) for a, b in zip(full, sub)))
     if isinstance(full, dict):
-        return {k: merge(full[k], sub[k]) for k in full}
+        return {k: merge(full[k], sub[k], scalars) for k in full}
     if isinstance(full, (tuple, list)):
-        return type(full)(merge(a, b) for a, b in zip(full, sub))
-    return sub
+        return type(full)(merge(a, b, scalars) for a, b in zip(full, sub))
+    return sub if scalars else full
 
 
 def state_tensors(state: Any) -> list[torch.Tensor]:

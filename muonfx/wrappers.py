@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import numbers
 from typing import Any, Callable, NamedTuple
 
@@ -14,10 +13,11 @@ from tensordict import TensorDict
 
 from . import seam
 from .base import GradientTransformation, aligned, build, foreach, leaves
+from .hyperparams import check
 from .schedules import evaluate
 
 __all__ = ["apply_if_finite", "ApplyIfFiniteState", "accumulate", "AccumulateState",
-           "inject_hyperparams", "InjectHyperparamsState"]
+           "inject_hyperparams", "InjectHyperparamsState", "is_schedule", "hyperparam_values"]
 
 
 # ---------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
-        accs = aligned(state.acc, keys, "accumulate state (acc)")
+        accs = aligned(state.acc, keys, "accumulate state (acc)", like=gs)
         total = foreach("add", accs, [g if g.dtype == a.dtype else g.to(a.dtype) for g, a in zip(gs, accs)])
         if state.mini_step + 1 < every_k:
             zeros = build(keys, [torch.zeros_like(g) for g in gs])
@@ -182,11 +182,34 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
+def is_schedule(v: Any) -> bool:
+    """True for a callable that takes one positional argument (a schedule ``step -> value``).
+
+    Other callables given as hyperparameters (``labels=lambda key, tensor: ...`` of
+    :func:`muonfx.muon_adamw`, a mask predicate) are passed to the factory as they are.
+
+    Example::
+
+        >>> from muonfx.wrappers import is_schedule
+        >>> is_schedule(lambda step: 0.1), is_schedule(lambda key, tensor: "adamw")
+        (True, False)
+    """
+    if not callable(v) or isinstance(v, (type, torch.Tensor)):
+        return False
+    try:
+        inspect.signature(v).bind(0)
+    except TypeError:
+        return False
+    except ValueError:  # no signature (some builtins): take it for a schedule, as before
+        return True
+    return True
+
+
 def _is_injectable(v: Any) -> bool:
     """Numbers, schedules, and tuples of numbers (e.g. Adam's ``betas``)."""
     if isinstance(v, (tuple, list)):
         return len(v) > 0 and all(_is_number(x) or isinstance(x, torch.Tensor) for x in v)
-    return _is_number(v) or callable(v) or (isinstance(v, torch.Tensor) and v.numel() == 1)
+    return _is_number(v) or (isinstance(v, torch.Tensor) and v.numel() == 1) or is_schedule(v)
 
 
 def inject_hyperparams(
@@ -200,8 +223,11 @@ def inject_hyperparams(
     ``static_args`` is stored in
     ``state.hyperparams``; at each update the schedules are evaluated at
     ``state.count`` and the inner transform is rebuilt with the current values, so
-    values written into the state between steps take effect. A schedule returning
-    NaN/Inf raises ``ValueError`` naming the hyperparameter.
+    values written into the state between steps take effect. Every value is checked by
+    :func:`muonfx.hyperparams.check` at every update: a value (or a schedule's value)
+    that is NaN, infinite, out of range, ``None`` or a string raises an error naming the
+    hyperparameter. Callables that do not take one argument (label functions, mask
+    predicates) are not schedules: they go to the factory unchanged.
 
     Example (momentum warm-up 0.85 -> 0.95 over 300 steps, as in nanochat)::
 
@@ -248,12 +274,35 @@ def inject_hyperparams(
     return make
 
 
+def hyperparam_values(hparams: dict[str, Any], count: Any) -> dict[str, Any]:
+    """The values a factory gets from :func:`inject_hyperparams` at step ``count``:
+    schedules evaluated, numbers (and tuples of them) checked by
+    :func:`muonfx.hyperparams.check`, anything else (strings, dtypes, label functions)
+    as it is. Raises the error naming the hyperparameter.
+
+    Example::
+
+        >>> from muonfx.wrappers import hyperparam_values
+        >>> hyperparam_values({"lr": lambda step: 0.1 * step, "betas": (0.9, 0.99), "adjust_lr": None}, 3)
+        {'lr': 0.30000000000000004, 'betas': (0.9, 0.99), 'adjust_lr': None}
+    """
+    out = {}
+    for n, v in hparams.items():
+        if is_schedule(v):
+            out[n] = evaluate(n, v, count)
+        elif _is_injectable(v) or isinstance(v, torch.Tensor):
+            out[n] = _checked(n, v, count)
+        else:
+            out[n] = v
+    return out
+
+
 def _checked(name: str, value: Any, count: int) -> Any:
     """Validate a stored (non-schedule) hyperparameter, keeping ints as ints."""
+    if type(value) is float or type(value) is int:  # the common case first
+        return check(name, value, count)
     if isinstance(value, (tuple, list)):
         return tuple(_checked(f"{name}[{i}]", v, count) for i, v in enumerate(value))
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if type(value) is float and -math.inf < value < math.inf:  # the common case, checked inline
-        return value
-    return evaluate(name, value, count)
+    if is_schedule(value):  # a schedule written into the state between steps
+        return evaluate(name, value, count)
+    return check(name, value, count)

@@ -148,8 +148,20 @@ def _orthogonalize(g: torch.Tensor, schedule: Schedule, eps: float, cdtype: torc
     if tall:
         x = x.mT
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-    # out-of-place division: x may alias g when no cast happened
-    x = x / (norm * schedule.safety).clamp_min(eps)
+    if x.dtype != torch.float64:
+        # Entries of ~1e19 and more overflow a float32 (or bfloat16) sum of squares: the
+        # norm is inf and the result would be zero. The polar factor does not depend on
+        # the scale, so those matrices are scaled by 2**-100 (exact) first. Branch-free (no
+        # device sync): one multiply and one more norm, in place of nothing; where the
+        # norm did not overflow the scale is 1 and every bit is as before.
+        down = torch.where(torch.isinf(norm), 2.0 ** -100, 1.0).to(x.dtype)
+        x = x * down  # a new tensor: x may alias g when no cast happened
+        norm = torch.where(down < 1, torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True), norm)
+        den = norm * schedule.safety
+        x.div_(torch.where(down < 1, den, den.clamp_min(eps)))
+    else:
+        # out-of-place division: x may alias g when no cast happened
+        x = x / (norm * schedule.safety).clamp_min(eps)
     y = None
     if cdtype in (torch.bfloat16, torch.float16) and triton_ns.available(x) and not torch.compiler.is_compiling():
         # the same iteration with symmetric Triton products (CUDA); None if a launch failed

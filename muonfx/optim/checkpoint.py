@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from ..base import key_str
-from ..state_tree import unflatten_per_param
-from ..wrappers import signature
+from ..state_tree import own_scalars, unflatten_per_param
+from ..wrappers import hyperparam_values, signature
 from .groups import GroupRecord, serialisable
 
 __all__ = ["torch_state", "param_groups_for_saving", "load"]
@@ -29,6 +29,8 @@ def torch_state(records: list[GroupRecord], param_groups: list[dict]) -> dict[to
     out: dict[torch.Tensor, dict[str, Any]] = {}
     for rec, group in zip(records, param_groups):
         flat = flatten_per_param(rec.state, rec.keys)
+        for k, counters in rec.own.items():  # the parameter's own step counters
+            flat[k].update(counters)
         for p, k in zip(group["params"], rec.keys):
             out[p] = flat[k]
     return out
@@ -54,6 +56,21 @@ def _check_value(gi: int, name: str, saved: Any, current: Any) -> None:
         saved = saved.item()
     if isinstance(saved, bool) or not isinstance(saved, numbers.Real) or not math.isfinite(float(saved)):
         raise ValueError(f"param group {gi}: saved {name!r} is {saved!r}, not a finite number")
+
+
+def _check_hyperparams(gi: int, rec: GroupRecord, group: dict[str, Any]) -> None:
+    """``ValueError`` naming the group (and the hyperparameter) unless the group's
+    hyperparameters as they would be after loading are valid (the rules of
+    :mod:`muonfx.hyperparams`) and build the group's transform."""
+    try:
+        values = hyperparam_values(rec.hyperparams(group), rec.state.count)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"param group {gi}: saved {e}") from None
+    try:
+        rec.factory(**values)
+    except Exception as e:  # a factory may refuse its arguments any way it likes
+        raise ValueError(f"param group {gi}: the saved hyperparameters do not build this group's transform: "
+                         f"{type(e).__name__}: {e}") from e
 
 
 def renamed_eps(saved: dict[str, Any], takes: Any) -> dict[str, Any]:
@@ -108,11 +125,17 @@ def load(records: list[GroupRecord], param_groups: list[dict], state_dict: dict[
                 _check_value(gi, k, v, group[k])
         flat = {k: dict(state_dict["state"].get(pid, {})) for k, pid in zip(rec.keys, ids)}
         names_map = {k: key_str(k) for k in rec.keys}
-        new_states.append(unflatten_per_param(rec.state, rec.keys, flat, names_map))
+        state = unflatten_per_param(rec.state, rec.keys, flat, names_map)
+        # counters are per parameter: those that differ from the group's (the first
+        # parameter's, which the state took) are the parameter's own
+        new_states.append((state, own_scalars(state, rec.keys, flat, names_map)))
+    for gi, (rec, group, saved) in enumerate(zip(records, param_groups, saved_groups)):
+        _check_hyperparams(gi, rec, {**group, **{k: v for k, v in saved.items() if k not in ("params", "param_names")}})
     # everything checked: now change things
-    for rec, group, saved, state in zip(records, param_groups, saved_groups, new_states):
+    for rec, group, saved, (state, own) in zip(records, param_groups, saved_groups, new_states):
         for k, v in saved.items():
             if k not in ("params", "param_names"):
                 group[k] = v
         hp = rec.hyperparams(group)
         rec.state = state._replace(hyperparams={n: hp[n] for n in state.hyperparams if n in hp})
+        rec.own = own

@@ -34,7 +34,7 @@ from tensordict import TensorDictBase
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ..base import Key, build, foreach, key_str, tree_pairs as _tree_pairs, tree_replace as _rebuild
-from ..state_tree import merge, restrict
+from ..state_tree import merge, restrict, same_scalars, scalars_per_param, with_scalars
 from ..wrappers import inject_hyperparams
 from .groups import GroupWork, static_key as _static_key
 
@@ -120,6 +120,15 @@ def _store(old: Any, new: Any) -> Any:
     return _rebuild(new, taken) if taken else new
 
 
+def _one_cohort(w: GroupWork) -> bool:
+    """Whether the parameters that step all have the group's counters and those that
+    do not all have their own already: then the step is one plain (partial) call."""
+    own = w.record.own
+    keys = w.record.keys
+    stepping = set(w.idx)
+    return all((keys[i] in own) != (i in stepping) for i in range(len(keys)))
+
+
 class Executor:
     """Runs the adapter's steps.
 
@@ -170,12 +179,70 @@ class Executor:
     # -- eager: phase 1 ---------------------------------------------------------
 
     def compute(self, w: GroupWork) -> tuple[list[torch.Tensor], Any]:
-        """The group's updates (aligned with ``w.params``) and its whole new state."""
+        """The group's updates (aligned with ``w.params``) and its whole new state.
+
+        Step counters are per parameter, as torch's: a parameter without a gradient
+        keeps its counters (they go to ``record.own``), and parameters whose counters
+        differ from the group's step in cohorts, one transform call per set of counters
+        (see :meth:`_cohorts`). While every parameter steps every time, that is one call.
+        """
+        rec = w.record
+        partial = len(w.idx) != len(rec.keys)
+        if partial or rec.own:
+            return self._cohorts(w)
+        return self._compute(w, w.idx, rec.current_state(w.hp))
+
+    def _cohorts(self, w: GroupWork) -> tuple[list[torch.Tensor], Any]:
+        """:meth:`compute` for a step where some parameters have no gradient or their
+        own counters: the parameters that step are grouped by their counters (the
+        group's, or one of ``record.own``'s), each cohort computed on its sub-state
+        with its counters; the new state takes the tensors of every cohort and the
+        counters of the group's cohort, and ``w.own`` the counters of the others (and of
+        the parameters that did not step, as they were)."""
         rec = w.record
         keys_all = rec.keys
-        partial = len(w.idx) != len(keys_all)
-        keys: list[Key] = [keys_all[i] for i in w.idx] if partial else keys_all
         state = rec.current_state(w.hp)
+        own = rec.own
+        cohorts: dict[Any, list[int]] = {}
+        for j, i in enumerate(w.idx):
+            k = keys_all[i]
+            tag = None if k not in own else tuple(
+                (n, v.item() if isinstance(v, torch.Tensor) else v) for n, v in own[k].items())
+            cohorts.setdefault(tag, []).append(j)
+        new_own = dict(own)
+        stepped = {keys_all[i] for i in w.idx}
+        if None in cohorts:  # the group's counters advance: who did not step keeps its own
+            idle = [k for k in keys_all if k not in stepped and k not in own]
+            new_own.update(scalars_per_param(state, idle))
+        updates: list[Any] = [None] * len(w.idx)
+        new_state = state
+        for tag in sorted(cohorts, key=lambda t: t is not None):  # the group's cohort first
+            js = cohorts[tag]
+            idx = [w.idx[j] for j in js]
+            start = state if tag is None else with_scalars(state, own[keys_all[idx[0]]])
+            sub_w = GroupWork(rec, w.hp, idx, [w.params[j] for j in js], [w.grads[j] for j in js])
+            us, sub_state = self._compute(sub_w, idx, start)
+            for j, u in zip(js, us):
+                updates[j] = u
+            if tag is None:
+                new_state = merge(new_state, restrict(sub_state, {keys_all[i] for i in idx}))
+            else:
+                new_state = merge(new_state, restrict(sub_state, {keys_all[i] for i in idx}), scalars=False)
+                cohort_keys = [keys_all[i] for i in idx]
+                new_own.update(scalars_per_param(sub_state, cohort_keys))
+        if new_own:  # counters that caught up with the group's are the group's again
+            now = scalars_per_param(new_state, list(new_own))
+            new_own = {k: c for k, c in new_own.items() if not same_scalars(c, now[k])}
+        w.own = new_own
+        return updates, new_state
+
+    def _compute(self, w: GroupWork, idx: list[int], state: Any) -> tuple[list[torch.Tensor], Any]:
+        """The updates of the parameters at positions ``idx`` of the group and the whole
+        new state (``state`` with their entries replaced)."""
+        rec = w.record
+        keys_all = rec.keys
+        partial = len(idx) != len(keys_all)
+        keys: list[Key] = [keys_all[i] for i in idx] if partial else keys_all
         sub = restrict(state, set(keys)) if partial else state
         upd, new_sub = rec.transform(w.hp).update(build(keys, w.grads), sub, build(keys, w.params))
         if not isinstance(upd, TensorDictBase):
@@ -209,6 +276,8 @@ class Executor:
         rec.state = write_back(rec.state, new_state, unsafe, pairs)
         foreach("add_", w.params, us)
         rec.stepped = True
+        if w.own is not None:
+            rec.own = w.own
 
     # -- compiled ---------------------------------------------------------------
 
@@ -220,7 +289,8 @@ class Executor:
         skips the frame and runs it eagerly, so the step must be the eager one."""
         ok, n = not is_in_torch_dispatch_mode(), 0
         for w in work:  # plain loops: this runs every step
-            ok = ok and w.record.stepped
+            ok = ok and w.record.stepped and (not w.record.own and len(w.idx) == len(w.record.keys)
+                                              or _one_cohort(w))
             for p in w.params:
                 n += p.numel()
                 if type(p).__name__ == "DTensor":

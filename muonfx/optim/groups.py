@@ -146,6 +146,12 @@ class GroupRecord:
         stepped: whether the group has made a step (compiled steps start after it).
         transforms: the group's transforms, one per set of static hyperparameters
             (numbers live in the state, so changing lr or momentum rebuilds nothing).
+        own: the scalar state entries (step counters: ``"count"``, ``"adam.count"``)
+            of the parameters whose counters differ from ``state``'s, by flat name
+            (see :func:`muonfx.state_tree.scalars_per_param`). A parameter that gets no
+            gradient in a step does not step, counters included (torch keeps
+            ``state[p]["step"]`` per parameter); empty while every parameter has
+            made every step.
     """
 
     factory: Callable[..., GradientTransformation]
@@ -154,6 +160,7 @@ class GroupRecord:
     state: Any = None
     stepped: bool = False
     transforms: dict[Any, GradientTransformation] = field(default_factory=dict)
+    own: dict[Key, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def create(cls, factory: Callable[..., GradientTransformation], names: list[str],
@@ -163,7 +170,8 @@ class GroupRecord:
         if len(set(keys)) != len(keys):
             raise ValueError(f"duplicate parameter names in a param group: {names}")
         lr0 = group.get("lr")
-        rec = cls(factory, keys, float(lr0) if isinstance(lr0, (int, float, torch.Tensor)) else None)
+        one = isinstance(lr0, (int, float)) or isinstance(lr0, torch.Tensor) and lr0.numel() == 1
+        rec = cls(factory, keys, float(lr0) if one else None)  # anything else is refused by the transform
         with torch.no_grad():
             rec.state = rec.transform(rec.hyperparams(group)).init(build(keys, list(group["params"])))
         return rec
@@ -177,8 +185,11 @@ class GroupRecord:
         """
         hp = {n: group[n] for n in signature(self.factory).parameters if n in group}
         base = self.base_lr
-        if "lr" in hp and base:
-            ratio = float(hp["lr"]) / base
+        lr = hp.get("lr")
+        if base and (type(lr) is float or isinstance(lr, (int, float)) and not isinstance(lr, bool)
+                     or isinstance(lr, torch.Tensor) and lr.numel() == 1):
+            # (anything else, a string, None, is refused by name when the transform is built)
+            ratio = float(lr) / base
             if ratio != 1.0:
                 for n, v in hp.items():
                     if n.endswith("_lr") and isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -224,6 +235,8 @@ class GroupWork:
     idx: list[int]
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
+    #: the record's ``own`` counters after this step (set by the executor's compute)
+    own: dict[Key, dict[str, Any]] | None = None
 
 def gather(rec: GroupRecord, group: dict[str, Any]) -> GroupWork | None:
     """The group's parameters that have gradients, with those gradients (checked: a

@@ -42,8 +42,11 @@ class TransformOptimizer(torch.optim.Optimizer):
     into the old state buffers and adds the updates to the parameters in place. If
     anything raises during a step, every parameter, state tensor and param group is
     left as it was. Parameters whose ``grad`` is None are left exactly as they are and
-    their per-parameter state tensors do not move; step counters shared by a group
-    keep counting.
+    none of their state moves, step counters included: counters are per parameter, as
+    torch's ``state[p]["step"]`` (AdamW's bias correction for a parameter that skips
+    steps is torch's). Hyperparameters are checked by the rules of
+    :mod:`muonfx.hyperparams` when the optimizer is built, at every step and when a
+    checkpoint is loaded; the error names the hyperparameter (and the group).
 
     ``state_dict()`` is torch's format with the transform's state flattened per
     parameter (``"momentum.mu"``, ``"adam.nu"``, ``"count"``); it loads with
@@ -189,8 +192,10 @@ class TransformOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict from :meth:`state_dict`; on any mismatch (other transform,
-        other model, a hyperparameter that is not a finite number) raise ``ValueError``
-        saying what differs and change nothing."""
+        other model, a hyperparameter that breaks the rules of :mod:`muonfx.hyperparams`
+        or does not build the group's transform) raise ``ValueError`` naming the group
+        and what differs, and change nothing: every group is checked before any is
+        changed."""
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:

@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from ..base import GradientTransformation, aligned, build, foreach, leaves
+from ..hyperparams import check, check_float_dtype
 
 
 class ScaleByAdamState(NamedTuple):
@@ -56,11 +57,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         >>> round(out["w"][0].item(), 6)
         1.0
     """
-    for name, b in (("b1", b1), ("b2", b2)):
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"scale_by_adam: {name} must be in [0, 1), got {b!r}")
-    if not eps >= 0:
-        raise ValueError(f"scale_by_adam: eps must be >= 0, got {eps!r}")
+    b1, b2, eps = check("b1", b1), check("b2", b2), check("eps", eps)
+    check_float_dtype("mu_dtype", mu_dtype)
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
@@ -69,7 +67,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
-        ms = aligned(state.mu, keys, "adam state (mu)")
+        ms = aligned(state.mu, keys, "adam state (mu)", like=gs)
         vs = aligned(state.nu, keys, "adam state (nu)")
         ms_c = [m if m.dtype == g.dtype else m.to(g.dtype) for m, g in zip(ms, gs)]
         vs_c = [v if v.dtype == g.dtype else v.to(g.dtype) for v, g in zip(vs, gs)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..base import EmptyState, GradientTransformation, aligned, build, foreach, leaves
 from ..combine import MaskSpec, masked
+from ..hyperparams import check
 
 
 def decoupled_decay(weight_decay: float, mask: MaskSpec | None = None) -> GradientTransformation:
@@ -26,9 +27,7 @@ def decoupled_decay(weight_decay: float, mask: MaskSpec | None = None) -> Gradie
         >>> [round(x, 6) for x in out["w"].tolist()], out["b"].tolist()
         ([0.2, 0.2], [0.0, 0.0])
     """
-    weight_decay = float(weight_decay)
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    weight_decay = float(check("weight_decay", weight_decay))
     if mask is not None:
         return masked(decoupled_decay(weight_decay), mask)
 
@@ -37,7 +36,7 @@ def decoupled_decay(weight_decay: float, mask: MaskSpec | None = None) -> Gradie
 
     def update_fn(updates, state, params=None):
         keys, us = leaves(updates)
-        ps = aligned(params, keys, "params (needed by decoupled_decay)")
+        ps = aligned(params, keys, "params (needed by decoupled_decay)", like=us)
         if weight_decay == 0.0:
             return updates, state
         return build(keys, foreach("add", us, ps, alpha=weight_decay)), state

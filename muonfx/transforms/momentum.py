@@ -8,6 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from ..base import GradientTransformation, aligned, build, foreach, leaves
+from ..hyperparams import check, check_float_dtype
 
 
 class MomentumState(NamedTuple):
@@ -44,8 +45,8 @@ def momentum(beta: float = 0.95, nesterov: bool = False, mu_dtype: torch.dtype |
         >>> u["w"].tolist()
         [0.5, 0.5]
     """
-    if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"momentum beta must be in [0, 1], got {beta!r}")
+    beta = check("beta", beta)
+    check_float_dtype("mu_dtype", mu_dtype)
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
@@ -53,7 +54,7 @@ def momentum(beta: float = 0.95, nesterov: bool = False, mu_dtype: torch.dtype |
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
-        ms = aligned(state.mu, keys, "momentum state (mu)")
+        ms = aligned(state.mu, keys, "momentum state (mu)", like=gs)
         ms_c = [m if m.dtype == g.dtype else m.to(g.dtype) for m, g in zip(ms, gs)]
         new_m = foreach("lerp", ms_c, gs, 1.0 - beta)
         out = foreach("lerp", gs, new_m, beta) if nesterov else new_m

@@ -8,6 +8,7 @@ import torch
 
 from .. import seam
 from ..base import EmptyState, GradientTransformation, build, leaves
+from ..hyperparams import check, check_float_dtype
 from ..linalg import CoefficientSpec, newton_schulz_batched, resolve
 from ._matrix import as_stacks
 
@@ -54,6 +55,11 @@ def newton_schulz(
             ``"standard"`` computes what torch.optim.Muon computes. See
             :func:`muonfx.linalg.newton_schulz_batched`.
 
+    A matrix whose float32 (or bfloat16) norm overflows (entries of ~1e19 and more) is
+    scaled by ``2**-100`` before it is normalised, so it gets the update of the same
+    matrix at a sane scale instead of zero (no device sync; nothing changes where the
+    norm is finite).
+
     Leaves: 2-D are matrices, 3-D are batches of matrices (MoE experts), 4-D+ are
     viewed as ``[out, in*kh*kw]``. 0-D/1-D leaves raise ``ValueError`` naming the key;
     route them with :func:`mask_by_ndim` or :func:`partition`. Same-shape matrices are
@@ -70,6 +76,8 @@ def newton_schulz(
         >>> bool(((s > 0.6) & (s < 1.2)).all())
         True
     """
+    eps = check("eps", eps)
+    check_float_dtype("dtype", dtype)
     schedule = resolve(coefficients, steps, safety)
     if method not in ("auto", "standard", "gram"):
         raise ValueError(f"newton_schulz: unknown method {method!r}; use 'auto', 'standard' or 'gram'")

@@ -8,6 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from ..base import GradientTransformation, aligned, build, leaves
+from ..hyperparams import check
 from ._matrix import matrix_dims
 
 
@@ -67,8 +68,7 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows")
         >>> out["w"].shape
         torch.Size([8, 16])
     """
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"row_normalize: beta2 must be in [0, 1), got {beta2!r}")
+    beta2, eps = check("beta2", beta2), check("eps", eps)
     if axis not in AXES:
         raise ValueError(f"row_normalize: axis must be one of {AXES}, got {axis!r}")
 

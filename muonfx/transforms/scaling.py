@@ -6,6 +6,7 @@ import math
 from typing import NamedTuple
 
 from ..base import EmptyState, GradientTransformation, build, foreach, leaves
+from ..hyperparams import check
 from ..schedules import ScalarOrSchedule, evaluate
 from ._matrix import matrix_shapes
 

@@ -1,0 +1,157 @@
+"""Validation of hyperparameter values: one rule per name, shared by every entry point.
+
+The transforms check their own arguments, the presets (:func:`muonfx.muon`,
+:func:`muonfx.adamw`, :func:`muonfx.muon_adamw`, :class:`muonfx.MuonOptions`) check
+theirs under their public names, schedules are checked where they are evaluated
+(:func:`muonfx.schedules.evaluate`), and :func:`muonfx.inject_hyperparams` (hence
+:class:`muonfx.TransformOptimizer`, at every step and when loading a checkpoint) checks
+the values it injects. All of them call :func:`check`, so a value is refused the same
+way wherever it enters, with an error that names the hyperparameter.
+
+Rules, chosen by the name (``adamw_lr`` follows ``lr``, ``betas[1]`` follows ``betas``):
+
+=====================================================  =================
+name                                                   allowed values
+=====================================================  =================
+``lr``, ``*_lr``                                       finite, ``>= 0``
+``weight_decay``, ``*_weight_decay``                   finite, ``>= 0``
+``eps``, ``*_eps``                                     finite, ``>= 0``
+``momentum``, ``*_momentum``, ``beta``                 ``[0, 1]``
+``betas``, ``*_betas``, ``b1``, ``b2``, ``beta1``,     ``[0, 1)``
+``beta2``
+``max_norm``                                           finite, ``> 0``
+anything else                                          finite
+=====================================================  =================
+
+A value must be a real number (``int``/``float``) or a one-element tensor; ``None``,
+strings, booleans and tensors of other sizes raise ``TypeError``; a number outside its
+range raises ``ValueError``.
+
+Example::
+
+    >>> from muonfx.hyperparams import check
+    >>> check("adamw_lr", 3e-4)
+    0.0003
+    >>> try:
+    ...     check("weight_decay", float("nan"))
+    ... except ValueError as e:
+    ...     print(e)
+    hyperparameter 'weight_decay' is nan; weight_decay must be >= 0 and finite
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["check", "check_args", "rule", "check_float_dtype"]
+
+_INF = math.inf
+# (low, low included, high, high included, wording)
+_NON_NEGATIVE = (0.0, True, _INF, False, ">= 0 and finite")
+_UNIT_CLOSED = (0.0, True, 1.0, True, "in [0, 1]")
+_UNIT_OPEN = (0.0, True, 1.0, False, "in [0, 1)")
+_POSITIVE = (0.0, False, _INF, False, "> 0 and finite")
+_FINITE = (-_INF, False, _INF, False, "finite")
+
+
+_RULES: dict[str, tuple] = {}
+
+
+def rule(name: str) -> tuple:
+    """``(low, low_included, high, high_included, wording)`` of the values allowed for ``name``."""
+    r = _RULES.get(name)
+    if r is None:
+        r = _RULES[name] = _rule(name)
+    return r
+
+
+def _rule(name: str) -> tuple:
+    base = name.split("[", 1)[0]
+    if base == "lr" or base.endswith("_lr") or base == "weight_decay" or base.endswith("_weight_decay") \
+            or base == "eps" or base.endswith("_eps"):
+        return _NON_NEGATIVE
+    if base == "momentum" or base.endswith("_momentum") or base == "beta":
+        return _UNIT_CLOSED
+    if base in ("betas", "b1", "b2", "beta1", "beta2") or base.endswith("_betas"):
+        return _UNIT_OPEN
+    if base == "max_norm":
+        return _POSITIVE
+    return _FINITE
+
+
+def _where(count: Any, source: Any) -> str:
+    out = ""
+    if count is not None:
+        out += f" at step {int(count.item()) if isinstance(count, torch.Tensor) else count}"
+    if source is not None:
+        out += f" (returned by the schedule {source!r})"
+    return out
+
+
+def check(name: str, value: Any, count: Any = None, source: Any = None) -> float | int:
+    """``value`` as a number (``int`` stays ``int``) if it is allowed for ``name``.
+
+    ``count`` and ``source`` (the schedule that produced ``value``) only enrich the
+    message. Raises ``TypeError`` for a value that is not a real number or a
+    one-element tensor, ``ValueError`` for a number out of range (NaN and infinities
+    included); both name ``name``.
+    """
+    if type(value) is float or type(value) is int:
+        v = value
+    elif isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() \
+            and value.dtype != torch.bool:
+        v = value.item()
+    elif isinstance(value, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(value, bool):
+        v = value  # subclasses (numpy floats), and symbolic numbers inside torch.compile
+    else:
+        what = (f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+                if isinstance(value, torch.Tensor) else f"{value!r} (a {type(value).__name__})")
+        raise TypeError(f"hyperparameter {name!r} is {what}{_where(count, source)}; it must be a real "
+                        "number (or a one-element tensor)")
+    r = _RULES.get(name)  # rule(name), inline: this runs for every hyperparameter of every step
+    lo, lo_in, hi, hi_in, wording = r if r is not None else rule(name)
+    # comparisons only: under torch.compile(dynamic=True) ``v`` may be symbolic, and
+    # comparisons become guards where math.isfinite would break the graph
+    ok = (v >= lo if lo_in else v > lo) and (v <= hi if hi_in else v < hi)
+    if not ok:
+        raise ValueError(f"hyperparameter {name!r} is {v}{_where(count, source)}; {name} must be {wording}")
+    return v
+
+
+def check_args(**named: Any) -> None:
+    """:func:`check` every argument that is not a schedule (callables are checked where
+    they are evaluated); tuples and lists (``betas``) element by element, as
+    ``betas[0]``, ``betas[1]``.
+
+    Example::
+
+        >>> from muonfx.hyperparams import check_args
+        >>> check_args(lr=lambda step: 0.1, betas=(0.9, 0.999), eps=1e-8)
+    """
+    for name, value in named.items():
+        if callable(value) and not isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, (tuple, list)):
+            for i, v in enumerate(value):
+                check(f"{name}[{i}]", v)
+        else:
+            check(name, value)
+
+
+def check_float_dtype(name: str, dtype: Any) -> None:
+    """``TypeError`` naming ``name`` unless ``dtype`` is ``None`` or a floating torch dtype.
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx.hyperparams import check_float_dtype
+        >>> check_float_dtype("ns_dtype", torch.bfloat16)
+    """
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point torch dtype (e.g. torch.float32, torch.bfloat16) "
+                        f"or None, got {dtype!r}")

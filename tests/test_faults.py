@@ -1,0 +1,592 @@
+"""Issue 12, library side: every bad input is refused whole, with an error naming the
+culprit, and changes nothing; every fault that held in the adversarial pass stays held.
+
+Sections follow the issue: ``wrong 1`` (load_state_dict validates everything first),
+``wrong 2`` (the functional API refuses gradients of another shape, dtype or device),
+``wrong 3`` (one hyperparameter validation for the functional presets and the adapter),
+``weak`` (raw torch errors that named nothing, AdamW's per-parameter step, overflowing
+gradients) and ``held`` (bitwise resume, mismatch errors, sparse gradients). The CLI and
+FSDP2 cases are in ``tests/test_faults_cli.py``.
+
+Every refusal is checked with :func:`refused`: the error type, a message naming the
+culprit, and every input (tensors, states, param groups) unchanged afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import nn
+
+import muonfx as mfx
+
+NAN, INF = float("nan"), float("inf")
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+
+def _flat(obj, prefix=""):
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, TensorDictBase):
+        for k, v in obj.items(include_nested=True, leaves_only=True):
+            yield f"{prefix}/{k}", v
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _flat(v, f"{prefix}/{k}")
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            yield from _flat(v, f"{prefix}[{i}]")
+    elif not callable(obj):
+        yield prefix, obj
+
+
+def _snapshot(*objs):
+    return [[(p, v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for p, v in _flat(o)]
+            for o in objs]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+                and (a.is_meta or torch.equal(a, b)
+                     or bool(torch.isnan(a).any() and torch.allclose(a, b, equal_nan=True))))
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def refused(exc, match, fn, *inputs):
+    """``fn()`` raises ``exc`` whose message matches ``match``; ``inputs`` are unchanged."""
+    snap = _snapshot(*inputs)
+    with pytest.raises(exc, match=match):
+        fn()
+    now = _snapshot(*inputs)
+    for before, after in zip(snap, now):
+        assert [p for p, _ in before] == [p for p, _ in after]
+        for (path, b), (_, a) in zip(before, after):
+            assert _same(b, a), f"{path} changed"
+
+
+def _params():
+    gen = torch.Generator().manual_seed(0)
+    return TensorDict({"w": torch.randn(4, 4, generator=gen), "b": torch.randn(4, generator=gen)}, [])
+
+
+def _grads(params, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return params.apply(lambda p: torch.randn(p.shape, generator=gen))
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+
+
+def _backward(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 4, generator=gen)
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+
+
+def _opt_snapshot(opt):
+    """Parameters, functional states and param groups (hyperparameters) of an adapter."""
+    return ([p for g in opt.param_groups for p in g["params"]], [r.state for r in opt.records],
+            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+
+
+# ---------------------------------------------------------------------------
+# wrong 1: load_state_dict validates everything first, then applies
+# ---------------------------------------------------------------------------
+
+BAD_SAVED = [  # (factory, group key, saved value, message)
+    (mfx.muon_adamw, "lr", "abc", r"param group 0: saved 'lr' is 'abc'"),
+    (mfx.muon_adamw, "momentum", "abc", r"param group 0: saved 'momentum' is 'abc'"),
+    (mfx.muon_adamw, "lr", NAN, r"param group 0: saved 'lr' is nan"),
+    (mfx.muon_adamw, "weight_decay", -1.0, r"param group 0: saved hyperparameter 'weight_decay' is -1.0"),
+    (mfx.muon_adamw, "momentum", 1.5, r"param group 0: saved hyperparameter 'momentum' is 1.5"),
+    (mfx.muon_adamw, "adamw_eps", -1e-8, r"param group 0: saved hyperparameter 'adamw_eps'"),
+    (mfx.muon_adamw, "adamw_betas", (0.9, 1.0), r"param group 0: saved hyperparameter 'adamw_betas\[1\]'"),
+    (mfx.muon_adamw, "adjust_lr", "bogus", r"param group 0: .*scale_by_shape mode 'bogus'"),
+    (mfx.muon_adamw, "ns_dtype", torch.int32, r"param group 0: .*ns_dtype must be a floating-point"),
+    (mfx.adamw, "betas", (0.9,), r"param group 0: saved 'betas' is \(0.9,\); expected 2 numbers"),
+    (mfx.adamw, "eps", INF, r"param group 0: saved 'eps' is inf"),
+    (mfx.adamw, "lr", -1e-3, r"param group 0: saved hyperparameter 'lr' is -0.001"),
+]
+
+
+def _trained(factory, steps=2, **hp):
+    model = _model()
+    opt = mfx.TransformOptimizer(model.named_parameters(), factory, **hp)
+    for s in range(steps):
+        _backward(model, s)
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("factory,key,value,match", BAD_SAVED, ids=[f"{k}={v!r}" for _, k, v, _ in BAD_SAVED])
+def test_load_state_dict_refuses_a_bad_group_whole(factory, key, value, match):
+    model, opt = _trained(factory)
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0][key] = value
+    refused(ValueError, match, lambda: opt.load_state_dict(sd), *_opt_snapshot(opt))
+    _backward(model, 5)
+    opt.step()  # the optimizer still works: nothing was half-applied
+
+
+def test_load_state_dict_checks_every_group_before_changing_any():
+    """Group 1 is bad: group 0's good (and different) values must not be applied either."""
+    model = _model()
+    opt = mfx.TransformOptimizer([{"params": list(model[0].named_parameters(prefix="a"))},
+                                  {"params": list(model[1].named_parameters(prefix="b"))}], mfx.adamw, lr=1e-2)
+    _backward(model, 0)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["lr"] = 0.5
+    sd["param_groups"][0]["weight_decay"] = 0.2
+    sd["param_groups"][1]["weight_decay"] = NAN
+    refused(ValueError, r"param group 1: saved 'weight_decay' is nan", lambda: opt.load_state_dict(sd),
+            *_opt_snapshot(opt))
+    assert opt.param_groups[0]["lr"] == 1e-2
+
+
+# ---------------------------------------------------------------------------
+# wrong 2: the functional API refuses other shapes, dtypes and devices
+# ---------------------------------------------------------------------------
+
+FUNCTIONAL = {
+    "momentum": lambda: mfx.momentum(0.9),
+    "adamw": lambda: mfx.adamw(),
+    "muon": lambda: mfx.mask_by_ndim(mfx.muon(), 2),
+    "muon_adamw": lambda: mfx.muon_adamw(),
+    "decoupled_decay": lambda: mfx.decoupled_decay(0.1),
+    "accumulate": lambda: mfx.accumulate(mfx.adamw(), 2),
+    "cautious": lambda: mfx.cautious_decay(0.1),
+}
+
+
+@pytest.mark.parametrize("name", list(FUNCTIONAL))
+@pytest.mark.parametrize("shape", [(4, 1), (1, 4), (4,), (2, 4, 4)])
+def test_a_gradient_of_another_shape_is_refused(name, shape):
+    """A (4, 1) gradient for a (4, 4) parameter used to broadcast through every transform."""
+    params = _params()
+    tx = FUNCTIONAL[name]()
+    state = tx.init(params)
+    grads = _grads(params)
+    grads["w"] = torch.ones(shape)
+    refused(ValueError, rf"updates leaf 'w' has shape {re_shape(shape)}, but .* has \(4, 4\)",
+            lambda: tx.update(grads, state, params), grads, state, params)
+
+
+def re_shape(shape) -> str:
+    return "\\(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + "\\)"
+
+
+def test_apply_updates_does_not_broadcast():
+    params = TensorDict({"v": torch.ones(4), "w": torch.ones(4, 4)}, [])
+    updates = TensorDict({"v": torch.ones(4, 4), "w": torch.ones(4, 4)}, [])
+    refused(ValueError, r"updates leaf 'v' has shape \(4, 4\), but params has \(4,\)",
+            lambda: mfx.apply_updates(params, updates), params, updates)
+    updates = TensorDict({"v": torch.ones(4), "w": torch.ones(1, 4)}, [])
+    refused(ValueError, r"updates leaf 'w' has shape \(1, 4\)", lambda: mfx.apply_updates(params, updates),
+            params, updates)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
+@pytest.mark.parametrize("name", ["momentum", "adamw", "muon", "muon_adamw"])
+def test_integer_and_bool_gradients_are_refused(name, dtype):
+    params = _params()
+    tx = FUNCTIONAL[name]()
+    state = tx.init(params)
+    grads = _grads(params)
+    grads["w"] = torch.ones(4, 4, dtype=dtype)
+    refused(TypeError, rf"updates leaf 'w' has dtype {dtype}; gradients and updates must be floating point",
+            lambda: tx.update(grads, state, params), grads, state, params)
+
+
+def test_integer_and_complex_updates_are_refused_by_apply_updates():
+    params = _params()
+    for bad, match in ((torch.ones(4, 4, dtype=torch.int64), "has dtype torch.int64"),
+                       (torch.ones(4, 4, dtype=torch.complex64), "is complex")):
+        updates = _grads(params)
+        updates["w"] = bad
+        refused(TypeError, rf"updates leaf 'w' {match}", lambda: mfx.apply_updates(params, updates), params, updates)
+
+
+@pytest.mark.parametrize("name", ["momentum", "adamw", "muon", "muon_adamw"])
+def test_meta_gradients_are_refused(name):
+    params = _params()
+    tx = FUNCTIONAL[name]()
+    state = tx.init(params)
+    grads = _grads(params)
+    grads["w"] = torch.ones(4, 4, device="meta")
+    refused(ValueError, r"updates leaf .w. is on meta \(it holds no data\), but .* is on cpu there",
+            lambda: tx.update(grads, state, params),
+            grads, state, params)
+
+
+def test_updates_on_another_device_are_refused():
+    """Params on ``meta`` (deferred initialisation) and updates on the CPU: the device
+    check names the key (on a GPU machine the same holds for cuda vs cpu)."""
+    params = TensorDict({"w": torch.ones(4, 4, device="meta")}, [])
+    updates = TensorDict({"w": torch.ones(4, 4)}, [])
+    with pytest.raises(ValueError, match=r"updates leaf 'w' is on cpu, but params is on meta"):
+        mfx.apply_updates(params, updates)
+    tx = mfx.decoupled_decay(0.1)
+    with pytest.raises(ValueError, match=r"updates leaf 'w' is on cpu, but params \(needed by decoupled_decay\) "
+                                         r"is on meta"):
+        tx.update(updates, tx.init(params), params)
+
+
+# ---------------------------------------------------------------------------
+# wrong 3: one hyperparameter validation for the functional presets and the adapter
+# ---------------------------------------------------------------------------
+
+BAD_HYPERPARAMS = [  # (factory, kwargs, exception, message naming the hyperparameter)
+    (mfx.muon, {"weight_decay": NAN}, ValueError, r"'weight_decay' is nan.*; weight_decay must be >= 0"),
+    (mfx.muon, {"weight_decay": INF}, ValueError, r"'weight_decay' is inf"),
+    (mfx.muon, {"weight_decay": -0.1}, ValueError, r"'weight_decay' is -0.1"),
+    (mfx.muon, {"eps": NAN}, ValueError, r"'eps' is nan"),
+    (mfx.muon, {"eps": -1e-7}, ValueError, r"'eps' is -1e-07"),
+    (mfx.muon, {"lr": -0.02}, ValueError, r"'lr' is -0.02.*; lr must be >= 0"),
+    (mfx.muon, {"lr": INF}, ValueError, r"'lr' is inf"),
+    (mfx.muon, {"momentum": 1.5}, ValueError, r"'momentum' is 1.5.*; momentum must be in \[0, 1\]"),
+    (mfx.muon, {"momentum": NAN}, ValueError, r"'momentum' is nan"),
+    (mfx.muon, {"lr": "abc"}, TypeError, r"'lr' is 'abc' \(a str\)"),
+    (mfx.muon, {"lr": None}, TypeError, r"'lr' is None"),
+    (mfx.muon, {"lr": torch.ones(2)}, TypeError, r"'lr' is a tensor of shape \(2,\)"),
+    (mfx.muon, {"ns_dtype": torch.int32}, TypeError, r"ns_dtype must be a floating-point torch dtype"),
+    (mfx.muon, {"mu_dtype": torch.int64}, TypeError, r"mu_dtype must be a floating-point torch dtype"),
+    (mfx.adamw, {"weight_decay": NAN}, ValueError, r"'weight_decay' is nan"),
+    (mfx.adamw, {"eps": NAN}, ValueError, r"'eps' is nan"),
+    (mfx.adamw, {"eps": -1e-8}, ValueError, r"'eps' is -1e-08"),
+    (mfx.adamw, {"lr": -1e-3}, ValueError, r"'lr' is -0.001"),
+    (mfx.adamw, {"betas": (1.0, 0.999)}, ValueError, r"'betas\[0\]' is 1.0.*; betas\[0\] must be in \[0, 1\)"),
+    (mfx.adamw, {"betas": (0.9, NAN)}, ValueError, r"'betas\[1\]' is nan"),
+    (mfx.adamw, {"betas": (0.9,)}, TypeError, r"'betas' must be a pair"),
+    (mfx.muon_adamw, {"adamw_eps": NAN}, ValueError, r"'adamw_eps' is nan"),
+    (mfx.muon_adamw, {"adamw_lr": -1.0}, ValueError, r"'adamw_lr' is -1.0"),
+    (mfx.muon_adamw, {"adamw_weight_decay": INF}, ValueError, r"'adamw_weight_decay' is inf"),
+    (mfx.muon_adamw, {"adamw_betas": (0.9, -0.1)}, ValueError, r"'adamw_betas\[1\]' is -0.1"),
+]
+_IDS = [f"{f.__name__}-{next(iter(kw))}={next(iter(kw.values()))!r}" for f, kw, _, _ in BAD_HYPERPARAMS]
+
+
+@pytest.mark.parametrize("factory,kwargs,exc,match", BAD_HYPERPARAMS, ids=_IDS)
+def test_functional_presets_refuse_bad_hyperparameters(factory, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        factory(**kwargs)
+
+
+@pytest.mark.parametrize("factory,kwargs,exc,match", BAD_HYPERPARAMS, ids=_IDS)
+def test_the_adapter_refuses_the_same_values_with_the_same_message(factory, kwargs, exc, match):
+    """At construction, and as a hand edit of ``param_groups`` between steps (the step
+    raises and changes nothing)."""
+    model = _model()
+    named = [(n, p) for n, p in model.named_parameters() if p.ndim == 2 or factory is not mfx.muon]
+    with pytest.raises(exc, match=match):
+        mfx.TransformOptimizer(named, factory, **kwargs)
+    opt = mfx.TransformOptimizer(named, factory)
+    _backward(model, 0)
+    opt.step()
+    _backward(model, 1)
+    name, value = next(iter(kwargs.items()))
+    opt.param_groups[0][name] = value
+    refused(exc, match, opt.step, *_opt_snapshot(opt))
+
+
+BAD_SCHEDULES = [  # a schedule's value, found bad at the step that uses it
+    (lambda step: None, TypeError, r"'lr' is None \(a NoneType\) at step 1 \(returned by the schedule"),
+    (lambda step: "0.1", TypeError, r"'lr' is '0.1' \(a str\) at step 1"),
+    (lambda step: torch.full((2,), 0.1), TypeError, r"'lr' is a tensor of shape \(2,\) .* at step 1"),
+    (lambda step: NAN if step else 0.1, ValueError, r"'lr' is nan at step 1"),
+    (lambda step: -0.1 if step else 0.1, ValueError, r"'lr' is -0.1 at step 1 .*; lr must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("sched,exc,match", BAD_SCHEDULES)
+def test_a_bad_schedule_value_is_refused_where_it_is_used(sched, exc, match):
+    def lr(step):  # good at step 0, bad from step 1 on
+        return 0.1 if step == 0 else sched(step)
+
+    params = _params()
+    tx = mfx.adamw(lr=lr)
+    state = tx.init(params)
+    _, state = tx.update(_grads(params), state, params)
+    grads = _grads(params, 2)
+    refused(exc, match, lambda: tx.update(grads, state, params), grads, state, params)
+    # the adapter: the schedule as a hyperparameter, evaluated at the group's step count
+    model = _model()
+    opt = mfx.TransformOptimizer(model.named_parameters(), mfx.adamw, lr=lr)
+    _backward(model, 0)
+    opt.step()
+    _backward(model, 1)
+    refused(exc, match, opt.step, *_opt_snapshot(opt))
+
+
+def test_a_schedule_as_momentum_is_checked_by_the_momentum_rule():
+    tx = mfx.inject_hyperparams(mfx.muon)(lr=0.02, momentum=lambda step: 1.0 + 0.1 * step)
+    params = TensorDict({"w": torch.ones(4, 4)}, [])
+    state = tx.init(params)
+    _, state = tx.update(_grads(params), state, params)
+    grads = _grads(params, 2)
+    refused(ValueError, r"'momentum' is 1.1 at step 1 .*momentum must be in \[0, 1\]",
+            lambda: tx.update(grads, state, params), grads, state, params)
+
+
+# ---------------------------------------------------------------------------
+# weak today: raw torch errors that named nothing
+# ---------------------------------------------------------------------------
+
+
+def test_newton_schulz_refuses_an_integer_dtype():
+    with pytest.raises(TypeError, match=r"dtype must be a floating-point torch dtype .* got torch.int32"):
+        mfx.newton_schulz(dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"ns_dtype must be a floating-point torch dtype"):
+        mfx.MuonOptions(ns_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("predicate,what", [
+    (lambda key, t: t > 0, r"a tensor of shape \(4, 4\)"),
+    (lambda key, t: None, r"None \(a NoneType\)"),
+    (lambda key, t: "yes", r"'yes' \(a str\)"),
+])
+def test_masked_refuses_a_predicate_that_does_not_return_a_bool(predicate, what):
+    params = TensorDict({"w": torch.randn(4, 4)}, [])
+    tx = mfx.masked(mfx.scale(2.0), predicate)
+    with pytest.raises(TypeError, match=rf"mask: the value for leaf 'w' is {what}, not a bool"):
+        tx.init(params)
+    good = mfx.masked(mfx.scale(2.0), lambda key, t: True)
+    state = good.init(params)
+    with pytest.raises(TypeError, match=rf"the value for leaf 'w' is {what}"):
+        tx.update(params, state, params)
+
+
+def test_a_one_element_tensor_from_a_predicate_is_a_bool():
+    params = TensorDict({"w": torch.ones(4, 4), "b": -torch.ones(4)}, [])
+    tx = mfx.masked(mfx.scale(2.0), lambda key, t: t.sum() > 0)
+    out, _ = tx.update(params, tx.init(params), params)
+    assert out["w"].eq(2).all() and out["b"].eq(-1).all()
+
+
+def test_labels_as_a_hyperparameter_or_group_key_routes_instead_of_raising():
+    """``labels=`` is a function ``(key, tensor)``, not a schedule ``step -> value``: it
+    used to be called with the step count (a TypeError from the lambda)."""
+    everything_adamw = lambda key, t: "adamw"  # noqa: E731
+    model = _model()
+    opt = mfx.TransformOptimizer(model.named_parameters(), mfx.muon_adamw, labels=everything_adamw)
+    group_opt = mfx.TransformOptimizer([{"params": list(model.named_parameters()), "labels": everything_adamw}],
+                                       mfx.muon_adamw)
+    for o in (opt, group_opt):
+        _backward(model, 0)
+        o.step()
+        assert sorted(o.state[model[0].weight]) == ["adamw.adam.count", "adamw.adam.mu", "adamw.adam.nu", "count"]
+    assert "labels" not in opt.state_dict()["param_groups"][0]  # a function is not saved
+
+
+def test_is_schedule_tells_schedules_from_other_callables():
+    from muonfx.wrappers import is_schedule
+
+    assert is_schedule(mfx.schedules.linear(1.0, 0.0, 10)) and is_schedule(lambda step: 0.1)
+    assert not is_schedule(lambda key, t: "muon") and not is_schedule(0.1) and not is_schedule(torch.ones(1))
+
+
+# -- AdamW's step counter is per parameter in the adapter, as in torch ------
+
+
+def _every_other(make, steps=20, start=0, opt=None, params=None):
+    """``a`` gets a gradient every step, ``b`` only on even steps (torch.optim.AdamW
+    counts ``b``'s steps separately)."""
+    if params is None:
+        gen = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(4, 4, generator=gen)), nn.Parameter(torch.randn(4, generator=gen))]
+    opt = opt if opt is not None else make(params)
+    a, b = params
+    for s in range(start, steps):
+        gen = torch.Generator().manual_seed(100 + s)
+        a.grad = torch.randn(4, 4, generator=gen)
+        b.grad = torch.randn(4, generator=gen) if s % 2 == 0 else None
+        opt.step()
+    return params, opt
+
+
+def test_adamw_matches_torch_for_a_parameter_that_skips_steps():
+    """Before: ``b``'s first step after a skip was 0.744x torch's, and it ended ~5e-3 away."""
+    ref, _ = _every_other(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
+    got, opt = _every_other(lambda ps: mfx.TransformOptimizer(list(zip("ab", ps)), mfx.adamw, lr=1e-2,
+                                                               weight_decay=0.1))
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, atol=2e-6, rtol=0)
+    b_state = opt.state[got[1]]
+    assert (b_state["adam.count"], b_state["count"]) == (10, 10)  # torch: state[b]["step"] == 10
+    assert opt.state[got[0]]["adam.count"] == 20
+
+
+def test_per_parameter_counters_resume_bitwise_through_torch_save():
+    ref, _ = _every_other(lambda ps: mfx.TransformOptimizer(list(zip("ab", ps)), mfx.adamw, lr=1e-2), steps=9)
+    half, opt = _every_other(lambda ps: mfx.TransformOptimizer(list(zip("ab", ps)), mfx.adamw, lr=1e-2), steps=5)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    assert (sd["state"][0]["adam.count"], sd["state"][1]["adam.count"]) == (5, 3)
+    params = [nn.Parameter(p.detach().clone()) for p in half]
+    new = mfx.TransformOptimizer(list(zip("ab", params)), mfx.adamw, lr=1e-2)
+    new.load_state_dict(sd)
+    _every_other(None, steps=9, start=5, opt=new, params=params)
+    for r, g in zip(ref, params):
+        assert torch.equal(r, g)
+
+
+def test_per_parameter_counters_in_the_compiled_step():
+    """The compiled step runs a partial step only when that is one cohort; it gives what
+    the eager step gives."""
+    torch._dynamo.reset()
+    eager, _ = _every_other(lambda ps: mfx.TransformOptimizer(list(zip("ab", ps)), mfx.adamw, lr=1e-2), steps=6)
+    comp, opt = _every_other(lambda ps: mfx.TransformOptimizer(list(zip("ab", ps)), mfx.adamw, lr=1e-2)
+                             .compile(backend="eager"), steps=6)
+    for r, g in zip(eager, comp):
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-6)
+    assert opt.state[comp[1]]["adam.count"] == 3
+
+
+def test_a_parameter_that_never_gets_a_gradient_keeps_its_counters():
+    model = _model()
+    opt = mfx.create_hybrid_optimizer(model)
+    model[1].bias.requires_grad_(False)
+    for s in range(3):
+        _backward(model, s)
+        opt.step()
+    frozen = opt.state[model[1].bias]
+    moving = opt.state[model[0].bias]
+    assert {k: v for k, v in frozen.items() if not torch.is_tensor(v)} == {"count": 0, "adam.count": 0}
+    assert moving["adam.count"] == 3
+
+
+# -- gradients whose float32 sum of squares overflows ------------------------
+
+
+@pytest.mark.parametrize("scale", [1e19, 1e25, 1e34])
+def test_muon_update_of_a_huge_gradient_is_the_update_of_the_scaled_gradient(scale):
+    """Muon's update does not depend on the gradient's scale; entries >= ~1e19 used to
+    overflow the float32 norm and give a zero update."""
+    g = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    tx = mfx.newton_schulz()
+    small, _ = tx.update(TensorDict({"w": g}, []), tx.init(TensorDict({"w": g}, [])))
+    huge, _ = tx.update(TensorDict({"w": g * scale}, []), tx.init(TensorDict({"w": g}, [])))
+    assert huge["w"].abs().max() > 0.1
+    torch.testing.assert_close(huge["w"], small["w"], atol=1e-5, rtol=1e-5)
+
+
+def test_newton_schulz_is_unchanged_bit_for_bit_where_nothing_overflows():
+    """The overflow guard changes no bit of a finite-norm input: the result equals the
+    iteration started from the plain ``G / max(||G||, eps)`` (the formula before it)."""
+    from muonfx.linalg import newton_schulz_batched, resolve
+    from muonfx.linalg.newton_schulz import _standard
+
+    g = torch.randn(3, 8, 16, generator=torch.Generator().manual_seed(1))
+    g[1] = 0.0  # the eps floor
+    sched = resolve("keller", 5)
+    plain = _standard(g / torch.linalg.vector_norm(g, dim=(-2, -1), keepdim=True).clamp_min(1e-7), sched.steps)
+    assert torch.equal(newton_schulz_batched(g, sched), plain)
+
+
+@pytest.mark.parametrize("scale", [1e19, 1e30])
+def test_clip_by_global_norm_scales_a_huge_gradient_instead_of_zeroing_it(scale):
+    g = TensorDict({"w": torch.randn(8, 16, generator=torch.Generator().manual_seed(0)) * scale,
+                    "b": torch.randn(16, generator=torch.Generator().manual_seed(1)) * scale}, [])
+    out, _ = mfx.clip_by_global_norm(1.0).update(g, None)
+    assert math.isclose(mfx.global_norm(out).item(), 1.0, rel_tol=1e-5)
+    assert math.isclose(mfx.global_norm(g).item() / scale, mfx.global_norm(g.apply(lambda t: t / scale)).item(),
+                        rel_tol=1e-5)
+    # direction kept
+    torch.testing.assert_close(out["w"] / out["w"].norm(), g["w"] / scale / (g["w"] / scale).norm())
+
+
+def test_clip_passes_small_gradients_bit_for_bit():
+    g = TensorDict({"w": torch.randn(8, 16) * 1e-3}, [])
+    out, _ = mfx.clip_by_global_norm(1.0).update(g, None)
+    assert torch.equal(out["w"], g["w"]) and out["w"].dtype == torch.float32
+
+
+def test_a_gradient_holding_inf_still_gives_a_nan_not_a_silent_zero():
+    g = TensorDict({"w": torch.ones(4, 4)}, [])
+    g["w"][0, 0] = INF
+    out, _ = mfx.clip_by_global_norm(1.0).update(g, None)
+    assert torch.isnan(out["w"][0, 0])  # inf * (1 / inf): a non-finite step that apply_if_finite skips
+    skip = mfx.apply_if_finite(mfx.clip_by_global_norm(1.0))
+    out, state = skip.update(g, skip.init(g))
+    assert state.notfinite_count == 1 and torch.equal(out["w"], torch.zeros(4, 4))
+
+
+# ---------------------------------------------------------------------------
+# held: keep them held
+# ---------------------------------------------------------------------------
+
+SETUPS = {
+    "adamw": lambda m: mfx.TransformOptimizer(m.named_parameters(), mfx.adamw, lr=1e-2, weight_decay=0.1),
+    "muon_adamw": lambda m: mfx.TransformOptimizer(m.named_parameters(), mfx.muon_adamw, lr=0.02),
+    "hybrid": lambda m: mfx.create_hybrid_optimizer(m),
+    "muon_schedule": lambda m: mfx.TransformOptimizer(
+        [(n, p) for n, p in m.named_parameters() if p.ndim == 2], mfx.muon,
+        lr=mfx.schedules.linear(0.02, 0.0, 10), weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_resume_through_torch_save_weights_only_is_bitwise(setup):
+    ref = _model()
+    ref_opt = SETUPS[setup](ref)
+    for s in range(4):
+        _backward(ref, s)
+        ref_opt.step()
+    a = _model()
+    a_opt = SETUPS[setup](a)
+    for s in range(2):
+        _backward(a, s)
+        a_opt.step()
+    buf = io.BytesIO()
+    torch.save({"model": a.state_dict(), "opt": a_opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    b = _model(seed=7)
+    b.load_state_dict(saved["model"])
+    b_opt = SETUPS[setup](b)
+    b_opt.load_state_dict(saved["opt"])
+    for s in range(2, 4):
+        _backward(b, s)
+        b_opt.step()
+    for p, q in zip(ref.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_load_state_dict_mismatches_are_clear_and_change_nothing():
+    model, opt = _trained(mfx.adamw)
+    _, other = _trained(mfx.muon_adamw)
+    refused(ValueError, r"optimizer state for parameter '0.weight' does not match",
+            lambda: opt.load_state_dict(other.state_dict()), *_opt_snapshot(opt))
+    small = nn.Linear(4, 8)
+    small_opt = mfx.TransformOptimizer(small.named_parameters(), mfx.adamw)
+    refused(ValueError, r"param group 0: state_dict has 2 parameters, this optimizer has 4",
+            lambda: opt.load_state_dict(small_opt.state_dict()), *_opt_snapshot(opt))
+    refused(ValueError, r"must have 'state' and 'param_groups'", lambda: opt.load_state_dict({"state": {}}),
+            *_opt_snapshot(opt))
+
+
+def test_sparse_gradients_are_refused_naming_the_parameter():
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = mfx.TransformOptimizer([("emb.weight", emb.weight)], mfx.muon)
+    emb(torch.tensor([1, 2])).sum().backward()
+    refused(ValueError, r"parameter 'emb.weight' has a sparse gradient", opt.step, *_opt_snapshot(opt))
+    params = TensorDict({"w": torch.randn(10, 4)}, [])
+    tx = mfx.adamw()
+    state = tx.init(params)
+    grads = TensorDict({"w": torch.randn(10, 4).to_sparse()}, [])
+    refused(TypeError, r"updates leaf 'w' has layout torch.sparse_coo", lambda: tx.update(grads, state, params),
+            state, params)
