@@ -9,7 +9,7 @@ import torch
 from .. import seam
 from ..base import EmptyState, GradientTransformation, build, leaves
 from ..hyperparams import check, check_float_dtype
-from ..linalg import CoefficientSpec, newton_schulz_batched, resolve
+from ..linalg import CoefficientSpec, newton_schulz_batched, ns_dtype_for, resolve
 from ._matrix import as_stacks
 
 
@@ -88,7 +88,11 @@ def newton_schulz(
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
-        outs = seam.map_matrices(fn, as_stacks(keys, gs, "newton_schulz"))
+        run = fn
+        if dtype is None and gs and len({(g.device, g.dtype) for g in gs}) == 1:
+            # the device's default dtype, resolved once per update rather than per batch
+            run = partial(fn, dtype=ns_dtype_for(gs[0].device, gs[0].dtype))
+        outs = seam.map_matrices(run, as_stacks(keys, gs, "newton_schulz"))
         return build(keys, [o.reshape(g.shape) for o, g in zip(outs, gs)]), state
 
     return GradientTransformation(init_fn, update_fn)
