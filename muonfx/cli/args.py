@@ -15,7 +15,7 @@ from .model import MODELS
 __all__ = ["DEFAULTS", "RUN_KEYS", "add_train_args", "resolve", "validate"]
 
 DEFAULTS = dict(
-    optimizer="muon_adamw", steps=600, lr=None, adamw_lr=3e-3, weight_decay=0.01, batch_size=32, model="tiny",
+    optimizer="muon_adamw", steps=300, lr=None, adamw_lr=3e-3, weight_decay=0.01, batch_size=32, model="tiny",
     context=None, seed=0, warmup=20, grad_clip=0.0, compare=None, device="auto", eval_every=50, eval_batches=16,
     out=None, save=None, resume=None, stop_at=None, threads=0, cache_dir=None, amp="auto",
 )

@@ -23,6 +23,10 @@ __all__ = ["RunClock", "evaluations_between"]
 STEP_PER_FORWARD = 3.0
 
 
+def _n(count: int, word: str, plural: str = "") -> str:
+    return f"{count} {word if count == 1 else plural or word + 's'}"
+
+
 def evaluations_between(done: int, stop: int, total: int, every: int) -> int:
     """Evaluations after step ``done`` up to ``stop``: every ``every`` steps and at ``total``.
 
@@ -91,8 +95,8 @@ class RunClock:
         per_eval = self._per_eval(fb)
         mine = rest * (fb + opt) + evals * per_eval
         where = f"step {first}" if len(timed_f) == 1 else f"steps {first}-{done}"
-        line = (f"[{name}] expected: ~{format_time(mine)} for this run: {rest} steps to go at {fb + opt:.2f} s/step "
-                f"(measured over {where}) and {evals} evaluation{'s' if evals != 1 else ''} at {per_eval:.1f} s")
+        line = (f"[{name}] expected: ~{format_time(mine)} for this run: {_n(rest, 'step')} to go at {fb + opt:.2f} s/step "
+                f"(measured over {where}) and {_n(evals, 'evaluation')} at {per_eval:.1f} s")
         if then:
             other = self.steps * fb + (1 + evaluations_between(0, self.steps, self.steps, self.eval_every)) * per_eval
             line += f"; then {then} ~{format_time(other)}; ~{format_time(mine + other)} in all"
@@ -104,5 +108,6 @@ class RunClock:
         evals = 1 + evaluations_between(0, self.stop, self.steps, self.eval_every)
         total = self.stop * step + evals * self.eval_batches * forward
         return (f"[{name}] rough estimate: one forward pass of a {batch} batch took {forward:.1f} s on {device}; "
-                f"at ~{STEP_PER_FORWARD:g} of them per training step, {self.stop} steps and {evals} evaluations "
-                f"of {self.eval_batches} batches take ~{format_time(total)} (a measured figure follows the first steps)")
+                f"at ~{STEP_PER_FORWARD:g} of them per training step (plus the optimizer's work), {_n(self.stop, 'step')} "
+                f"and {_n(evals, 'evaluation')} of {_n(self.eval_batches, 'batch', 'batches')} take "
+                f"~{format_time(total)} (a measured figure follows the first steps)")
