@@ -242,7 +242,7 @@ def test_bench_shows_progress_while_a_script_is_silent(tmp_path, monkeypatch, ca
     d = tmp_path / "benchmarks"
     d.mkdir()
     (d / "slow_one.py").write_text('"""Slow thing: how fast a sleep is."""\nimport time, sys\n'
-                                   'print("setting up", flush=True)\ntime.sleep(1.6)\nprint("| a | b |")\n'
+                                   'print("setting up", flush=True)\ntime.sleep(2.0)\nprint("| a | b |")\n'
                                    'print("args", sys.argv[1:])\n')
     monkeypatch.setattr(cli_bench, "HEARTBEAT_S", 0.4)
     assert main(["bench", "--dir", str(d), "--", "--layers", "2"]) == 0

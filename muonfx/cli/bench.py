@@ -4,8 +4,9 @@ The scripts live in the source repository, next to the ``muonfx`` package
 (``<repo>/benchmarks``); an installed wheel has none (``--dir`` points elsewhere).
 Each script runs in its own process with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``
 set; arguments after ``--`` are passed to every script. A benchmark measures for a
-while before it prints its table: while a script is silent, a line on stderr says
-every :data:`HEARTBEAT_S` seconds that it is still running and for how long.
+while before it prints its table: while a script is silent, a line on stderr says that
+it is still running and for how long, first after :data:`HEARTBEAT_S` seconds of
+silence, then at doubling intervals up to six times that.
 """
 
 from __future__ import annotations
@@ -42,34 +43,40 @@ def _summary(path: Path) -> str:
 
 def run_script(cmd: list[str], env: dict, cwd: Path, name: str, heartbeat: float | None = None) -> int:
     """Run one benchmark, passing its output through line by line; while it is silent,
-    print ``[name] still running, N s`` to stderr every ``heartbeat`` seconds. Returns
-    the exit status."""
+    print ``[name] still running, N s`` to stderr after ``heartbeat`` seconds, then
+    after 2x, 4x, ... up to 6x that (output from the script starts over). Returns the
+    exit status."""
     heartbeat = HEARTBEAT_S if heartbeat is None else heartbeat
     proc = subprocess.Popen(cmd, env={**env, "PYTHONUNBUFFERED": "1"}, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1)
     t0 = time.perf_counter()
-    last = [t0]
+    last, gap = [t0], [heartbeat]
     lock = threading.Lock()
 
     def pump() -> None:
         for line in proc.stdout:
             with lock:
-                last[0] = time.perf_counter()
+                last[0], gap[0] = time.perf_counter(), heartbeat
                 sys.stdout.write(line)
                 sys.stdout.flush()
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
-    while True:
-        try:
-            proc.wait(timeout=min(1.0, heartbeat))
-            break
-        except subprocess.TimeoutExpired:
-            now = time.perf_counter()
-            with lock:
-                if now - last[0] >= heartbeat:
-                    last[0] = now
-                    print(f"  [{name}] still running, {now - t0:.0f} s", file=sys.stderr, flush=True)
+    try:
+        while True:
+            try:
+                proc.wait(timeout=min(1.0, heartbeat))
+                break
+            except subprocess.TimeoutExpired:
+                now = time.perf_counter()
+                with lock:
+                    if now - last[0] >= gap[0]:
+                        last[0], gap[0] = now, min(2 * gap[0], 6 * heartbeat)
+                        print(f"  [{name}] still running, {now - t0:.0f} s", file=sys.stderr, flush=True)
+    except BaseException:  # Ctrl-C or a kill: leave no benchmark running
+        proc.kill()
+        proc.wait()
+        raise
     reader.join()
     return proc.returncode
 
