@@ -164,6 +164,10 @@ def test_compare_run_prints_estimates_labelled_rates_and_its_real_folder(cache, 
     assert len(runs) == 1 and re.fullmatch(r"\d{8}-\d{6}-muon_adamw-vs-adamw", runs[0].name), runs
     doc = (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8")
     assert "runs/<date>-<time>-muon_adamw-vs-adamw/" in doc
+    from muonfx.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["train"]
+    assert "runs/<date>-<time>-<optimizer>[-vs-<compare>]" in next(a.help for a in sub._actions if a.dest == "out")
     example = re.search(r"runs/(\d{8}-\d{6}-muon_adamw-vs-adamw)/", doc)
     assert example, "getting-started shows no example folder name"
     s = json.loads((runs[0] / "summary.json").read_text())

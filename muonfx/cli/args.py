@@ -63,7 +63,7 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--eval-batches", type=int, metavar="N", help=f"validation batches per evaluation, always the same ones "
                                                                   f"(default {d['eval_batches']})")
     g.add_argument("--out", metavar="DIR", help="summary.json (and loss.png with --compare) go here "
-                                                "(default runs/<time>-<optimizer>)")
+                                                "(default runs/<date>-<time>-<optimizer>[-vs-<compare>])")
     g.add_argument("--save", metavar="PATH", help="checkpoint at the end (and at --stop-at, and on Ctrl-C)")
     g.add_argument("--resume", metavar="PATH", help="continue a --save checkpoint exactly (its settings are the defaults)")
     g.add_argument("--stop-at", type=int, metavar="STEP", help="stop after this step (the schedule still spans --steps); "
