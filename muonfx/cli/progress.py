@@ -28,8 +28,8 @@ def format_rate(tokens_per_s: float) -> str:
     for unit, scale in (("M", 1e6), ("k", 1e3)):
         if r >= scale:
             v = r / scale
-            return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f}{unit} tok/s"
-    return f"{r:.2g} tok/s" if r < 10 else f"{r:.0f} tok/s"
+            return f"{v:.{2 if v < 9.995 else 1 if v < 99.95 else 0}f}{unit} tok/s"
+    return f"{r:.2g} tok/s" if r < 9.95 else f"{r:.0f} tok/s"
 
 
 class Progress:
