@@ -2,7 +2,7 @@
 
     python examples/train_gpt.py --model gpt2 --epochs 3                       # one GPU (or the CPU: slow)
     torchrun --nproc_per_node=4 examples/train_gpt.py --model gpt2 --fsdp --epochs 3
-    python examples/train_gpt.py --model tiny --steps 600                      # 3-6 min on 2 CPU cores
+    python examples/train_gpt.py --model tiny --steps 300                      # about 2-3 min of one CPU core
     python examples/train_gpt.py --model tiny --epochs 0.5 --compare adamw
 
 It is ``muonfx train`` (same options, same code: ``muonfx.cli``) plus ``--epochs``.
@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--epochs", type=float, metavar="E",
-                   help="train for E epochs of the training split's tokens (see below); default: --steps 600")
+                   help=f"train for E epochs of the training split's tokens (see below); "
+                        f"default: --steps {DEFAULTS['steps']}")
     add_train_args(p)
     args = p.parse_args(argv)
     if args.epochs is not None and args.steps is None:

@@ -1,6 +1,6 @@
 """The muonfx command: train, info, bench.
 
-    muonfx train                         # tiny GPT on the Python stdlib, Muon + AdamW, 600 steps
+    muonfx train                         # tiny GPT on the Python stdlib, Muon + AdamW, 300 steps
     muonfx train --compare adamw         # the same run with AdamW too; loss.png + summary.json
     muonfx train --optimizer adamw --lr 1e-2 --steps 300
     muonfx train --steps 1000 --save ck.pt --stop-at 500    # later: muonfx train --resume ck.pt

@@ -15,7 +15,7 @@ from .model import MODELS
 __all__ = ["DEFAULTS", "RUN_KEYS", "add_train_args", "resolve", "validate"]
 
 DEFAULTS = dict(
-    optimizer="muon_adamw", steps=600, lr=None, adamw_lr=3e-3, weight_decay=0.01, batch_size=32, model="tiny",
+    optimizer="muon_adamw", steps=300, lr=None, adamw_lr=3e-3, weight_decay=0.01, batch_size=32, model="tiny",
     context=None, seed=0, warmup=20, grad_clip=0.0, compare=None, device="auto", eval_every=50, eval_batches=16,
     out=None, save=None, resume=None, stop_at=None, threads=0, cache_dir=None, amp="auto",
 )
@@ -63,7 +63,7 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--eval-batches", type=int, metavar="N", help=f"validation batches per evaluation, always the same ones "
                                                                   f"(default {d['eval_batches']})")
     g.add_argument("--out", metavar="DIR", help="summary.json (and loss.png with --compare) go here "
-                                                "(default runs/<time>-<optimizer>)")
+                                                "(default runs/<date>-<time>-<optimizer>[-vs-<compare>])")
     g.add_argument("--save", metavar="PATH", help="checkpoint at the end (and at --stop-at, and on Ctrl-C)")
     g.add_argument("--resume", metavar="PATH", help="continue a --save checkpoint exactly (its settings are the defaults)")
     g.add_argument("--stop-at", type=int, metavar="STEP", help="stop after this step (the schedule still spans --steps); "

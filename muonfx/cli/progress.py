@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-__all__ = ["Progress", "format_time"]
+__all__ = ["Progress", "format_time", "format_rate"]
 
 
 def format_time(seconds: float) -> str:
@@ -16,10 +16,28 @@ def format_time(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
+def format_rate(tokens_per_s: float) -> str:
+    """Tokens per second with a unit that keeps three significant figures, never ``0.0k``.
+
+    Example::
+
+        >>> [format_rate(r) for r in (0.42, 37.0, 850.4, 6789.0, 12345.0, 2.5e6)]
+        ['0.42 tok/s', '37 tok/s', '850 tok/s', '6.79k tok/s', '12.3k tok/s', '2.50M tok/s']
+    """
+    r = max(0.0, float(tokens_per_s))
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if r >= scale:
+            v = r / scale
+            return f"{v:.{2 if v < 9.995 else 1 if v < 99.95 else 0}f}{unit} tok/s"
+    return f"{r:.2g} tok/s" if r < 9.95 else f"{r:.0f} tok/s"
+
+
 class Progress:
     """``update(step, loss, tokens)`` after each step; ``write(line)`` for log lines.
 
-    ``enabled=False`` shows no bar (``write`` still prints, to stdout).
+    ``enabled=False`` shows no bar (``write`` still prints, to stdout). The token
+    rate counts training time only: ``exclude(seconds)`` takes out time spent on
+    something else (the evaluations).
     """
 
     def __init__(self, total: int, initial: int = 0, desc: str = "", enabled: bool = True) -> None:
@@ -37,8 +55,13 @@ class Progress:
                                  file=sys.stderr, mininterval=0.5)
 
     def tokens_per_s(self) -> float:
+        """Training tokens per second since the start, time given to :meth:`exclude` left out."""
         dt = time.perf_counter() - self.t0
         return self.tokens / dt if dt > 0 else 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` (spent on something other than training) out of the rate and the ETA's clock."""
+        self.t0 += seconds
 
     def update(self, step: int, loss: float, tokens: int) -> None:
         self.tokens += tokens
@@ -48,7 +71,7 @@ class Progress:
             return
         tps = self.tokens_per_s()
         if self._bar is not None:
-            self._bar.set_postfix_str(f"loss {loss:.3f}, {tps / 1e3:.1f}k tok/s", refresh=False)
+            self._bar.set_postfix_str(f"loss {loss:.3f}, {format_rate(tps)}", refresh=False)
             self._bar.update(done)
             return
         now = time.perf_counter()
@@ -58,7 +81,7 @@ class Progress:
         rate = (step - self.start_step) / (now - self.t0) if now > self.t0 else 0.0
         eta = (self.total - step) / rate if rate > 0 else 0.0
         end = "\r" if sys.stderr.isatty() else "\n"
-        print(f"{self.desc} step {step}/{self.total} | loss {loss:.3f} | {tps / 1e3:.1f}k tok/s | "
+        print(f"{self.desc} step {step}/{self.total} | loss {loss:.3f} | {format_rate(tps)} | "
               f"ETA {format_time(eta)}", end=end, file=sys.stderr, flush=True)
 
     def write(self, line: str) -> None:

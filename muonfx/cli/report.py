@@ -11,7 +11,7 @@ import struct
 import zlib
 from pathlib import Path
 
-__all__ = ["steps_to_reach", "compare_runs", "write_json", "plot_losses", "plain_png"]
+__all__ = ["steps_to_reach", "compare_runs", "crossings", "write_json", "plot_losses", "plain_png"]
 
 COLORS = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189)]
 
@@ -48,6 +48,35 @@ def compare_runs(runs: dict, baseline: str) -> dict:
     return out
 
 
+def crossings(comparison: dict | None) -> list[dict]:
+    """Where each run other than the baseline crosses the baseline's final validation loss:
+    ``name``, ``step`` (interpolated), ``loss`` (the target), ``ratio`` and a ``label``.
+
+    Example::
+
+        >>> cmp = compare_runs({"muon": {"val_curve": [[0, 4.0], [50, 2.0], [100, 1.0]], "final_val_loss": 1.0,
+        ...                              "steps": 100},
+        ...                     "adamw": {"val_curve": [[0, 4.0], [50, 3.0], [100, 1.5]], "final_val_loss": 1.5,
+        ...                               "steps": 100}}, "adamw")
+        >>> [(c["name"], c["step"], c["loss"], c["ratio"]) for c in crossings(cmp)]
+        [('muon', 75.0, 1.5, 1.33)]
+        >>> print(crossings(cmp)[0]["label"])
+        muon reaches adamw's final val loss at step ~75: 1.33x fewer steps
+    """
+    if not comparison:
+        return []
+    out = []
+    base, target = comparison["baseline"], comparison["target_val_loss"]
+    for name, hit in comparison["steps_to_reach"].items():
+        if name == base or not hit or name not in comparison["step_ratio"]:
+            continue
+        ratio = comparison["step_ratio"][name]
+        out.append({"name": name, "step": hit["interpolated"], "loss": target, "ratio": ratio,
+                    "label": f"{name} reaches {base}'s final val loss at step ~{hit['interpolated']:.0f}: "
+                             f"{ratio:.2f}x fewer steps"})
+    return out
+
+
 def write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
@@ -63,12 +92,15 @@ def _smooth(ys: list[float], k: int) -> list[float]:
     return out
 
 
-def plot_losses(runs: dict, path: Path, title: str) -> str:
-    """Validation (solid) and smoothed training (faint) loss per run. Returns a note."""
+def plot_losses(runs: dict, path: Path, title: str, comparison: dict | None = None) -> str:
+    """Validation (solid) and smoothed training (faint) loss per run; with ``comparison``
+    (:func:`compare_runs`) a dotted line at the baseline's final validation loss and a
+    marker where each other run crosses it, labelled "N x fewer steps". Returns a note."""
+    marks = crossings(comparison)
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        plain_png(runs, path)
+        plain_png(runs, path, marks=marks)
         return "matplotlib is not installed: loss.png has curves but no labels (pip install matplotlib)"
     fig = Figure(figsize=(8, 5), dpi=100)
     ax = fig.subplots()
@@ -83,6 +115,13 @@ def plot_losses(runs: dict, path: Path, title: str) -> str:
         va = rec["val_curve"]
         ax.plot([s for s, _ in va], [v for _, v in va], color=c, marker="o", ms=3, lw=2,
                 label=f"{name} (val {rec['final_val_loss']:.3f})")
+    if comparison:
+        ax.axhline(comparison["target_val_loss"], color="0.4", ls=":", lw=1)
+    for m in marks:
+        ax.axvline(m["step"], color="0.4", ls=":", lw=1)
+        ax.plot([m["step"]], [m["loss"]], marker="*", ms=14, color="black", ls="none", label=m["label"])
+        ax.annotate(f"{m['ratio']:.2f}x fewer steps", (m["step"], m["loss"]), textcoords="offset points",
+                    xytext=(8, 10), fontsize=10, fontweight="bold")
     vals = [v for rec in runs.values() for _, v in rec["val_curve"][1:]]
     if vals:
         ax.set_ylim(min(vals + lows) - 0.05, max(vals) + 0.5)
@@ -97,8 +136,9 @@ def plot_losses(runs: dict, path: Path, title: str) -> str:
     return ""
 
 
-def plain_png(runs: dict, path: Path, w: int = 640, h: int = 400) -> None:
-    """A dependency-free PNG of the validation curves (axes box, one colour per run)."""
+def plain_png(runs: dict, path: Path, w: int = 640, h: int = 400, marks: list[dict] = ()) -> None:
+    """A dependency-free PNG of the validation curves (axes box, one colour per run) and
+    grey cross-hairs at each of :func:`crossings`' ``marks``."""
     img = [bytearray(b"\xff" * (3 * w)) for _ in range(h)]
     m = 30
     pts = [(s, v) for rec in runs.values() for s, v in rec["val_curve"]]
@@ -126,6 +166,13 @@ def plain_png(runs: dict, path: Path, w: int = 640, h: int = 400) -> None:
     k = (0, 0, 0)
     for a, b in [((m, m), (w - m, m)), ((w - m, m), (w - m, h - m)), ((w - m, h - m), (m, h - m)), ((m, h - m), (m, m))]:
         line(a, b, k)
+    grey = (128, 128, 128)
+    for mk in marks:
+        x, y = px(mk["step"], mk["loss"])
+        line((m, y), (w - m, y), grey)
+        line((x, m), (x, h - m), grey)
+        line((x - 6, y - 6), (x + 6, y + 6), (0, 0, 0), thick=2)
+        line((x - 6, y + 6), (x + 6, y - 6), (0, 0, 0), thick=2)
     for i, rec in enumerate(runs.values()):
         c = COLORS[i % len(COLORS)]
         cur = [px(s, v) for s, v in rec["val_curve"]]

@@ -20,14 +20,17 @@ import torch
 
 from .checkpoint import restore, save_checkpoint
 from .corpus import Corpus, sample_batch
+from .estimate import RunClock
 from .model import GPT, MODELS
 from .optimizers import build_optimizer, describe
-from .progress import Progress, format_time
+from .progress import Progress, format_rate, format_time
 from .runtime import Runtime, shard_model
 
 __all__ = ["WarmupLinear", "train_run", "evaluate"]
 
 EVAL_SEED = 20240601  # the validation batches' generator seed: fixed, independent of --seed
+#: a first validation batch slower than this (seconds) gets a rough time estimate at once
+ROUGH_ESTIMATE_AFTER_S = 1.0
 
 
 class WarmupLinear:
@@ -60,17 +63,28 @@ def _autocast(rt: Runtime):
     return torch.autocast(rt.device.type, dtype=torch.bfloat16) if rt.amp else contextlib.nullcontext()
 
 
+def _sync(rt: Runtime) -> None:
+    if rt.device.type == "cuda":
+        torch.cuda.synchronize(rt.device)
+
+
 @torch.no_grad()
-def evaluate(model: GPT, corpus: Corpus, batches: int, batch_size: int, context: int, rt: Runtime) -> float:
-    """Mean loss over the fixed validation batches."""
+def evaluate(model: GPT, corpus: Corpus, batches: int, batch_size: int, context: int, rt: Runtime,
+             after_first=None) -> float:
+    """Mean loss over the fixed validation batches; ``after_first(seconds)`` is called
+    with the time of the first batch (for a first time estimate)."""
     gen = torch.Generator().manual_seed(EVAL_SEED)
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=rt.device)
-    for _ in range(batches):
+    for i in range(batches):
+        t0 = time.perf_counter()
         x, y = sample_batch(corpus.val, batch_size, context, gen)
         with _autocast(rt):
             total += model.loss(_rows(x, rt).to(rt.device), _rows(y, rt).to(rt.device)).float()
+        if i == 0 and after_first is not None:
+            _sync(rt)
+            after_first(time.perf_counter() - t0)
     model.train(was_training)
     return float(rt.all_mean(total / batches))
 
@@ -83,8 +97,10 @@ def _settings(args, name: str) -> dict:
     return s
 
 
-def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, checkpoint: dict | None = None) -> dict:
-    """Train ``--model`` with optimizer ``name`` for ``args.steps`` steps (or to ``--stop-at``)."""
+def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, checkpoint: dict | None = None,
+              then: str | None = None) -> dict:
+    """Train ``--model`` with optimizer ``name`` for ``args.steps`` steps (or to ``--stop-at``);
+    ``then`` names the ``--compare`` run that follows (for the time estimate)."""
     cfg = dataclasses.replace(MODELS[args.model], vocab=corpus.vocab_size)
     if args.context:
         cfg = dataclasses.replace(cfg, context=args.context)
@@ -106,6 +122,12 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
     stop = args.stop_at or args.steps
     log = Progress(stop, start, name, enabled=rt.is_main and not args.no_progress)
     say = log.write if rt.is_main else (lambda line: None)
+    clock = RunClock(args.steps, stop, args.eval_every, args.eval_batches)
+    where = f"{rt.device.type}" + (f" ({torch.get_num_threads()} thread(s))" if rt.device.type == "cpu" else "")
+
+    def first_batch(seconds: float) -> None:  # a big model on a slow device: say something before it is too late
+        if seconds >= ROUGH_ESTIMATE_AFTER_S:
+            say(clock.rough(seconds, f"{B} x {T}", name, where))
     if start == 0:
         split = ", ".join(f"{g['tx']} lr {g['lr']:g} on {g['tensors']} tensors ({g['params'] / 1e3:.0f}k)"
                           for g in groups)
@@ -113,7 +135,10 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
             f"context {T}; batch {B}; {args.steps} steps on {rt.device}"
             f"{f' ({torch.get_num_threads()} thread(s))' if rt.device.type == 'cpu' else ''}"
             f"{f' x{rt.world} ranks (FSDP2, {rt.backend})' if rt.fsdp else ''}; {split}")
-        v = evaluate(model, corpus, args.eval_batches, B, T, rt)
+        te = time.perf_counter()
+        v = evaluate(model, corpus, args.eval_batches, B, T, rt, after_first=first_batch)
+        clock.eval_seconds = time.perf_counter() - te
+        log.exclude(clock.eval_seconds)
         history["val"].append([0, v])
         say(f"[{name}] step {0:5d} | val {v:.4f}")
     else:
@@ -132,16 +157,26 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
 
     try:
         while step < stop:
+            timing = not clock.reported
+            ts = time.perf_counter()
             x, y = sample_batch(corpus.train, B, T, gen)
             with _autocast(rt):
                 loss = model.loss(_rows(x, rt).to(rt.device), _rows(y, rt).to(rt.device))
             loss.backward()
             if args.grad_clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            if timing:
+                _sync(rt)
+                tb = time.perf_counter()
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
             step += 1
+            if timing:
+                _sync(rt)
+                clock.add_step(tb - ts, time.perf_counter() - tb)
+                if clock.ready() or (step == stop and then):
+                    say(clock.measured(step, name, then))
             pending.append(rt.all_mean(loss.detach().float()))
             if len(pending) >= sync_every or step == stop or step % args.eval_every == 0:
                 losses = torch.stack(pending).tolist()
@@ -155,10 +190,11 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
                 te = time.perf_counter()
                 v = evaluate(model, corpus, args.eval_batches, B, T, rt)
                 eval_seconds += time.perf_counter() - te
+                log.exclude(time.perf_counter() - te)
                 history["val"].append([step, v])
                 say(f"[{name}] step {step:5d} | train {history['train'][-1][1]:.4f} | val {v:.4f} | "
                     f"lr x{sched.get_last_lr()[0] / opt.param_groups[0]['initial_lr']:.3f} | "
-                    f"{log.tokens_per_s() / 1e3:.1f}k tok/s")
+                    f"{format_rate(log.tokens_per_s())} training")
     except KeyboardInterrupt:
         log.close()
         if not rt.fsdp:  # saving is collective under FSDP; the other ranks may be gone

@@ -13,11 +13,12 @@ import torch
 from .args import RUN_KEYS, resolve, validate
 from .checkpoint import load_checkpoint
 from .corpus import load_corpus
+from .progress import format_rate
 from .report import compare_runs, plot_losses, write_json
 from .runtime import setup, teardown
 from .train import train_run
 
-__all__ = ["run_train", "train_command", "UsageError"]
+__all__ = ["run_train", "train_command", "UsageError", "warmup_note"]
 
 
 class UsageError(Exception):
@@ -31,6 +32,22 @@ def _versions() -> dict:
 
     return {"muonfx": __version__, "torch": torch.__version__, "tensordict": tensordict.__version__,
             "python": platform.python_version()}
+
+
+def warmup_note(warmup: int, steps: int) -> str | None:
+    """A warning when the lr warm-up does not fit the run, else None.
+
+    Example::
+
+        >>> print(warmup_note(20, 5))
+        note: --warmup 20 is not shorter than --steps 5: the learning rate climbs for the whole run and never reaches its peak (pass --warmup 1, or more --steps)
+        >>> warmup_note(20, 600) is None
+        True
+    """
+    if warmup >= steps > 0:
+        return (f"note: --warmup {warmup} is not shorter than --steps {steps}: the learning rate climbs for the whole "
+                f"run and never reaches its peak (pass --warmup {max(1, steps // 10)}, or more --steps)")
+    return None
 
 
 def prepare(args) -> dict | None:
@@ -75,7 +92,10 @@ def run_train(args, argv: list[str], prog: str = "muonfx train") -> int:
             print(f"corpus: {corpus.files} stdlib files, {corpus.chars:,} chars, vocab {corpus.vocab_size}, "
                   f"sha256 {corpus.sha256[:16]} ({src}); train {corpus.split:,} / val {len(corpus.val):,} tokens",
                   flush=True)
-        runs = {args.optimizer: train_run(args, args.optimizer, corpus, rt, args.lr, ckpt)}
+            note = warmup_note(args.warmup, args.steps)
+            if note:
+                print(note, flush=True)
+        runs = {args.optimizer: train_run(args, args.optimizer, corpus, rt, args.lr, ckpt, then=args.compare)}
         if args.compare:
             runs[args.compare] = train_run(args, args.compare, corpus, rt, None)
         if not rt.is_main:
@@ -99,13 +119,14 @@ def run_train(args, argv: list[str], prog: str = "muonfx train") -> int:
             summary["comparison"] = cmp = compare_runs(runs, args.compare)
             title = (f"{args.model} GPT on the Python stdlib ({corpus.chars / 1e6:.1f}M chars), batch {args.batch_size}, "
                      f"{args.steps} steps, seed {args.seed}")
-            note = plot_losses(runs, out / "loss.png", title)
+            note = plot_losses(runs, out / "loss.png", title, cmp)
             files.append(out / "loss.png")
         write_json(out / "summary.json", summary)
         print()
         for n, rec in runs.items():
             print(f"{n:>12}: final val loss {rec['final_val_loss']:.4f} (train {rec['final_train_loss']:.4f}), "
-                  f"{rec['steps']} steps, {rec['seconds']:.0f} s, {(rec['tokens_per_s'] or 0) / 1e3:.1f}k tok/s")
+                  f"{rec['steps']} steps, {rec['seconds']:.0f} s ({rec['eval_seconds']:.0f} s of it evaluating), "
+                  f"{format_rate(rec['tokens_per_s'] or 0)} training (evaluations excluded)")
         if args.compare:
             hit = cmp["steps_to_reach"][args.optimizer]
             target = f"{args.compare}'s final val loss {cmp['target_val_loss']:.4f}"
