@@ -14,12 +14,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import time
 
 import torch
 
 from .checkpoint import restore, save_checkpoint
 from .corpus import Corpus, sample_batch
+from .interrupt import StepInterrupt
 from .model import GPT, MODELS
 from .optimizers import build_optimizer, describe
 from .progress import Progress, format_time
@@ -130,7 +132,14 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
             save_checkpoint(args.save, rt, model, opt, sched, step, gen, history, _settings(args, name), corpus.sha256)
             say(f"[{name}] saved step {step} to {args.save}")
 
-    try:
+    def on_ctrl_c() -> None:  # in the signal handler: an unbuffered write (print could re-enter its buffer)
+        if rt.is_main:
+            os.write(2, (f"\n[{name}] Ctrl-C: finishing the current step{' on all ranks' if rt.fsdp else ''}, then "
+                         f"{'saving to ' + str(args.save) if args.save else 'stopping (no --save: nothing is saved)'}"
+                         f"{'' if rt.fsdp else '; Ctrl-C again quits now without saving'}\n").encode())
+
+    interrupted = False
+    with StepInterrupt(on_ctrl_c, force_on_second=not rt.fsdp) as ctrl_c:
         while step < stop:
             x, y = sample_batch(corpus.train, B, T, gen)
             with _autocast(rt):
@@ -142,10 +151,15 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
             sched.step()
             opt.zero_grad(set_to_none=True)
             step += 1
-            pending.append(rt.all_mean(loss.detach().float()))
-            if len(pending) >= sync_every or step == stop or step % args.eval_every == 0:
-                losses = torch.stack(pending).tolist()
+            # the Ctrl-C flag rides with the loss's all-reduce: every rank sees the same value
+            flag = torch.tensor(float(ctrl_c.requested), device=rt.device)
+            pending.append(rt.all_mean(torch.stack([loss.detach().float(), flag])))
+            if len(pending) >= sync_every or step == stop or step % args.eval_every == 0 \
+                    or (ctrl_c.requested and not rt.fsdp):  # under --fsdp every rank syncs at the same steps
+                got = torch.stack(pending)
                 pending = []
+                losses = got[:, 0].tolist()
+                interrupted = bool(got[:, 1].max() > 0)
                 history["train"].extend([step - len(losses) + 1 + i, v] for i, v in enumerate(losses))
                 if not all(math.isfinite(v) for v in losses):
                     say(f"[{name}] step {step}: the loss is {losses[-1]}; stopping (lower --lr / --adamw-lr?)")
@@ -159,11 +173,15 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
                 say(f"[{name}] step {step:5d} | train {history['train'][-1][1]:.4f} | val {v:.4f} | "
                     f"lr x{sched.get_last_lr()[0] / opt.param_groups[0]['initial_lr']:.3f} | "
                     f"{log.tokens_per_s() / 1e3:.1f}k tok/s")
-    except KeyboardInterrupt:
+            if interrupted and step < stop:  # a whole step is done: stop here, as --stop-at would
+                break
+    if interrupted and step < stop:
         log.close()
-        if not rt.fsdp:  # saving is collective under FSDP; the other ranks may be gone
-            save()
-        raise
+        save()
+        say(f"[{name}] interrupted after step {step}" + (
+            f"; continue exactly with: muonfx train --resume {args.save}" if args.save else
+            f"; steps {start + 1}-{step} are lost (pass --save PATH to keep them on Ctrl-C)"))
+        raise KeyboardInterrupt
     log.close()
     seconds = time.perf_counter() - t0
     train_seconds = max(seconds - eval_seconds, 1e-9)
