@@ -131,6 +131,13 @@ def restore(ckpt: dict, rt, model, opt, sched, gen: torch.Generator) -> int:
     (the run is not started, so nothing half-restored is ever trained)."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
+    names = set(model.state_dict())
+    missing, unexpected = sorted(names - set(ckpt["model"])), sorted(set(ckpt["model"]) - names)
+    if missing or unexpected:
+        raise CheckpointError(f"its model state does not fit this run's model: "
+                              f"{f'missing {missing[:3]}' if missing else ''}"
+                              f"{'; ' if missing and unexpected else ''}"
+                              f"{f'unexpected {unexpected[:3]}' if unexpected else ''}")
     try:
         set_state_dict(model, opt, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
                        options=_options(rt))
@@ -141,8 +148,9 @@ def restore(ckpt: dict, rt, model, opt, sched, gen: torch.Generator) -> int:
         gen.set_state(ckpt["data_rng"])
         torch.set_rng_state(ckpt["torch_rng"])
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CheckpointError(f"its state does not fit this run: {type(e).__name__}: {first[:300]}") from None
+        text = " ".join(str(e).split())  # one line
+        raise CheckpointError(f"its state does not fit this run: {type(e).__name__}: "
+                              f"{text[:300] + ('...' if len(text) > 300 else '')}") from None
     if "cuda_rng" in ckpt and rt.device.type == "cuda":
         torch.cuda.set_rng_state(ckpt["cuda_rng"], rt.device)
     return int(ckpt["step"])

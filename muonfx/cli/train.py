@@ -86,7 +86,24 @@ def _settings(args, name: str) -> dict:
 
 
 def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, checkpoint: dict | None = None) -> dict:
-    """Train ``--model`` with optimizer ``name`` for ``args.steps`` steps (or to ``--stop-at``)."""
+    """Train ``--model`` with optimizer ``name`` for ``args.steps`` steps (or to ``--stop-at``).
+
+    A Ctrl-C from here on stops the run after a whole step (see :mod:`muonfx.cli.interrupt`):
+    with ``--save`` the checkpoint is the state after that step, and ``--resume`` goes on
+    exactly as an uninterrupted run would; then ``KeyboardInterrupt`` is raised."""
+
+    def on_ctrl_c() -> None:  # in the signal handler: an unbuffered write (print could re-enter its buffer)
+        if rt.is_main:
+            os.write(2, (f"\n[{name}] Ctrl-C: finishing the current step{' on all ranks' if rt.fsdp else ''}, then "
+                         f"{'saving to ' + str(args.save) if args.save else 'stopping (no --save: nothing is saved)'}"
+                         f"{'' if rt.fsdp else '; Ctrl-C again quits now without saving'}\n").encode())
+
+    with StepInterrupt(on_ctrl_c, force_on_second=not rt.fsdp) as ctrl_c:
+        return _train(args, name, corpus, rt, lr, checkpoint, ctrl_c)
+
+
+def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, checkpoint: dict | None,
+           ctrl_c: StepInterrupt) -> dict:
     cfg = dataclasses.replace(MODELS[args.model], vocab=corpus.vocab_size)
     if args.context:
         cfg = dataclasses.replace(cfg, context=args.context)
@@ -132,49 +149,42 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
             save_checkpoint(args.save, rt, model, opt, sched, step, gen, history, _settings(args, name), corpus.sha256)
             say(f"[{name}] saved step {step} to {args.save}")
 
-    def on_ctrl_c() -> None:  # in the signal handler: an unbuffered write (print could re-enter its buffer)
-        if rt.is_main:
-            os.write(2, (f"\n[{name}] Ctrl-C: finishing the current step{' on all ranks' if rt.fsdp else ''}, then "
-                         f"{'saving to ' + str(args.save) if args.save else 'stopping (no --save: nothing is saved)'}"
-                         f"{'' if rt.fsdp else '; Ctrl-C again quits now without saving'}\n").encode())
-
     interrupted = False
-    with StepInterrupt(on_ctrl_c, force_on_second=not rt.fsdp) as ctrl_c:
-        while step < stop:
-            x, y = sample_batch(corpus.train, B, T, gen)
-            with _autocast(rt):
-                loss = model.loss(_rows(x, rt).to(rt.device), _rows(y, rt).to(rt.device))
-            loss.backward()
-            if args.grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            # the Ctrl-C flag rides with the loss's all-reduce: every rank sees the same value
-            flag = torch.tensor(float(ctrl_c.requested), device=rt.device)
-            pending.append(rt.all_mean(torch.stack([loss.detach().float(), flag])))
-            if len(pending) >= sync_every or step == stop or step % args.eval_every == 0 \
-                    or (ctrl_c.requested and not rt.fsdp):  # under --fsdp every rank syncs at the same steps
-                got = torch.stack(pending)
-                pending = []
-                losses = got[:, 0].tolist()
-                interrupted = bool(got[:, 1].max() > 0)
-                history["train"].extend([step - len(losses) + 1 + i, v] for i, v in enumerate(losses))
-                if not all(math.isfinite(v) for v in losses):
-                    say(f"[{name}] step {step}: the loss is {losses[-1]}; stopping (lower --lr / --adamw-lr?)")
-                    break
-                log.update(step, losses[-1], len(losses) * B * T)
-            if step % args.eval_every == 0 or step == args.steps:
-                te = time.perf_counter()
-                v = evaluate(model, corpus, args.eval_batches, B, T, rt)
-                eval_seconds += time.perf_counter() - te
-                history["val"].append([step, v])
-                say(f"[{name}] step {step:5d} | train {history['train'][-1][1]:.4f} | val {v:.4f} | "
-                    f"lr x{sched.get_last_lr()[0] / opt.param_groups[0]['initial_lr']:.3f} | "
-                    f"{log.tokens_per_s() / 1e3:.1f}k tok/s")
-            if interrupted and step < stop:  # a whole step is done: stop here, as --stop-at would
+    while step < stop:
+        x, y = sample_batch(corpus.train, B, T, gen)
+        with _autocast(rt):
+            loss = model.loss(_rows(x, rt).to(rt.device), _rows(y, rt).to(rt.device))
+        loss.backward()
+        if args.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        # the Ctrl-C flag rides with the loss's all-reduce: every rank sees the same value
+        flag = torch.tensor(float(ctrl_c.requested), device=rt.device)
+        pending.append(rt.all_mean(torch.stack([loss.detach().float(), flag])))
+        if len(pending) >= sync_every or step == stop or step % args.eval_every == 0 \
+                or (ctrl_c.requested and not rt.fsdp):  # under --fsdp every rank syncs at the same steps
+            got = torch.stack(pending)
+            pending = []
+            losses = got[:, 0].tolist()
+            interrupted = bool(got[:, 1].max() > 0)
+            history["train"].extend([step - len(losses) + 1 + i, v] for i, v in enumerate(losses))
+            if not all(math.isfinite(v) for v in losses):
+                say(f"[{name}] step {step}: the loss is {losses[-1]}; stopping (lower --lr / --adamw-lr?)")
                 break
+            log.update(step, losses[-1], len(losses) * B * T)
+        if step % args.eval_every == 0 or step == args.steps:
+            te = time.perf_counter()
+            v = evaluate(model, corpus, args.eval_batches, B, T, rt)
+            eval_seconds += time.perf_counter() - te
+            history["val"].append([step, v])
+            say(f"[{name}] step {step:5d} | train {history['train'][-1][1]:.4f} | val {v:.4f} | "
+                f"lr x{sched.get_last_lr()[0] / opt.param_groups[0]['initial_lr']:.3f} | "
+                f"{log.tokens_per_s() / 1e3:.1f}k tok/s")
+        if interrupted and step < stop:  # a whole step is done: stop here, as --stop-at would
+            break
     if interrupted and step < stop:
         log.close()
         save()

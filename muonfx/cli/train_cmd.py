@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import shlex
 import sys
@@ -137,5 +138,6 @@ def train_command(args, argv: list[str], prog: str = "muonfx train") -> int:
         print(f"{prog}: error: --resume {args.resume}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun: once, not once per rank
+            print(f"{prog}: interrupted", file=sys.stderr)
         return 130
