@@ -83,3 +83,38 @@ def agreement_cost(rank: int, world: int, steps: int = 30, d: int = 64) -> dict:
         if i >= 2:
             times[which].append(time.perf_counter() - t0)
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def row_normalize_on_shards(rank: int, world: int, steps: int = 3) -> dict:
+    """``mfx.row_normalize`` on DTensors (row shards with fewer rows than ranks and empty
+    shards, an expert stack with fewer experts than ranks, a conv weight, a column-sharded
+    matrix) vs the same transform on the whole tensors: max abs error per step, and the
+    collectives of each update (muonfx's counter and torch's CommDebugMode)."""
+    from tensordict import TensorDict
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import muonfx.distributed as mdist
+
+    mesh = init_device_mesh("cpu", (world,))
+    mdist.install()
+    g = torch.Generator().manual_seed(0)
+    shapes = {"one_row": ((1, 6), 0), "two_rows": ((2, 5), 0), "tall": ((7, 3), 0), "experts": ((2, 3, 4), 0),
+              "conv": ((3, 2, 3, 3), 0), "cols": ((5, 7), 1)}
+    inputs = [{k: torch.randn(shape, generator=g) for k, (shape, _) in shapes.items()} for _ in range(steps)]
+    tx = mfx.row_normalize(0.9)
+    ref_state = tx.init(TensorDict(inputs[0], []))
+    dt = lambda fulls: TensorDict({k: distribute_tensor(v, mesh, [Shard(shapes[k][1])])  # noqa: E731
+                                   for k, v in fulls.items()}, [])
+    state = tx.init(dt(inputs[0]))
+    out: dict = {"errors": [], "reductions": [], "all_reduces": []}
+    for fulls in inputs:
+        ref, ref_state = tx.update(TensorDict(fulls, []), ref_state)
+        mdist.comm_stats().reset()
+        with CommDebugMode() as comm:
+            got, state = tx.update(dt(fulls), state)
+        out["reductions"].append(mdist.comm_stats().reductions)
+        out["all_reduces"].append(sum(n for op, n in comm.get_comm_counts().items() if "all_reduce" in str(op)))
+        out["errors"].append({k: (ref[k] - got[k].full_tensor()).abs().max().item() for k in fulls})
+        out["v_errors"] = {k: (ref_state.v[k] - state.v[k].full_tensor()).abs().max().item() for k in fulls}
+    return out
