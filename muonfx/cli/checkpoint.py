@@ -41,7 +41,7 @@ def _feed(h, obj: Any) -> None:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
     elif isinstance(obj, dict):
         h.update(f"D{len(obj)}".encode())
         for k in sorted(obj, key=repr):
