@@ -11,6 +11,8 @@ shards. Two kinds of work need more, and go through this module only:
   batching policy).
 * :func:`global_sum` sums a per-tensor scalar over all leaves (global norms,
   non-finite counts). Locally it is a plain sum.
+* :func:`sum_over` sums every tensor over some of its dims (per-row or per-matrix
+  statistics), for all leaves in one reduction. Locally it is ``t.sum(dims, keepdim=True)``.
 
 Backends (the distributed module installs one for DTensors) claim the tensors they
 serve through :func:`register_backend`; transforms never import distributed code,
@@ -29,7 +31,7 @@ MatrixFn = Callable[[torch.Tensor], torch.Tensor]
 ScalarFn = Callable[[torch.Tensor], torch.Tensor]
 
 __all__ = ["MatrixFn", "ScalarFn", "Backend", "register_backend", "unregister_backend",
-           "map_matrices", "global_sum", "local_map_matrices"]
+           "map_matrices", "global_sum", "sum_over", "local_map_matrices"]
 
 
 class Backend(Protocol):
@@ -43,6 +45,9 @@ class Backend(Protocol):
 
     def global_sum(self, fn: ScalarFn, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """``sum(fn(t) for t in tensors)`` over the logical (whole) tensors, as a local 0-d tensor."""
+
+    def sum_over(self, tensors: Sequence[torch.Tensor], dims: tuple[int, ...]) -> list[torch.Tensor]:
+        """``t.sum(dims, keepdim=True)`` of each logical tensor, as tensors of ``t``'s kind."""
 
 
 _BACKENDS: list[Backend] = []
@@ -150,3 +155,32 @@ def global_sum(fn: ScalarFn, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     device = parts[0].device
     dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
     return torch.stack([p.to(device=device, dtype=dtype) for p in parts]).sum()
+
+
+def sum_over(tensors: Sequence[torch.Tensor], dims: tuple[int, ...]) -> list[torch.Tensor]:
+    """Each tensor summed over ``dims`` of the whole (logical) tensor, ``keepdim=True``.
+
+    Formula: ``out[i] = tensors[i].sum(dims, keepdim=True)``. Per-row and per-matrix
+    statistics (NorMuon's row second moments, per-matrix norms) go through here: a
+    backend sums the local pieces and reduces the pieces of a dim that is sharded with
+    one collective for all the tensors it serves, and returns tensors of its own kind
+    (DTensors with the summed dims replicated). ``dims`` are the same for every tensor
+    (negative dims count from the end).
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx import seam
+        >>> rows, total = seam.sum_over([torch.ones(2, 3), torch.ones(4, 3)], (-1,))
+        >>> rows.shape, total.flatten().tolist()
+        (torch.Size([2, 1]), [3.0, 3.0, 3.0, 3.0])
+    """
+    if not _BACKENDS:
+        return [t.sum(dims, keepdim=True) for t in tensors]
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for backend, idx in _split_by_backend(tensors):
+        sub = [tensors[i] for i in idx]
+        res = [t.sum(dims, keepdim=True) for t in sub] if backend is None else backend.sum_over(sub, dims)
+        for i, r in zip(idx, res):
+            out[i] = r
+    return out  # type: ignore[return-value]

@@ -222,6 +222,9 @@ def test_empty_and_uneven_shards(request, W):
         stats = [res[r]["odd"][f"{opt}_stats"] for r in range(W)]
         assert sum(st["matrices_orthogonalized"] for st in stats) == 4 * 6  # a, b, c, d x 6 steps
         assert all(st["fallback_gathers"] == 0 and st["collectives"] == 2 * 6 for st in stats), stats
+        # NorMuon's row statistics: row shards' rows are local; every matrix's norms are one
+        # all-reduce per step (seam.sum_over), whatever the number of matrices
+        assert all(st["reductions"] == (6 if opt == "fsdp_muon_normuon" else 0) for st in stats), stats
 
 
 # ---------------------------------------------------------------------------

@@ -8,11 +8,12 @@ the checkpoint's settings, then from :data:`DEFAULTS`.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from .model import MODELS
 
-__all__ = ["DEFAULTS", "RUN_KEYS", "add_train_args", "resolve", "validate"]
+__all__ = ["DEFAULTS", "RUN_KEYS", "add_train_args", "resolve", "validate", "check_settings"]
 
 DEFAULTS = dict(
     optimizer="muon_adamw", steps=300, lr=None, adamw_lr=3e-3, weight_decay=0.01, batch_size=32, model="tiny",
@@ -64,7 +65,8 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                                   f"(default {d['eval_batches']})")
     g.add_argument("--out", metavar="DIR", help="summary.json (and loss.png with --compare) go here "
                                                 "(default runs/<date>-<time>-<optimizer>[-vs-<compare>])")
-    g.add_argument("--save", metavar="PATH", help="checkpoint at the end (and at --stop-at, and on Ctrl-C)")
+    g.add_argument("--save", metavar="PATH", help="checkpoint at the end, at --stop-at, and on Ctrl-C (after the current step, "
+                                                 "also under --fsdp); resume exactly with --resume")
     g.add_argument("--resume", metavar="PATH", help="continue a --save checkpoint exactly (its settings are the defaults)")
     g.add_argument("--stop-at", type=int, metavar="STEP", help="stop after this step (the schedule still spans --steps); "
                                                                "with --save, resume later")
@@ -72,6 +74,43 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-cache", action="store_true", help="rebuild the corpus, write no cache")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (loss lines are still printed)")
     return p
+
+
+#: the type of each numeric or named setting (``--resume`` reads them from a file)
+_INTS = ("steps", "batch_size", "context", "seed", "warmup", "eval_every", "eval_batches", "threads", "stop_at")
+_FLOATS = ("lr", "adamw_lr", "weight_decay", "grad_clip")
+_STRS = ("optimizer", "model", "amp", "compare")
+
+
+def _type_error(k: str, v) -> str | None:
+    """Why ``v`` cannot be the value of setting ``k`` (None: it can; None values are "not given")."""
+    if v is None:
+        return None
+    if k in _INTS and (isinstance(v, bool) or not isinstance(v, int)):
+        return f"must be an integer, got {v!r}"
+    if k in _FLOATS:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return f"must be a number, got {v!r}"
+        if not math.isfinite(v):
+            return f"must be a finite number, got {v!r}"
+    if k in _STRS and not isinstance(v, str):
+        return f"must be a name, got {v!r}"
+    return None
+
+
+def check_settings(saved: dict) -> str | None:
+    """A one-line message for the first setting of a checkpoint's ``saved`` dict that has
+    the wrong type (a damaged or hand-made file), else None."""
+    for k in RUN_KEYS + ("steps", "eval_every", "eval_batches", "amp"):
+        if k in saved:
+            err = _type_error(k, saved[k])
+            if err:
+                return f"the checkpoint's setting {k!r} {err}"
+    if "amp" in saved and saved["amp"] not in ("auto", "bf16", "off"):
+        return f"the checkpoint's setting 'amp' must be auto, bf16 or off, got {saved['amp']!r}"
+    if "model" in saved and saved["model"] not in MODELS:
+        return f"the checkpoint's setting 'model' names no model: {saved['model']!r} (known: {', '.join(sorted(MODELS))})"
+    return None
 
 
 def resolve(args: argparse.Namespace, saved: dict | None = None) -> argparse.Namespace:
@@ -95,6 +134,10 @@ def validate(args: argparse.Namespace) -> str | None:
     """A one-line message for the first bad option, else None."""
     from .optimizers import check_optimizer
 
+    for k in _INTS + _FLOATS + _STRS:
+        err = _type_error(k, getattr(args, k, None))
+        if err:
+            return f"--{k.replace('_', '-')} {err}"
     for name in [args.optimizer] + ([args.compare] if args.compare else []):
         err = check_optimizer(name)
         if err:

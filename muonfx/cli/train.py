@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import time
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from .checkpoint import restore, save_checkpoint
 from .corpus import Corpus, sample_batch
 from .estimate import RunClock
+from .interrupt import StepInterrupt
 from .model import GPT, MODELS
 from .optimizers import build_optimizer, describe
 from .progress import Progress, format_rate, format_time
@@ -100,7 +102,24 @@ def _settings(args, name: str) -> dict:
 def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, checkpoint: dict | None = None,
               then: str | None = None) -> dict:
     """Train ``--model`` with optimizer ``name`` for ``args.steps`` steps (or to ``--stop-at``);
-    ``then`` names the ``--compare`` run that follows (for the time estimate)."""
+    ``then`` names the ``--compare`` run that follows (for the time estimate).
+
+    A Ctrl-C from here on stops the run after a whole step (see :mod:`muonfx.cli.interrupt`):
+    with ``--save`` the checkpoint is the state after that step, and ``--resume`` goes on
+    exactly as an uninterrupted run would; then ``KeyboardInterrupt`` is raised."""
+
+    def on_ctrl_c() -> None:  # in the signal handler: an unbuffered write (print could re-enter its buffer)
+        if rt.is_main:
+            os.write(2, (f"\n[{name}] Ctrl-C: finishing the current step{' on all ranks' if rt.fsdp else ''}, then "
+                         f"{'saving to ' + str(args.save) if args.save else 'stopping (no --save: nothing is saved)'}"
+                         f"{'' if rt.fsdp else '; Ctrl-C again quits now without saving'}\n").encode())
+
+    with StepInterrupt(on_ctrl_c, force_on_second=not rt.fsdp) as ctrl_c:
+        return _train(args, name, corpus, rt, lr, checkpoint, then, ctrl_c)
+
+
+def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, checkpoint: dict | None,
+           then: str | None, ctrl_c: StepInterrupt) -> dict:
     cfg = dataclasses.replace(MODELS[args.model], vocab=corpus.vocab_size)
     if args.context:
         cfg = dataclasses.replace(cfg, context=args.context)
@@ -155,51 +174,60 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
             save_checkpoint(args.save, rt, model, opt, sched, step, gen, history, _settings(args, name), corpus.sha256)
             say(f"[{name}] saved step {step} to {args.save}")
 
-    try:
-        while step < stop:
-            timing = not clock.reported
-            ts = time.perf_counter()
-            x, y = sample_batch(corpus.train, B, T, gen)
-            with _autocast(rt):
-                loss = model.loss(_rows(x, rt).to(rt.device), _rows(y, rt).to(rt.device))
-            loss.backward()
-            if args.grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            if timing:
-                _sync(rt)
-                tb = time.perf_counter()
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            step += 1
-            if timing:
-                _sync(rt)
-                clock.add_step(tb - ts, time.perf_counter() - tb)
-                if clock.ready() or (step == stop and then):
-                    say(clock.measured(step, name, then))
-            pending.append(rt.all_mean(loss.detach().float()))
-            if len(pending) >= sync_every or step == stop or step % args.eval_every == 0:
-                losses = torch.stack(pending).tolist()
-                pending = []
-                history["train"].extend([step - len(losses) + 1 + i, v] for i, v in enumerate(losses))
-                if not all(math.isfinite(v) for v in losses):
-                    say(f"[{name}] step {step}: the loss is {losses[-1]}; stopping (lower --lr / --adamw-lr?)")
-                    break
-                log.update(step, losses[-1], len(losses) * B * T)
-            if step % args.eval_every == 0 or step == args.steps:
-                te = time.perf_counter()
-                v = evaluate(model, corpus, args.eval_batches, B, T, rt)
-                eval_seconds += time.perf_counter() - te
-                log.exclude(time.perf_counter() - te)
-                history["val"].append([step, v])
-                say(f"[{name}] step {step:5d} | train {history['train'][-1][1]:.4f} | val {v:.4f} | "
-                    f"lr x{sched.get_last_lr()[0] / opt.param_groups[0]['initial_lr']:.3f} | "
-                    f"{format_rate(log.tokens_per_s())} training")
-    except KeyboardInterrupt:
+    interrupted = False
+    while step < stop:
+        timing = not clock.reported
+        ts = time.perf_counter()
+        x, y = sample_batch(corpus.train, B, T, gen)
+        with _autocast(rt):
+            loss = model.loss(_rows(x, rt).to(rt.device), _rows(y, rt).to(rt.device))
+        loss.backward()
+        if args.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        if timing:
+            _sync(rt)
+            tb = time.perf_counter()
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if timing:
+            _sync(rt)
+            clock.add_step(tb - ts, time.perf_counter() - tb)
+            if clock.ready() or (step == stop and then):
+                say(clock.measured(step, name, then))
+        # the Ctrl-C flag rides with the loss's all-reduce: every rank sees the same value
+        flag = torch.tensor(float(ctrl_c.requested), device=rt.device)
+        pending.append(rt.all_mean(torch.stack([loss.detach().float(), flag])))
+        if len(pending) >= sync_every or step == stop or step % args.eval_every == 0 \
+                or (ctrl_c.requested and not rt.fsdp):  # under --fsdp every rank syncs at the same steps
+            got = torch.stack(pending)
+            pending = []
+            losses = got[:, 0].tolist()
+            interrupted = bool(got[:, 1].max() > 0)
+            history["train"].extend([step - len(losses) + 1 + i, v] for i, v in enumerate(losses))
+            if not all(math.isfinite(v) for v in losses):
+                say(f"[{name}] step {step}: the loss is {losses[-1]}; stopping (lower --lr / --adamw-lr?)")
+                break
+            log.update(step, losses[-1], len(losses) * B * T)
+        if step % args.eval_every == 0 or step == args.steps:
+            te = time.perf_counter()
+            v = evaluate(model, corpus, args.eval_batches, B, T, rt)
+            eval_seconds += time.perf_counter() - te
+            log.exclude(time.perf_counter() - te)
+            history["val"].append([step, v])
+            say(f"[{name}] step {step:5d} | train {history['train'][-1][1]:.4f} | val {v:.4f} | "
+                f"lr x{sched.get_last_lr()[0] / opt.param_groups[0]['initial_lr']:.3f} | "
+                f"{format_rate(log.tokens_per_s())} training")
+        if interrupted and step < stop:  # a whole step is done: stop here, as --stop-at would
+            break
+    if interrupted and step < stop:
         log.close()
-        if not rt.fsdp:  # saving is collective under FSDP; the other ranks may be gone
-            save()
-        raise
+        save()
+        say(f"[{name}] interrupted after step {step}" + (
+            f"; continue exactly with: muonfx train --resume {args.save}" if args.save else
+            f"; steps {start + 1}-{step} are lost (pass --save PATH to keep them on Ctrl-C)"))
+        raise KeyboardInterrupt
     log.close()
     seconds = time.perf_counter() - t0
     train_seconds = max(seconds - eval_seconds, 1e-9)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import shlex
 import sys
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .args import RUN_KEYS, resolve, validate
-from .checkpoint import load_checkpoint
+from .args import RUN_KEYS, check_settings, resolve, validate
+from .checkpoint import CheckpointError, load_checkpoint
 from .corpus import load_corpus
 from .progress import format_rate
 from .report import compare_runs, plot_losses, write_json
@@ -59,9 +60,12 @@ def prepare(args) -> dict | None:
             raise UsageError(f"--resume {args.resume}: no such file")
         try:
             ckpt = load_checkpoint(args.resume)
-        except Exception as e:  # not a checkpoint, or a damaged one
+        except CheckpointError as e:  # not a checkpoint, a damaged or a hand-edited one
             raise UsageError(f"--resume {args.resume}: {e}") from None
         saved = ckpt["settings"]
+        err = check_settings(saved)
+        if err:
+            raise UsageError(f"--resume {args.resume}: {err}")
         for k in RUN_KEYS:
             given = getattr(args, k, None)
             if given is not None and k in saved and given != saved[k]:
@@ -151,6 +155,10 @@ def train_command(args, argv: list[str], prog: str = "muonfx train") -> int:
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:  # raised while restoring a checkpoint that loaded
+        print(f"{prog}: error: --resume {args.resume}: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun: once, not once per rank
+            print(f"{prog}: interrupted", file=sys.stderr)
         return 130

@@ -8,6 +8,9 @@
   other layout is gathered in full, transformed, and re-sharded (correct, not fast).
 * :meth:`DTensorBackend.global_sum`: per-shard partial sums and one all-reduce over
   the sharded mesh dimensions.
+* :meth:`DTensorBackend.sum_over`: local sums over the given dims; the sums of dims that
+  are sharded are all-reduced, all tensors of a process group and dtype in one
+  all-reduce (counted in :attr:`CommStats.reductions`).
 
 Per-rank traffic and work are counted in :attr:`DTensorBackend.stats`.
 """
@@ -35,13 +38,14 @@ class CommStats:
     elements_received: int = 0
     bytes_received: int = 0
     collectives: int = 0
+    reductions: int = 0
     matrices_orthogonalized: int = 0
     fallback_gathers: int = 0
     shapes: list = field(default_factory=list)
 
     def reset(self) -> None:
         self.elements_sent = self.elements_received = self.bytes_received = 0
-        self.collectives = self.matrices_orthogonalized = self.fallback_gathers = 0
+        self.collectives = self.reductions = self.matrices_orthogonalized = self.fallback_gathers = 0
         self.shapes = []
 
 
@@ -211,6 +215,43 @@ class DTensorBackend:
                 dist.all_reduce(s, group=mesh.get_group(md))
             total = s if total is None else total + s.to(total.device)
         return total if total is not None else torch.zeros(())
+
+
+    def sum_over(self, tensors: Sequence[torch.Tensor], dims: tuple[int, ...]) -> list[torch.Tensor]:
+        """``t.sum(dims, keepdim=True)`` of each logical DTensor: local sums, then one
+        all-reduce per (process group, dtype, device) for every tensor whose summed dims
+        are sharded; the summed dims come back replicated, the other placements kept."""
+        parts = []  # (local sum, mesh, placements, logical shape)
+        pending: dict = {}
+        for i, t in enumerate(tensors):
+            nd = t.ndim
+            ds = tuple(sorted({d % nd for d in dims}))
+            local = t.to_local().sum(ds, keepdim=True)
+            placements = list(t.placements)
+            over = []
+            for md, pl in enumerate(placements):
+                if pl.is_partial():
+                    raise ValueError(f"sum_over: Partial placements {t.placements} are not supported")
+                if pl.is_shard() and pl.dim % nd in ds:
+                    over.append(md)
+                    placements[md] = Replicate()
+            shape = tuple(1 if d in ds else n for d, n in enumerate(t.shape))
+            parts.append((local, t.device_mesh, placements, shape))
+            for md in over:
+                pg = t.device_mesh.get_group(md)
+                pending.setdefault((id(pg), local.dtype, local.device), (pg, []))[1].append(i)
+        for pg, idx in pending.values():
+            flat = torch.cat([parts[i][0].reshape(-1) for i in idx])
+            dist.all_reduce(flat, group=pg)
+            self.stats.reductions += 1
+            for i, piece in zip(idx, flat.split([parts[i][0].numel() for i in idx])):
+                parts[i] = (piece.view(parts[i][0].shape),) + parts[i][1:]
+        out = []
+        for local, mesh, placements, shape in parts:
+            stride = torch.empty(shape, device="meta").stride()
+            out.append(DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                          stride=stride))
+        return out
 
 
 #: The process-wide backend instance (installed by :func:`muonfx.distributed.install`).

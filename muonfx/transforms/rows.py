@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 from tensordict import TensorDict
 
+from .. import seam
 from ..base import GradientTransformation, aligned, build, leaves
 from ..hyperparams import check
 from ._matrix import matrix_dims
@@ -55,8 +56,10 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows")
     NorMuon (Li et al., 2025) follows the normalisation with a 0.2-RMS lr scale; here
     the update keeps the orthogonalised update's Frobenius norm so the usual
     :func:`scale_by_shape` modes and Muon learning rates carry over. Place it right
-    after :func:`newton_schulz`. Works on DTensor shards (row statistics of row
-    shards are local; the two norms are small all-reduces).
+    after :func:`newton_schulz`. The row sums and the two norms (``||P||_F`` is
+    ``sqrt(sum_i rowsq_i / (sqrt(v_i) + eps)^2)``, from the same row sums) go through
+    :func:`muonfx.seam.sum_over`: on DTensor shards, row shards' row sums are local and
+    the norms of all matrices are one all-reduce.
 
     Example::
 
@@ -80,17 +83,25 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows")
     def update_fn(updates, state, params=None):
         keys, us = leaves(updates)
         vs = aligned(state.v, keys, "row_normalize state (v)")
-        outs, new_vs = [], []
-        for k, u, v in zip(keys, us, vs):
-            o = _rows_view(k, u)
-            dim = _reduce_dim(axis, o)
-            nv = torch.lerp(v.to(o.dtype), o.square().mean(dim=dim), 1.0 - beta2)
-            p = o / (nv.sqrt().unsqueeze(dim) + eps)
-            dims = (-2, -1)
-            ratio = torch.linalg.vector_norm(o, dim=dims, keepdim=True) / torch.linalg.vector_norm(
-                p, dim=dims, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
-            outs.append((p * ratio).reshape(u.shape))
+        # axis="larger" on a wide matrix: statistics per column, i.e. per row of its transpose
+        flips = [_reduce_dim(axis, _rows_view(k, u)) == -2 for k, u in zip(keys, us)]
+        os_ = [_rows_view(k, u).mT if f else _rows_view(k, u) for k, u, f in zip(keys, us, flips)]
+        # per-row sums of squares, then per-matrix [||O||^2, ||P||^2]: two seam reductions
+        # for all leaves (on shards: one collective each at most, none for row shards' rows)
+        row_sq = seam.sum_over([o.square() for o in os_], (-1,))
+        new_vs, scales, pairs = [], [], []
+        for o, v, rs in zip(os_, vs, row_sq):
+            nv = torch.lerp(v.to(o.dtype), rs.squeeze(-1) / o.shape[-1], 1.0 - beta2)
+            s = (nv.sqrt() + eps).unsqueeze(-1)
             new_vs.append(nv.to(v.dtype))
+            scales.append(s)
+            pairs.append(torch.cat([rs, rs / s.square()], dim=-1))
+        totals = seam.sum_over(pairs, (-2,))
+        outs = []
+        for k, u, o, s, tot, f in zip(keys, us, os_, scales, totals, flips):
+            ratio = tot[..., :1].sqrt() / tot[..., 1:].sqrt().clamp_min(torch.finfo(o.dtype).tiny)
+            out = o / s * ratio
+            outs.append((out.mT if f else out).reshape(u.shape))
         return build(keys, outs), RowNormalizeState(build(keys, new_vs))
 
     return GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,120 @@
+"""Rank functions for the distributed cases of ``test_faults_cli.py`` (run with
+``dist_harness.run_world``; gloo on the CPU)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+import muonfx as mfx  # noqa: E402
+
+
+def _model(world: int, d: int = 16) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d), nn.Tanh(), nn.Linear(d, 4))
+    mesh = init_device_mesh("cpu", (world,))
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _backward(model: nn.Module, rank: int, d: int = 16) -> None:
+    g = torch.Generator().manual_seed(rank)
+    model(torch.randn(8, d, generator=g)).square().mean().backward()
+
+
+def _locals(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.to_local().clone() for n, p in model.named_parameters()}
+
+
+def rank_local_error(rank: int, world: int, bad_rank: int, hold_s: float) -> dict:
+    """One good step; then ``bad_rank`` alone puts ``lr="abc"`` in its Muon group and every
+    rank steps. The bad rank then stays alive for ``hold_s`` seconds (as a process that
+    caught the error would). Returns each rank's error and how long its step took."""
+    model = _model(world)
+    opt = mfx.FSDPMuonOptimizer(model, lr=0.02)
+    _backward(model, rank)
+    opt.step()
+    opt.zero_grad()
+    _backward(model, rank)
+    if rank == bad_rank:
+        opt.param_groups[0]["lr"] = "abc"
+    before = _locals(model)
+    state_before = {k: v.clone() for k, v in opt.records[0].state.items(include_nested=True, leaves_only=True)} \
+        if hasattr(opt.records[0].state, "items") else None
+    t0 = time.perf_counter()
+    out: dict = {}
+    try:
+        opt.step()
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001
+        out["error"] = (type(e).__name__, str(e))
+    out["seconds"] = time.perf_counter() - t0
+    out["unchanged"] = all(torch.equal(before[n], p.to_local()) for n, p in model.named_parameters())
+    if rank == bad_rank:
+        time.sleep(hold_s)
+    return out
+
+
+def agreement_cost(rank: int, world: int, steps: int = 30, d: int = 64) -> dict:
+    """Seconds per FSDPMuonOptimizer step with and without the error agreement (the
+    flag all-reduce), interleaved, median of ``steps`` steps each."""
+    model = _model(world, d)
+    opt = mfx.FSDPMuonOptimizer(model, lr=0.02)
+    _backward(model, rank, d)
+    plain = type(opt).__mro__[1].step  # TransformOptimizer.step: no agreement
+    times: dict = {"agree": [], "plain": []}
+    for i in range(2 * steps + 2):
+        which = "agree" if i % 2 else "plain"
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.step() if which == "agree" else plain(opt)
+        if i >= 2:
+            times[which].append(time.perf_counter() - t0)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def row_normalize_on_shards(rank: int, world: int, steps: int = 3) -> dict:
+    """``mfx.row_normalize`` on DTensors (row shards with fewer rows than ranks and empty
+    shards, an expert stack with fewer experts than ranks, a conv weight, a column-sharded
+    matrix) vs the same transform on the whole tensors: max abs error per step, and the
+    collectives of each update (muonfx's counter and torch's CommDebugMode)."""
+    from tensordict import TensorDict
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import muonfx.distributed as mdist
+
+    mesh = init_device_mesh("cpu", (world,))
+    mdist.install()
+    g = torch.Generator().manual_seed(0)
+    shapes = {"one_row": ((1, 6), 0), "two_rows": ((2, 5), 0), "tall": ((7, 3), 0), "experts": ((2, 3, 4), 0),
+              "conv": ((3, 2, 3, 3), 0), "cols": ((5, 7), 1)}
+    inputs = [{k: torch.randn(shape, generator=g) for k, (shape, _) in shapes.items()} for _ in range(steps)]
+    tx = mfx.row_normalize(0.9)
+    ref_state = tx.init(TensorDict(inputs[0], []))
+    dt = lambda fulls: TensorDict({k: distribute_tensor(v, mesh, [Shard(shapes[k][1])])  # noqa: E731
+                                   for k, v in fulls.items()}, [])
+    state = tx.init(dt(inputs[0]))
+    out: dict = {"errors": [], "reductions": [], "all_reduces": []}
+    for fulls in inputs:
+        ref, ref_state = tx.update(TensorDict(fulls, []), ref_state)
+        mdist.comm_stats().reset()
+        with CommDebugMode() as comm:
+            got, state = tx.update(dt(fulls), state)
+        out["reductions"].append(mdist.comm_stats().reductions)
+        out["all_reduces"].append(sum(n for op, n in comm.get_comm_counts().items() if "all_reduce" in str(op)))
+        out["errors"].append({k: (ref[k] - got[k].full_tensor()).abs().max().item() for k in fulls})
+        out["v_errors"] = {k: (ref_state.v[k] - state.v[k].full_tensor()).abs().max().item() for k in fulls}
+    return out
