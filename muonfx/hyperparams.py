@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check", "check_args", "rule", "check_float_dtype"]
+__all__ = ["check", "check_args", "check_group_values", "rule", "check_float_dtype"]
 
 _INF = math.inf
 # (low, low included, high, high included, wording)
@@ -138,6 +138,33 @@ def check_args(**named: Any) -> None:
             for i, v in enumerate(value):
                 check(f"{name}[{i}]", v)
         else:
+            check(name, value)
+
+
+def check_group_values(hp: dict[str, Any], numeric: Any = ()) -> None:
+    """Check, before a step, what a param group holds: numbers, one-element tensors and
+    tuples of them by :func:`check`; a string or ``None`` under a name in ``numeric``
+    (the names whose defaults are numbers) is refused too. Schedules and other objects
+    (label functions, dtypes, mode names such as ``adjust_lr="original"``) are left to
+    the step, which checks schedules' values.
+
+    Example::
+
+        >>> from muonfx.hyperparams import check_group_values
+        >>> check_group_values({"lr": 0.02, "betas": (0.9, 0.95), "adjust_lr": "original"}, numeric={"lr"})
+        >>> check_group_values({"lr": "abc"}, numeric={"lr"})
+        Traceback (most recent call last):
+        ...
+        TypeError: hyperparameter 'lr' is 'abc' (a str); it must be a real number (or a one-element tensor)
+    """
+    for name, value in hp.items():
+        if isinstance(value, (tuple, list)):
+            for i, v in enumerate(value):
+                if isinstance(v, (int, float, torch.Tensor)) or name in numeric:
+                    check(f"{name}[{i}]", v)
+        elif isinstance(value, (int, float, torch.Tensor)) and not isinstance(value, bool):
+            check(name, value)
+        elif (isinstance(value, str) or value is None) and name in numeric:
             check(name, value)
 
 

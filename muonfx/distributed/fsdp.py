@@ -188,9 +188,21 @@ class FSDPMuonOptimizer(TransformOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        agree(lambda: [gather(r, g) for r, g in zip(self.records, self.param_groups)], "step()", device=device)
+        agree(self._rank_local_checks, "step()", device=device)
         super().step()
         return loss
+
+    def _rank_local_checks(self) -> None:
+        """What can fail on one rank alone before the exchange: the gradients (``gather``)
+        and the param groups' hyperparameters (a hand-edited ``lr``, say)."""
+        from ..hyperparams import check_group_values
+
+        numeric = {n for n, v in self.defaults.items()
+                   if isinstance(v, (int, float, tuple)) and not isinstance(v, bool)}
+        for rec, group in zip(self.records, self.param_groups):
+            work = gather(rec, group)
+            if work is not None:
+                check_group_values(work.hp, numeric)
 
     def _agreement_device(self) -> torch.device | None:
         """The device of the flag all-reduce, or None where there is no agreement to make
