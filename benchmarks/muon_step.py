@@ -22,7 +22,7 @@ muonfx runs its defaults for the device (Newton-Schulz in bf16 on CUDA and on CP
 native bf16 matmul, float32 elsewhere: ``muonfx.linalg.ns_dtype_for``; ``ns_method="auto"``:
 the Gram iteration on rectangular matrices in bf16) and, as extra rows, float32 NS, bf16
 standard NS (torch.optim.Muon's arithmetic), bf16 auto, and bf16 with the Gram iteration
-on every matrix (restarts every 2 steps); a row that computes exactly what an earlier row
+on every matrix (restarts every 3 steps); a row that computes exactly what an earlier row
 computes on this device is left out. torch.optim.Muon runs its bf16 standard NS.
 
 Extra step memory: the peak bytes allocated during one ``opt.step()`` beyond what existed

@@ -19,8 +19,8 @@ Accuracy: relative Frobenius error to the exact polar factor ``U V^T`` (SVD, flo
 and the singular-value band, for each coefficient schedule on a Gaussian matrix and on
 one with a power-law spectrum (condition ~1e3), NS computed in float32 and bf16.
 
-Restarts: the Gram iteration in bf16 by restart pattern (segment length 2 = the default
-2+2+1, 3 = 3+2, 5 = no restart) against the standard bf16 iteration, as relative
+Restarts: the Gram iteration in bf16 by restart pattern (segment length 2 = 2+2+1, 3 = 3+2
+(the default), 5 = no restart) against the standard bf16 iteration, as relative
 Frobenius error to the float64 standard iteration (the same function, exactly computed).
 """
 
@@ -147,7 +147,7 @@ def restarts(m: int, n: int, count: int = 4) -> str:
                       for r in (2, 3, 5)]
             rows.append(cells)
     return "\n".join([f"\nbf16 Gram restarts, {count}x{m}x{n}, 5 steps (relF to the float64 standard iteration)",
-                      _common.table(["schedule", "input", "standard", "gram 2+2+1", "gram 3+2", "gram, none"], rows)])
+                      _common.table(["schedule", "input", "standard", "gram 2+2+1", "gram 3+2 (default)", "gram, none"], rows)])
 
 
 def main(argv=None) -> None:

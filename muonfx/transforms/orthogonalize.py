@@ -45,11 +45,12 @@ def newton_schulz(
         method: ``"auto"`` (default), ``"standard"`` or ``"gram"``. ``"auto"`` takes
             the Gram-matrix iteration (the same function, iterated on the small
             ``m x m`` Gram matrix) wherever it needs fewer flops counting its restarts:
-            rectangular matrices with ``n > 1.5 m`` in bf16 (restarting every 2 steps)
+            rectangular matrices with ``n > 1.5 m`` in bf16 (restarting every 3 steps)
             and ``n > 1.2 m`` in float32; the standard iteration otherwise. In float32
             the Gram form amplifies small input perturbations more (FSDP2
             reduction-order noise grows from ~7e-7 to ~5e-6 over 10 steps); in bf16 it
-            differs from the exact iteration by ~2e-2 against standard bf16's ~1e-2,
+            differs from the exact iteration by ~2e-2 against standard bf16's ~1e-2
+            (restarting every 3 steps),
             both 5-20x below the 5-step schedule's own distance to the exact polar
             factor (0.09-0.45, ``docs/performance.md``).
             ``"standard"`` computes what torch.optim.Muon computes. See
