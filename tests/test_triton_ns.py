@@ -26,6 +26,7 @@ SHAPES = [(2, 32, 32), (1, 20, 70), (3, 45, 17), (1, 33, 33), (2, 16, 48)]
 def interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(triton_ns, "_failed", False)
+    monkeypatch.setattr(triton_ns, "_verified", False)
     yield
 
 
@@ -128,3 +129,37 @@ def test_not_available_without_a_gpu_or_the_interpreter(monkeypatch):
     assert not triton_ns.available(torch.zeros(1))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert triton_ns.available(torch.zeros(1))
+
+
+def test_inside_torch_compile_the_kernels_are_one_operator(interpreter, monkeypatch):
+    """The compiled step calls ``torch.ops.muonfx.symmetric_newton_schulz`` (opaque to
+    inductor) once an eager call has succeeded in the process, torch's products before."""
+    import torch._dynamo
+
+    calls = []
+    real = triton_ns.standard_sym
+    monkeypatch.setattr(triton_ns, "standard_sym", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(triton_ns, "available", lambda t: True)  # as on CUDA
+    sched = resolve("keller", 5)
+    g = torch.randn(2, 24, 24, generator=torch.Generator().manual_seed(8))
+    # the operator itself, eagerly: the symmetric iteration
+    flat = [c for abc in sched.steps for c in abc]
+    x = g / g.norm(dim=(-2, -1), keepdim=True)
+    op_out = torch.ops.muonfx.symmetric_newton_schulz(x.bfloat16(), flat, 0, False)
+    assert torch.equal(op_out, real(x.bfloat16(), sched.steps))
+    calls.clear()
+
+    def step(t):
+        return newton_schulz_batched(t, sched, dtype=torch.bfloat16, method="standard")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    before = compiled(g)                                # nothing verified yet: torch's products
+    assert calls == []
+    eager = step(g)                                     # an eager call succeeds ...
+    assert calls == [1] and triton_ns._verified
+    after = compiled(g)                                 # ... and the graph (re)built takes the operator
+    assert calls == [1, 1]
+    assert torch.equal(after, eager)
+    torch.testing.assert_close(before, eager, rtol=0, atol=0.05)  # bf16 products, different rounding
+    torch._dynamo.reset()

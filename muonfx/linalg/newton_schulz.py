@@ -170,10 +170,9 @@ def _orthogonalize(g: torch.Tensor, schedule: Schedule, eps: float, cdtype: torc
         # out-of-place division: x may alias g when no cast happened
         x = x / (norm * schedule.safety).clamp_min(eps)
     y = None
-    if cdtype in (torch.bfloat16, torch.float16) and not torch.compiler.is_compiling() and triton_ns.available(x):
-        # the same iteration with symmetric Triton products (CUDA); None if a launch failed
-        y = (triton_ns.run_or_none(triton_ns.gram_sym, x, schedule.steps, restart) if use_gram
-             else triton_ns.run_or_none(triton_ns.standard_sym, x, schedule.steps))
+    if cdtype in (torch.bfloat16, torch.float16) and triton_ns.available(x):
+        # the same iteration with symmetric Triton products (CUDA); None: use torch's
+        y = triton_ns.orthogonalize(x, schedule.steps, restart, use_gram)
     if y is None:
         y = _gram(x, schedule.steps, restart) if use_gram else _standard(x, schedule.steps)
     x = y

@@ -19,8 +19,10 @@ The functions here compute exactly the iterations of :mod:`muonfx.linalg.newton_
 compare them to it in bf16 on square, wide, tall, ragged and single-matrix batches.
 Triton is optional and imported lazily: :func:`available` says whether this path can run
 for a tensor. The default route (:func:`muonfx.linalg.newton_schulz_batched`) takes it for
-bf16/fp16 on CUDA when Triton is installed, and falls back to the torch products for the
-rest of the process (with one warning on the ``muonfx`` logger) if a launch ever fails.
+bf16/fp16 on CUDA when Triton is installed (:func:`orthogonalize`), and falls back to the
+torch products for the rest of the process (with one warning on the ``muonfx`` logger) if
+a launch ever fails. Inside ``torch.compile`` (the executor's compiled step) the kernels
+are one opaque operator, ``torch.ops.muonfx.symmetric_newton_schulz``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import os
 
 import torch
 
-__all__ = ["available", "sym_product", "standard_sym", "gram_sym", "interpreting"]
+__all__ = ["available", "orthogonalize", "sym_product", "standard_sym", "gram_sym", "interpreting"]
 
 log = logging.getLogger("muonfx")
 
@@ -42,17 +44,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@functools.lru_cache(maxsize=1)
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 def available(t: torch.Tensor) -> bool:
     """Whether the symmetric Triton products can run for ``t``: Triton is installed and
-    ``t`` is on CUDA (or on the CPU under the interpreter)."""
-    if not _triton_installed():
+    ``t`` is on CUDA (or, outside ``torch.compile``, on the CPU under the interpreter)."""
+    if not _INSTALLED:
         return False
-    return t.device.type == "cuda" or (t.device.type == "cpu" and interpreting())
+    if t.device.type == "cuda":
+        return True
+    return t.device.type == "cpu" and not torch.compiler.is_compiling() and interpreting()
 
 
 @functools.lru_cache(maxsize=1)
@@ -164,18 +166,47 @@ def gram_sym(x: torch.Tensor, steps, restart: int | None) -> torch.Tensor:
 
 
 _failed = False
+_verified = False
 
 
-def run_or_none(fn, *args):
-    """``fn(*args)``, or None after the first failure (logged once); the caller then uses
-    the torch products for the rest of the process."""
-    global _failed
+def orthogonalize(x: torch.Tensor, steps, restart: int | None, gram: bool) -> torch.Tensor | None:
+    """The standard (or Gram) iteration on ``x`` with the symmetric products, or None where
+    the caller should use torch's products.
+
+    Eagerly, the first failure of a launch is logged once (``muonfx`` logger) and every
+    later call returns None. Inside ``torch.compile`` the kernels run as one opaque
+    operator (``torch.ops.muonfx.symmetric_newton_schulz``) once an eager call has
+    succeeded in this process (the executor's measured choice runs an eager step before
+    compiling); until then the graph keeps torch's products, so a kernel that cannot
+    build on some GPU never breaks a compiled step.
+    """
+    global _failed, _verified
+    if torch.compiler.is_compiling():
+        if not _verified or _failed:
+            return None
+        flat = [float(c) for abc in steps for c in abc]
+        return torch.ops.muonfx.symmetric_newton_schulz(x, flat, int(restart or 0), bool(gram))
     if _failed:
         return None
     try:
-        return fn(*args)
+        out = gram_sym(x, steps, restart) if gram else standard_sym(x, steps)
     except Exception as e:  # noqa: BLE001 - any launch/compile failure: keep training on torch's path
         _failed = True
         log.warning("muonfx: the symmetric Triton Newton-Schulz failed (%s: %s); using torch's "
                     "products from now on", type(e).__name__, e)
         return None
+    _verified = True
+    return out
+
+
+@torch.library.custom_op("muonfx::symmetric_newton_schulz", mutates_args=())
+def _symmetric_newton_schulz(x: torch.Tensor, coefficients: list[float], restart: int, gram: bool) -> torch.Tensor:
+    """The operator ``torch.compile`` sees: ``coefficients`` are the ``(a, b, c)`` triples
+    flattened, ``restart`` 0 for none."""
+    steps = [tuple(coefficients[i:i + 3]) for i in range(0, len(coefficients), 3)]
+    return gram_sym(x, steps, restart or None) if gram else standard_sym(x, steps)
+
+
+@_symmetric_newton_schulz.register_fake
+def _(x: torch.Tensor, coefficients: list[float], restart: int, gram: bool) -> torch.Tensor:
+    return torch.empty_like(x)
