@@ -2,6 +2,7 @@
 
     python benchmarks/adamw_step.py                 # GPT-2 small parameter set (124M)
     python benchmarks/adamw_step.py --layers 2      # fewer layers, for a quick look
+    python benchmarks/adamw_step.py --fused         # also torch.optim.AdamW(fused=True) (the GPU target)
 
 Both optimizers hold the same parameters (GPT-2 small: token/position embeddings,
 12 layers of 768x2304, 768x768, 768x3072, 3072x768 plus biases and norms) and the same
@@ -45,21 +46,24 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", action="store_true", help="add a row for opt.compile() (inductor; compiles first)")
+    ap.add_argument("--fused", action="store_true", help="also time torch.optim.AdamW(fused=True): a muonfx/fused column")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     gen = torch.Generator().manual_seed(0)
-    named, compiled, copies = [], [], []
+    named, compiled, copies, fused = [], [], [], []
     for k, s in gpt2_shapes(args.layers).items():
         p = torch.nn.Parameter(torch.randn(*s, generator=gen).to(device) * 0.02)
         p.grad = torch.randn(*s, generator=gen).to(device)
         named.append((k, p))
-        for dst in (compiled, copies) if args.compile else (copies,):
+        for dst in (copies,) + ((compiled,) if args.compile else ()) + ((fused,) if args.fused else ()):
             q = torch.nn.Parameter(p.detach().clone())
             q.grad = p.grad  # shared: no optimizer writes the gradients
-            dst.append(q if dst is copies else (k, q))
+            dst.append((k, q) if dst is compiled else q)
     n = sum(p.numel() for _, p in named)
     opts = {"muonfx": mfx.TransformOptimizer(named, mfx.adamw, lr=1e-3, weight_decay=0.01),
             "torch": torch.optim.AdamW(copies, lr=1e-3, weight_decay=0.01, foreach=True)}
+    if args.fused:
+        opts["torch fused"] = torch.optim.AdamW(fused, lr=1e-3, weight_decay=0.01, fused=True)
     variants = [("default", "muonfx")]
     if args.compile:
         backend = {"backend": os.environ["MFX_BACKEND"]} if "MFX_BACKEND" in os.environ else {}
@@ -74,9 +78,11 @@ def main(argv=None) -> None:
     rows = [[variant, f"{n / 1e6:.1f} M", len(named), f"{t[k] * 1e3:.0f}", f"{t['torch'] * 1e3:.0f}",
              f"{t[k] / t['torch']:.2f}", "n/a" if k == "compiled" and unseen else _common.fmt_bytes(mem[k]),
              _common.fmt_bytes(mem["torch"])]
+            + ([f"{t['torch fused'] * 1e3:.0f}", f"{t[k] / t['torch fused']:.2f}"] if args.fused else [])
             for variant, k in variants]
     print(_common.table(["muonfx variant", "params", "tensors", "muonfx ms", "torch ms", "muonfx/torch",
-                         "muonfx extra mem", "torch extra mem"], rows))
+                         "muonfx extra mem", "torch extra mem"]
+                        + (["torch fused ms", "muonfx/fused"] if args.fused else []), rows))
     print(f"extra mem: peak bytes allocated during one step beyond those allocated before it "
           f"({'torch.cuda.max_memory_allocated' if device.type == 'cuda' else 'counted op by op'}; "
           f"an untimed step after the timed ones); model {_common.fmt_bytes(sum(p.numel() * p.element_size() for _, p in named))}")
