@@ -38,6 +38,20 @@ def _locals(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.to_local().clone() for n, p in model.named_parameters()}
 
 
+def _state_locals(opt) -> dict:
+    """Every optimizer state tensor of every group (local shards), cloned."""
+    from helpers import flatten_state
+
+    out = {}
+    for g, rec in enumerate(opt.records):
+        for k, v in flatten_state(rec.state):
+            if isinstance(v, torch.Tensor):
+                v = v.to_local() if hasattr(v, "to_local") else v
+                out[(g, k)] = v.detach().clone()
+    assert out, "no optimizer state found"
+    return out
+
+
 def rank_local_error(rank: int, world: int, bad_rank: int, hold_s: float) -> dict:
     """One good step; then ``bad_rank`` alone puts ``lr="abc"`` in its Muon group and every
     rank steps. The bad rank then stays alive for ``hold_s`` seconds (as a process that
@@ -51,8 +65,7 @@ def rank_local_error(rank: int, world: int, bad_rank: int, hold_s: float) -> dic
     if rank == bad_rank:
         opt.param_groups[0]["lr"] = "abc"
     before = _locals(model)
-    state_before = {k: v.clone() for k, v in opt.records[0].state.items(include_nested=True, leaves_only=True)} \
-        if hasattr(opt.records[0].state, "items") else None
+    state_before = _state_locals(opt)
     t0 = time.perf_counter()
     out: dict = {}
     try:
@@ -61,7 +74,10 @@ def rank_local_error(rank: int, world: int, bad_rank: int, hold_s: float) -> dic
     except Exception as e:  # noqa: BLE001
         out["error"] = (type(e).__name__, str(e))
     out["seconds"] = time.perf_counter() - t0
-    out["unchanged"] = all(torch.equal(before[n], p.to_local()) for n, p in model.named_parameters())
+    state_after = _state_locals(opt)
+    out["unchanged"] = (all(torch.equal(before[n], p.to_local()) for n, p in model.named_parameters())
+                        and state_before.keys() == state_after.keys()
+                        and all(torch.equal(state_before[k], state_after[k]) for k in state_before))
     if rank == bad_rank:
         time.sleep(hold_s)
     return out

@@ -23,6 +23,7 @@ import torch
 
 import muonfx
 from muonfx.cli import main
+from helpers import run_main  # noqa: E402
 from muonfx.cli import info as cli_info
 from muonfx.cli.corpus import load_corpus
 from muonfx.cli.model import GPT, MODELS, GPTConfig
@@ -211,15 +212,6 @@ def test_compare_writes_a_png_and_a_json(env, tmp_path):
         {"tx": "adamw", "lr": 1e-2, "tensors": 28, "params": s["runs"]["adamw"]["params"]}]
     assert "adamw's final val loss" in text
 
-
-def run_main(argv: list[str]) -> int:
-    """``muonfx <argv>`` in this process, leaving torch's threads and RNG as they were."""
-    threads = torch.get_num_threads()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            return main(argv)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,10 @@ import math
 
 import pytest
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict
 
 import muonfx as mfx
+from helpers import flatten_state  # noqa: E402
 from muonfx import schedules
 
 # ---------------------------------------------------------------------------
@@ -19,27 +20,11 @@ from muonfx import schedules
 # ---------------------------------------------------------------------------
 
 
-def _flatten(obj, prefix=""):
-    """(path, value) for every tensor / number in a state tree (NamedTuples, dicts, TensorDicts)."""
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, TensorDictBase):
-        for k, v in obj.items(include_nested=True, leaves_only=True):
-            yield f"{prefix}/{k}", v
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _flatten(v, f"{prefix}/{k}")
-    elif isinstance(obj, (tuple, list)):
-        for i, v in enumerate(obj):
-            yield from _flatten(v, f"{prefix}[{i}]")
-    else:
-        yield prefix, obj
-
 
 def snapshot(*objs):
     out = []
     for obj in objs:
-        out.append([(p, v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for p, v in _flatten(obj)])
+        out.append([(p, v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for p, v in flatten_state(obj)])
     return out
 
 

@@ -20,10 +20,11 @@ import math
 
 import pytest
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict
 from torch import nn
 
 import muonfx as mfx
+from helpers import flatten_state  # noqa: E402
 
 NAN, INF = float("nan"), float("inf")
 
@@ -32,24 +33,9 @@ NAN, INF = float("nan"), float("inf")
 # ---------------------------------------------------------------------------
 
 
-def _flat(obj, prefix=""):
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, TensorDictBase):
-        for k, v in obj.items(include_nested=True, leaves_only=True):
-            yield f"{prefix}/{k}", v
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _flat(v, f"{prefix}/{k}")
-    elif isinstance(obj, (tuple, list)):
-        for i, v in enumerate(obj):
-            yield from _flat(v, f"{prefix}[{i}]")
-    elif not callable(obj):
-        yield prefix, obj
-
 
 def _snapshot(*objs):
-    return [[(p, v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for p, v in _flat(o)]
+    return [[(p, v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for p, v in flatten_state(o)]
             for o in objs]
 
 

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from muonfx.cli import main
+from helpers import run_main  # noqa: E402
 from muonfx.cli.checkpoint import FORMAT, content_sha256, load_checkpoint
 from muonfx.cli.corpus import load_corpus
 
@@ -56,15 +57,6 @@ def env(cache, monkeypatch) -> dict:
     e.update(MUONFX_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1", ONEDNN_MAX_CPU_ISA="AVX512_CORE_BF16")
     return e
 
-
-def run_main(argv: list[str]) -> int:
-    """``muonfx <argv>`` in this process, leaving torch's threads and RNG as they were."""
-    threads = torch.get_num_threads()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            return main(argv)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,13 @@ import ast
 import json
 import re
 import struct
-import sys
 import zlib
 from pathlib import Path
 
 import pytest
-import torch
 
 from muonfx.cli import main
+from helpers import run_main  # noqa: E402
 from muonfx.cli.args import DEFAULTS
 from muonfx.cli import bench as cli_bench
 from muonfx.cli import train as cli_train
@@ -39,15 +38,6 @@ def cache(tmp_path_factory) -> Path:
     load_corpus(d)
     return d
 
-
-def run_main(argv: list[str]) -> int:
-    """``muonfx <argv>`` in this process, leaving torch's threads and RNG as they were."""
-    threads = torch.get_num_threads()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            return main(argv)
-    finally:
-        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------

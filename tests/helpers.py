@@ -1,0 +1,36 @@
+"""Helpers shared by several test modules (imported as ``from helpers import ...``)."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+
+from muonfx.cli import main
+
+
+def run_main(argv: list[str]) -> int:
+    """``muonfx <argv>`` in this process, leaving torch's threads and RNG as they were."""
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def flatten_state(obj, prefix=""):
+    """(path, value) for every tensor and number of a state tree (NamedTuples, dicts,
+    TensorDicts, tuples); callables (schedules) are skipped."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, TensorDictBase):
+        for k, v in obj.items(include_nested=True, leaves_only=True):
+            yield f"{prefix}/{k}", v
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from flatten_state(v, f"{prefix}/{k}")
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            yield from flatten_state(v, f"{prefix}[{i}]")
+    elif not callable(obj):
+        yield prefix, obj
