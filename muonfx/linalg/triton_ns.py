@@ -86,7 +86,7 @@ def _kernels():
             if UPCAST:  # the interpreter's dot mishandles bf16: exact products in float32 instead
                 xt = xt.to(tl.float32)
                 yt = yt.to(tl.float32)
-            acc += tl.dot(xt, tl.trans(yt), input_precision="ieee")  # float32: no tf32 rounding
+            acc += tl.dot(xt, tl.trans(yt))
         acc = acc * alpha
         inside = (rows[:, None] < m) & (cols[None, :] < m)
         if HAS_C0:
