@@ -101,7 +101,7 @@ def agreement_cost(rank: int, world: int, steps: int = 30, d: int = 64) -> dict:
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
-def row_normalize_on_shards(rank: int, world: int, steps: int = 3) -> dict:
+def row_normalize_on_shards(rank: int, world: int, steps: int = 3, axis: str = "rows") -> dict:
     """``mfx.row_normalize`` on DTensors (row shards with fewer rows than ranks and empty
     shards, an expert stack with fewer experts than ranks, a conv weight, a column-sharded
     matrix) vs the same transform on the whole tensors: max abs error per step, and the
@@ -118,7 +118,7 @@ def row_normalize_on_shards(rank: int, world: int, steps: int = 3) -> dict:
     shapes = {"one_row": ((1, 6), 0), "two_rows": ((2, 5), 0), "tall": ((7, 3), 0), "experts": ((2, 3, 4), 0),
               "conv": ((3, 2, 3, 3), 0), "cols": ((5, 7), 1)}
     inputs = [{k: torch.randn(shape, generator=g) for k, (shape, _) in shapes.items()} for _ in range(steps)]
-    tx = mfx.row_normalize(0.9)
+    tx = mfx.row_normalize(0.9, axis=axis)
     ref_state = tx.init(TensorDict(inputs[0], []))
     dt = lambda fulls: TensorDict({k: distribute_tensor(v, mesh, [Shard(shapes[k][1])])  # noqa: E731
                                    for k, v in fulls.items()}, [])
