@@ -225,7 +225,7 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
         log.close()
         save()
         say(f"[{name}] interrupted after step {step}" + (
-            f"; continue exactly with: muonfx train --resume {args.save}" if args.save else
+            f"; continue exactly with: {getattr(args, 'prog', 'muonfx train')} --resume {args.save}" if args.save else
             f"; steps {start + 1}-{step} are lost (pass --save PATH to keep them on Ctrl-C)"))
         raise KeyboardInterrupt
     log.close()

@@ -84,6 +84,7 @@ def prepare(args) -> dict | None:
 
 
 def run_train(args, argv: list[str], prog: str = "muonfx train") -> int:
+    args.prog = prog  # the command the messages name (examples/train_gpt.py runs this too)
     ckpt = prepare(args)
     rt = setup(args.device, args.fsdp, args.threads, args.amp)
     try:
