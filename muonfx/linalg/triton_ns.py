@@ -9,8 +9,8 @@ Every ``m x m`` product of the Newton-Schulz iterations is symmetric:
 One kernel computes ``C = alpha * X Y^T + beta * C0`` for such a symmetric result: each
 program computes one tile on or above the diagonal (a ``BLOCK x BLOCK`` block of rows
 ``i`` and columns ``j >= i``), accumulating in float32, and stores it twice, at ``(i, j)``
-and transposed at ``(j, i)``. Programs below the diagonal exit at once, so the products
-cost about ``(T + 1) / (2 T)`` of a full one with ``T`` tiles per side: a standard
+and transposed at ``(j, i)``. Only those ``T (T + 1) / 2`` tiles get a program, so the
+products cost about ``(T + 1) / (2 T)`` of a full one with ``T`` tiles per side: a standard
 iteration ``3 m^2 n + m^3`` instead of ``4 m^2 n + 2 m^3`` flops, for large ``m``. The
 remaining ``X <- a X + B X`` is a general product (``torch.baddbmm``).
 
@@ -63,21 +63,24 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def sym_kernel(x_ptr, y_ptr, c0_ptr, out_ptr, m, k, alpha, beta,
+    def sym_kernel(x_ptr, y_ptr, c0_ptr, out_ptr, m: tl.constexpr, k: tl.constexpr, alpha, beta,
                    sxb, sxm, sxk, syb, sym, syk, scb, scm, scn, sob, som, son,
                    HAS_C0: tl.constexpr, UPCAST: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid_i = tl.program_id(0)
-        pid_j = tl.program_id(1)
-        b = tl.program_id(2)
-        if pid_i > pid_j:  # below the diagonal: the mirror of (j, i)
-            return
+        # one program per tile on or above the diagonal, numbered column by column:
+        # tile (i, j), i <= j, is number j (j + 1) / 2 + i
+        t = tl.program_id(0)
+        b = tl.program_id(1)
+        pid_j = ((tl.sqrt((8 * t + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
+        pid_j = tl.where((pid_j + 1) * (pid_j + 2) // 2 <= t, pid_j + 1, pid_j)  # float rounding
+        pid_j = tl.where(pid_j * (pid_j + 1) // 2 > t, pid_j - 1, pid_j)
+        pid_i = t - pid_j * (pid_j + 1) // 2
         rows = pid_i * BLOCK + tl.arange(0, BLOCK)
         cols = pid_j * BLOCK + tl.arange(0, BLOCK)
         ks = tl.arange(0, BLOCK_K)
         x_base = x_ptr + b * sxb
         y_base = y_ptr + b * syb
         acc = tl.full((BLOCK, BLOCK), 0.0, tl.float32)  # (tl.zeros is a jit function: the interpreter needs it set up at import)
-        for k0 in range(0, k, BLOCK_K):
+        for k0 in range(0, k, BLOCK_K):  # static bounds: shapes are few, and autotuned per (m, k) anyway
             kk = k0 + ks
             xt = tl.load(x_base + rows[:, None] * sxm + kk[None, :] * sxk,
                          mask=(rows[:, None] < m) & (kk[None, :] < k), other=0.0)
@@ -99,9 +102,10 @@ def _kernels():
         val = acc.to(out_ptr.dtype.element_ty)
         o_base = out_ptr + b * sob
         tl.store(o_base + rows[:, None] * som + cols[None, :] * son, val, mask=inside)
-        if pid_i != pid_j:
-            tl.store(o_base + cols[:, None] * som + rows[None, :] * son, tl.trans(val),
-                     mask=(cols[:, None] < m) & (rows[None, :] < m))
+        # the mirror, off the diagonal (a mask, not a branch: older interpreters cannot
+        # branch on a program id)
+        tl.store(o_base + cols[:, None] * som + rows[None, :] * son, tl.trans(val),
+                 mask=(cols[:, None] < m) & (rows[None, :] < m) & (cols[:, None] // BLOCK != rows[None, :] // BLOCK))
 
     configs = [triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
                triton.Config({"BLOCK": 128, "BLOCK_K": 32}, num_warps=4, num_stages=4),
@@ -127,13 +131,14 @@ def sym_product(x: torch.Tensor, y: torch.Tensor | None = None, alpha: float = 1
             *x.stride(), *y.stride(), *c.stride(), *out.stride())
     if interpreting():
         block = 16 if m <= 64 else 32
-        grid = (triton.cdiv(m, block), triton.cdiv(m, block), bsz)
+        tiles = triton.cdiv(m, block)
+        grid = (tiles * (tiles + 1) // 2, bsz)
         plain[grid](*args, HAS_C0=c0 is not None, UPCAST=True, ROUND_BF16=x.dtype == torch.bfloat16,
                     BLOCK=block, BLOCK_K=16)
     else:
         def grid(meta):
-            t = triton.cdiv(m, meta["BLOCK"])
-            return (t, t, bsz)
+            tiles = triton.cdiv(m, meta["BLOCK"])
+            return (tiles * (tiles + 1) // 2, bsz)
         tuned[grid](*args, HAS_C0=c0 is not None, UPCAST=False, ROUND_BF16=False)
     return out
 
