@@ -162,4 +162,11 @@ def test_inside_torch_compile_the_kernels_are_one_operator(interpreter, monkeypa
     assert calls == [1, 1]
     assert torch.equal(after, eager)
     torch.testing.assert_close(before, eager, rtol=0, atol=0.05)  # bf16 products, different rounding
+    # a tall batch reaches the operator as a transposed (non-contiguous) view; the
+    # operator's output is contiguous, as its fake promises (opcheck tests the pair)
+    tall = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(compiled(tall), step(tall), rtol=0, atol=0)
+    view = (tall / tall.norm(dim=(-2, -1), keepdim=True)).bfloat16().mT
+    torch.library.opcheck(torch.ops.muonfx.symmetric_newton_schulz.default, (view, flat, 0, False))
+    torch.library.opcheck(torch.ops.muonfx.symmetric_newton_schulz.default, (view, flat, 3, True))
     torch._dynamo.reset()

@@ -209,9 +209,10 @@ def _symmetric_newton_schulz(x: torch.Tensor, coefficients: list[float], restart
     """The operator ``torch.compile`` sees: ``coefficients`` are the ``(a, b, c)`` triples
     flattened, ``restart`` 0 for none."""
     steps = [tuple(coefficients[i:i + 3]) for i in range(0, len(coefficients), 3)]
-    return gram_sym(x, steps, restart or None) if gram else standard_sym(x, steps)
+    out = gram_sym(x, steps, restart or None) if gram else standard_sym(x, steps)
+    return out.contiguous()  # what the fake below promises, whatever x's strides
 
 
 @_symmetric_newton_schulz.register_fake
 def _(x: torch.Tensor, coefficients: list[float], restart: int, gram: bool) -> torch.Tensor:
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)  # contiguous
