@@ -155,3 +155,30 @@ def test_default_muon_on_this_cpu_tracks_torch_optim_muon(unpinned):
     for (k, p), q, w in zip(ours, theirs, init.values()):
         err = ((p - q).norm() / (q - w).norm()).item()  # relative to the distance moved
         assert err < 3e-2, (k, err)
+
+
+def test_a_transform_keeps_the_dtype_pinned_when_it_was_built(unpinned, monkeypatch):
+    """The process-wide setting is read once, when ``newton_schulz`` is built: a later
+    change does not change what an existing transform computes (for uniform trees and for
+    leaves of several dtypes)."""
+    gen = torch.Generator().manual_seed(11)
+    g = TensorDict({"w": torch.randn(16, 48, generator=gen), "v": torch.randn(8, 8, generator=gen)}, [])
+    mixed = TensorDict({"w": g["w"], "d": torch.randn(6, 12, generator=gen, dtype=torch.float64)}, [])
+
+    def run(tx, x):
+        return tx.update(x, tx.init(x))[0]
+
+    set_default_ns_dtype(torch.float32)
+    built_f32 = mfx.newton_schulz()
+    set_default_ns_dtype(torch.bfloat16)
+    built_bf16 = mfx.newton_schulz()
+    want_f32, want_bf16 = run(mfx.newton_schulz(dtype=torch.float32), g), run(mfx.newton_schulz(dtype=torch.bfloat16), g)
+    for x, want_a, want_b in ((g, want_f32, want_bf16),):
+        got_a, got_b = run(built_f32, x), run(built_bf16, x)
+        for k in x.keys():
+            assert torch.equal(got_a[k], want_a[k]) and torch.equal(got_b[k], want_b[k])
+    set_default_ns_dtype(torch.float32)  # changing it now changes neither
+    assert torch.equal(run(built_bf16, g)["w"], want_bf16["w"])
+    got = run(built_bf16, mixed)  # several dtypes: per batch, still the pinned bf16 (float64 stays float64)
+    assert torch.equal(got["w"], want_bf16["w"])
+    assert torch.equal(got["d"], run(mfx.newton_schulz(dtype=torch.float64), TensorDict({"d": mixed["d"]}, []))["d"])

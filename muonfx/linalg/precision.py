@@ -23,7 +23,9 @@ schedule's own distance to the exact polar factor (0.09-0.45 by schedule and inp
 Override, in order of precedence: an explicit ``dtype=`` / ``ns_dtype=`` argument,
 :func:`set_default_ns_dtype` (process-wide, e.g. in a test's ``conftest.py``), the
 environment variable ``MUONFX_NS_DTYPE`` (``float32``, ``bfloat16``, ``float16`` or
-``auto``). ``muonfx info`` prints the choice and why.
+``auto``). A :func:`muonfx.newton_schulz` transform reads the override once, when it is
+built, so it computes the same function at every step; only the device's own choice (a
+fact of the machine) is looked up when it runs. ``muonfx info`` prints the choice and why.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ns_dtype_for", "set_default_ns_dtype", "cpu_ns_choice", "CpuChoice", "ENV"]
+__all__ = ["ns_dtype_for", "pinned_ns_dtype", "device_ns_dtype", "set_default_ns_dtype", "cpu_ns_choice",
+           "CpuChoice", "ENV"]
 
 ENV = "MUONFX_NS_DTYPE"
 _NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -98,11 +101,22 @@ def ns_dtype_for(device: torch.device, input_dtype: torch.dtype = torch.float32)
     """
     if input_dtype == torch.float64:
         return torch.float64
+    return pinned_ns_dtype() or device_ns_dtype(device)
+
+
+def pinned_ns_dtype() -> torch.dtype | None:
+    """The process-wide override in force now: :func:`set_default_ns_dtype`, else
+    ``MUONFX_NS_DTYPE`` (``"auto"``: none); None when neither pins a dtype.
+    :func:`muonfx.newton_schulz` reads it once, when it is built."""
     if _override is not None:
         return _override
     env = os.environ.get(ENV)
-    if env and _env_dtype(env) is not None:  # "auto" falls through to the device's choice
-        return _env_dtype(env)
+    return _env_dtype(env) if env else None
+
+
+def device_ns_dtype(device: torch.device) -> torch.dtype:
+    """The device's own choice, without overrides: bfloat16 on CUDA, :func:`cpu_ns_choice`
+    on the CPU (a fact of the machine, decided once per process), float32 elsewhere."""
     if device.type == "cuda":
         return torch.bfloat16
     if device.type == "cpu":

@@ -9,8 +9,15 @@ import torch
 from .. import seam
 from ..base import EmptyState, GradientTransformation, build, leaves
 from ..hyperparams import check, check_float_dtype
-from ..linalg import CoefficientSpec, newton_schulz_batched, ns_dtype_for, resolve
+from ..linalg import CoefficientSpec, newton_schulz_batched, resolve
+from ..linalg.precision import device_ns_dtype, pinned_ns_dtype
 from ._matrix import as_stacks
+
+
+def _each_batch(fn, pinned: torch.dtype | None, g: torch.Tensor) -> torch.Tensor:
+    """``fn`` on one batch with its compute dtype: float64 for float64, else ``pinned`` or
+    the batch's device's own."""
+    return fn(g, dtype=torch.float64 if g.dtype == torch.float64 else pinned or device_ns_dtype(g.device))
 
 
 def newton_schulz(
@@ -39,7 +46,8 @@ def newton_schulz(
             (:func:`muonfx.linalg.ns_dtype_for`): bfloat16 on CUDA and on CPUs with
             native bf16 matmul, float32 elsewhere, float64 for float64 input;
             overridable process-wide with :func:`muonfx.linalg.set_default_ns_dtype`
-            or ``MUONFX_NS_DTYPE``. The output keeps the update's dtype.
+            or ``MUONFX_NS_DTYPE``, read once when the transform is built (later changes
+            apply to transforms built later). The output keeps the update's dtype.
         safety: normalisation safety factor; ``None`` uses the preset's (1.02 for
             polar_express, else 1).
         method: ``"auto"`` (default), ``"standard"`` or ``"gram"``. ``"auto"`` takes
@@ -82,6 +90,9 @@ def newton_schulz(
     schedule = resolve(coefficients, steps, safety)
     if method not in ("auto", "standard", "gram"):
         raise ValueError(f"newton_schulz: unknown method {method!r}; use 'auto', 'standard' or 'gram'")
+    # a process-wide override (set_default_ns_dtype, MUONFX_NS_DTYPE) is read now, once:
+    # the transform computes the same thing at every step whatever the setting later says
+    pinned = pinned_ns_dtype() if dtype is None else None
     fn = partial(newton_schulz_batched, schedule=schedule, eps=eps, dtype=dtype, method=method)
 
     def init_fn(params):
@@ -91,8 +102,12 @@ def newton_schulz(
         keys, gs = leaves(updates)
         run = fn
         if dtype is None and gs and len({(g.device, g.dtype) for g in gs}) == 1:
-            # the device's default dtype, resolved once per update rather than per batch
-            run = partial(fn, dtype=ns_dtype_for(gs[0].device, gs[0].dtype))
+            # float64 stays float64; else the pinned dtype or the device's own (a fact of
+            # the machine), once per update rather than per batch
+            run = partial(fn, dtype=torch.float64 if gs[0].dtype == torch.float64
+                          else pinned or device_ns_dtype(gs[0].device))
+        elif dtype is None:  # leaves on several devices or of several dtypes: per batch
+            run = partial(_each_batch, fn, pinned)
         outs = seam.map_matrices(run, as_stacks(keys, gs, "newton_schulz"))
         return build(keys, [o.reshape(g.shape) for o, g in zip(outs, gs)]), state
 
