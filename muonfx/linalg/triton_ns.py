@@ -8,8 +8,9 @@ Every ``m x m`` product of the Newton-Schulz iterations is symmetric:
 
 One kernel computes ``C = alpha * X Y^T + beta * C0`` for such a symmetric result: each
 program computes one tile on or above the diagonal (a ``BLOCK x BLOCK`` block of rows
-``i`` and columns ``j >= i``), accumulating in float32, and stores it twice, at ``(i, j)``
-and transposed at ``(j, i)``. Only those ``T (T + 1) / 2`` tiles get a program, so the
+``i`` and columns ``j >= i``), accumulating in float32, and stores its entries on and above
+the diagonal at their place and those strictly above it transposed, so the result is
+exactly symmetric. Only those ``T (T + 1) / 2`` tiles get a program, so the
 products cost about ``(T + 1) / (2 T)`` of a full one with ``T`` tiles per side: a standard
 iteration ``3 m^2 n + m^3`` instead of ``4 m^2 n + 2 m^3`` flops, for large ``m``. The
 remaining ``X <- a X + B X`` is a general product (``torch.baddbmm``).
@@ -101,11 +102,14 @@ def _kernels():
             acc = bits.to(tl.float32, bitcast=True)
         val = acc.to(out_ptr.dtype.element_ty)
         o_base = out_ptr + b * sob
-        tl.store(o_base + rows[:, None] * som + cols[None, :] * son, val, mask=inside)
-        # the mirror, off the diagonal (a mask, not a branch: older interpreters cannot
-        # branch on a program id)
+        # the upper triangle (row <= column) at its place, its strict part mirrored: every
+        # (r, c) and (c, r) pair holds the same computed value, also inside a diagonal tile
+        # (whose dot need not be bitwise symmetric). Masks, not branches: older
+        # interpreters cannot branch on a program id.
+        tl.store(o_base + rows[:, None] * som + cols[None, :] * son, val,
+                 mask=inside & (rows[:, None] <= cols[None, :]))
         tl.store(o_base + cols[:, None] * som + rows[None, :] * son, tl.trans(val),
-                 mask=(cols[:, None] < m) & (rows[None, :] < m) & (cols[:, None] // BLOCK != rows[None, :] // BLOCK))
+                 mask=(cols[:, None] < m) & (rows[None, :] < cols[:, None]))
 
     configs = [triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
                triton.Config({"BLOCK": 128, "BLOCK_K": 32}, num_warps=4, num_stages=4),
