@@ -1,9 +1,10 @@
 """Shared helpers for the benchmark scripts (not a benchmark itself).
 
 * :func:`interleaved`: median step times, measured in alternating rounds;
+* :func:`settle`: steps a muonfx optimizer until its executor has chosen eager or compiled;
 * :func:`step_memory` (from :mod:`muonfx.memory`): the extra memory of one step (peak bytes allocated during the
-  call beyond what existed before it): CUDA's allocator statistics on GPUs,
-  :class:`FreshMemory` (op by op) on the CPU;
+  call beyond what existed before it), of the path the executor runs: CUDA's allocator statistics on GPUs,
+  the CPU allocator's records (:class:`AllocatorPeak`) on the CPU;
 * :func:`pick_backend`: NCCL or gloo for a multi-rank run.
 """
 
@@ -51,6 +52,24 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int,
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def settle(opt) -> str:
+    """Step a muonfx optimizer until its executor has made its automatic choice between
+    the eager and the compiled step (a few steps, one of them compiling), so that timed
+    rounds measure the path it keeps; returns that path ("eager", "compiled", or
+    "eager" for a step below the measuring threshold). Other optimizers: "".
+    """
+    ex = getattr(opt, "executor", None)
+    if ex is None:
+        return ""
+    for _ in range(2 * ex.auto_rounds + 2):  # the first step, E, build, then C/E rounds
+        if ex.choices or ex.compile_kwargs is not None or not ex.auto:
+            break
+        opt.step()
+    if ex.compile_kwargs is not None:
+        return "compiled"
+    return next(iter(ex.choices.values()), "eager")
+
+
 def table(header: list[str], rows: list[list[object]]) -> str:
     cols = [[str(h)] + [str(r[i]) for r in rows] for i, h in enumerate(header)]
     widths = [max(len(c) for c in col) for col in cols]
@@ -65,7 +84,7 @@ def table(header: list[str], rows: list[list[object]]) -> str:
 
 
 from muonfx.distributed import pick_backend  # noqa: E402,F401  (re-exported for the scripts)
-from muonfx.memory import FreshMemory, step_memory  # noqa: E402,F401  (re-exported for the scripts)
+from muonfx.memory import AllocatorPeak, FreshMemory, step_memory  # noqa: E402,F401  (re-exported for the scripts)
 
 
 def fmt_bytes(n: float) -> str:

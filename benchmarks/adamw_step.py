@@ -8,11 +8,12 @@ Both optimizers hold the same parameters (GPT-2 small: token/position embeddings
 12 layers of 768x2304, 768x768, 768x3072, 3072x768 plus biases and norms) and the same
 gradients (shared: neither writes them); steps are timed in alternating rounds (median).
 
-Extra step memory: the peak bytes allocated during one ``opt.step()`` beyond what existed
+Before the timed rounds every muonfx optimizer is stepped until its executor has made its
+measured choice between the eager and the compiled step (the ``path`` column). Extra step
+memory: the peak bytes allocated during one ``opt.step()`` of that path beyond what existed
 before it, measured in one more, untimed step per optimizer: ``torch.cuda.max_memory_allocated``
-on CUDA, op-by-op storage counting (``muonfx.memory.FreshMemory``) on the CPU, which cannot
-measure a compiled step (``torch.compile`` refuses the dispatch mode): the ``opt.compile()``
-row shows ``n/a`` there.
+on CUDA, the CPU allocator's own records (``muonfx.memory.AllocatorPeak``) on the CPU, which
+see a compiled step's buffers too.
 """
 
 from __future__ import annotations
@@ -69,22 +70,20 @@ def main(argv=None) -> None:
         backend = {"backend": os.environ["MFX_BACKEND"]} if "MFX_BACKEND" in os.environ else {}
         opts["compiled"] = mfx.TransformOptimizer(compiled, mfx.adamw, lr=1e-3, weight_decay=0.01).compile(**backend)
         variants.append(("opt.compile()", "compiled"))
+    paths = {k: _common.settle(o) for k, o in opts.items()}  # the executor's choice made before timing
     t = _common.interleaved({k: o.step for k, o in opts.items()}, args.repeats, args.warmup, device)
-    # untimed, after the timed steps; on the CPU the op-by-op counter cannot run a compiled
-    # step (torch.compile refuses the dispatch mode, and would hide its kernels' buffers)
-    unseen = device.type != "cuda"
-    mem = {k: _common.step_memory(o.step, device) for k, o in opts.items() if not (k == "compiled" and unseen)}
+    mem = {k: _common.step_memory(o.step, device) for k, o in opts.items()}  # untimed, after the timed steps
     print(f"\nAdamW step, muonfx chain vs torch.optim.AdamW(foreach=True) ({_common.machine()})")
-    rows = [[variant, f"{n / 1e6:.1f} M", len(named), f"{t[k] * 1e3:.0f}", f"{t['torch'] * 1e3:.0f}",
-             f"{t[k] / t['torch']:.2f}", "n/a" if k == "compiled" and unseen else _common.fmt_bytes(mem[k]),
-             _common.fmt_bytes(mem["torch"])]
+    rows = [[variant, paths[k], f"{n / 1e6:.1f} M", len(named), f"{t[k] * 1e3:.0f}", f"{t['torch'] * 1e3:.0f}",
+             f"{t[k] / t['torch']:.2f}", _common.fmt_bytes(mem[k]), _common.fmt_bytes(mem["torch"])]
             + ([f"{t['torch fused'] * 1e3:.0f}", f"{t[k] / t['torch fused']:.2f}"] if args.fused else [])
             for variant, k in variants]
-    print(_common.table(["muonfx variant", "params", "tensors", "muonfx ms", "torch ms", "muonfx/torch",
+    print(_common.table(["muonfx variant", "path", "params", "tensors", "muonfx ms", "torch ms", "muonfx/torch",
                          "muonfx extra mem", "torch extra mem"]
                         + (["torch fused ms", "muonfx/fused"] if args.fused else []), rows))
-    print(f"extra mem: peak bytes allocated during one step beyond those allocated before it "
-          f"({'torch.cuda.max_memory_allocated' if device.type == 'cuda' else 'counted op by op'}; "
+    print(f"path: the executor's measured choice, made before the timed rounds; extra mem: peak bytes "
+          f"allocated during one step of that path beyond those allocated before it "
+          f"({'torch.cuda.max_memory_allocated' if device.type == 'cuda' else 'the CPU allocator records'}; "
           f"an untimed step after the timed ones); model {_common.fmt_bytes(sum(p.numel() * p.element_size() for _, p in named))}")
 
 if __name__ == "__main__":

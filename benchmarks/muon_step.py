@@ -25,10 +25,12 @@ standard NS (torch.optim.Muon's arithmetic), bf16 auto, and bf16 with the Gram i
 on every matrix (restarts every 3 steps); a row that computes exactly what an earlier row
 computes on this device is left out. torch.optim.Muon runs its bf16 standard NS.
 
-Extra step memory: the peak bytes allocated during one ``opt.step()`` beyond what existed
-before it (the optimizer state already created), measured in one more, untimed step per
-optimizer: ``torch.cuda.max_memory_allocated`` on CUDA, op-by-op storage counting
-(``muonfx.memory.FreshMemory``) on the CPU. The gradients are shared by all optimizers (none
+Before the timed rounds every muonfx optimizer is stepped until its executor has made
+its measured choice between the eager and the compiled step (the ``path`` column), so the
+rounds time the path it keeps. Extra step memory: the peak bytes allocated during one
+``opt.step()`` of that path beyond what existed before it (the optimizer state already
+created), measured in one more, untimed step per optimizer: ``torch.cuda.max_memory_allocated``
+on CUDA, the CPU allocator's own records (``muonfx.memory.AllocatorPeak``) on the CPU. The gradients are shared by all optimizers (none
 writes them), so a full-size set needs about 10x its float32 bytes of GPU memory.
 """
 
@@ -105,13 +107,15 @@ def run(kind: str, layers: int | None, shrink: int, device: torch.device, repeat
         opts[name] = mfx.TransformOptimizer(copies, mfx.muon, lr=0.02, weight_decay=0.1, **kw)
     del init
     opts["torch"] = torch.optim.Muon(torch_params, lr=0.02, weight_decay=0.1)
+    paths = {k: _common.settle(o) for k, o in opts.items()}  # the executor's choice made before timing
     t = _common.interleaved({k: o.step for k, o in opts.items()}, repeats, warmup, device)
     mem = {k: _common.step_memory(o.step, device) for k, o in opts.items()}  # untimed, after the timed steps
     n = len(torch_params)
     numel = sum(p.numel() for p in torch_params)
     what = f"{len({k.split('.')[0] for k in shapes})} layers, {n} matrices, {numel / 1e6:.1f} M"
-    return [[kind, what, name, f"{t[name] * 1e3:.0f}", f"{t['torch'] * 1e3:.0f}", f"{t[name] / t['torch']:.2f}",
-             _common.fmt_bytes(mem[name]), _common.fmt_bytes(mem["torch"])] for name in variants]
+    return [[kind, what, name, paths[name], f"{t[name] * 1e3:.0f}", f"{t['torch'] * 1e3:.0f}",
+             f"{t[name] / t['torch']:.2f}", _common.fmt_bytes(mem[name]), _common.fmt_bytes(mem["torch"])]
+            for name in variants]
 
 
 def main(argv=None) -> None:
@@ -139,10 +143,11 @@ def main(argv=None) -> None:
     why = cpu_ns_choice().reason if device.type == "cpu" else f"the {device.type} default"
     print(f"muonfx default Newton-Schulz dtype here: {str(ns_dtype_for(device)).replace('torch.', '')} ({why}); "
           "method auto (Gram on rectangular matrices in bf16)")
-    print(_common.table(["set", "matrices", "muonfx variant", "muonfx ms", "torch ms", "muonfx/torch",
+    print(_common.table(["set", "matrices", "muonfx variant", "path", "muonfx ms", "torch ms", "muonfx/torch",
                          "muonfx extra mem", "torch extra mem"], rows))
-    print("extra mem: peak bytes allocated during one step beyond those allocated before it "
-          f"({'torch.cuda.max_memory_allocated' if device.type == 'cuda' else 'counted op by op'}; "
+    print("path: the executor's measured choice, made before the timed rounds (eager or compiled); "
+          "extra mem: peak bytes allocated during one step of that path beyond those allocated before it "
+          f"({'torch.cuda.max_memory_allocated' if device.type == 'cuda' else 'the CPU allocator records'}; "
           "an untimed step after the timed ones)")
 
 

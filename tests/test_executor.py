@@ -386,13 +386,36 @@ def _auto_pair(times=None):
     return named, ref, opt, eager
 
 
-@pytest.mark.parametrize("eager_s,compiled_s,expected", [(1.0, 0.5, "compiled"), (1.0, 0.95, "eager")])
+def _readings(eager_s, compiled_s):
+    """Clock readings for the trial's timed steps, in their order: E, C, E, C."""
+    out, t = [], 0.0
+    for e, c in zip(eager_s, compiled_s):
+        out += [t, t + e, t + 10, t + 10 + c]
+        t += 20
+    return out
+
+
+@pytest.mark.parametrize("eager_s,compiled_s,expected", [
+    ((1.0, 1.0), (0.5, 0.5), "compiled"),
+    ((1.0, 1.0), (0.97, 0.96), "eager"),  # within the 5 % margin
+    # one slow sample each (a freshly compiled graph's first run, another process): the
+    # fastest of each decides; a single-sample choice would have kept eager
+    ((1.0, 1.25), (1.2, 0.8), "compiled"),
+    ((1.3, 1.0), (1.0, 0.98), "eager"),  # a slow first eager step alone would pick compiled
+])
 def test_auto_keeps_the_faster_step_and_trains_like_eager(eager_s, compiled_s, expected, monkeypatch):
     torch._dynamo.reset()
     monkeypatch.setattr(torch, "compile", _aot_eager_compile)
-    # clock readings: eager step (0 -> eager_s), compiled step (10 -> 10 + compiled_s)
-    named, ref, opt, eager = _auto_pair([0.0, eager_s, 10.0, 10.0 + compiled_s])
-    for step in range(6):
+    named, ref, opt, eager = _auto_pair(_readings(eager_s, compiled_s))
+    # steps: 1 creates the state (eager), 2 eager timed, 3 compiles, 4 compiled timed,
+    # 5 eager timed, 6 compiled timed: the choice is made
+    for step in range(5):
+        _grads(named, step)
+        _grads(ref, step)
+        opt.step()
+        eager.step()
+    assert opt.executor.choices == {}
+    for step in range(5, 8):
         _grads(named, step)
         _grads(ref, step)
         opt.step()

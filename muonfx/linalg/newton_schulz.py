@@ -149,7 +149,8 @@ def newton_schulz_batched(
 
 def _orthogonalize(g: torch.Tensor, schedule: Schedule, eps: float, cdtype: torch.dtype, use_gram: bool,
                    restart: int | None) -> torch.Tensor:
-    """One batched call; a new contiguous tensor of ``g``'s dtype."""
+    """One batched call; a new tensor of ``g``'s dtype (contiguous, except inside
+    ``torch.compile``, where the compiler lays it out)."""
     x = g.to(cdtype)
     tall = x.shape[-2] > x.shape[-1]
     if tall:
@@ -178,6 +179,13 @@ def _orthogonalize(g: torch.Tensor, schedule: Schedule, eps: float, cdtype: torc
     x = y
     if tall:
         x = x.mT
+    if torch.compiler.is_compiling():
+        # traced (the executor's compiled step): the cast stays a pointwise op that the
+        # compiler fuses into whatever reads the result (scale, decay, the parameter
+        # update), so no float32 copy of the batch is written and read back; the layout
+        # is the compiler's to choose (measured on the CPU, MoE set: the step's
+        # elementwise kernels 22.8 -> 14.5 ms)
+        return x.to(g.dtype)
     if x.dtype == g.dtype:
         return x.contiguous()
     # one pass: cast back and lay out contiguously (a transposed result would otherwise

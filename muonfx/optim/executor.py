@@ -149,8 +149,12 @@ class Executor:
     **Automatic** (the default): for a set of groups holding at least
     :attr:`auto_min_elements` parameter elements, the executor measures the two paths
     on the machine at hand: one eager step is timed, the compiled step is built (its
-    first call compiles, untimed) and its second call timed; the faster one is kept
-    for those groups (``choices`` records it). Below the threshold, and where compiling
+    first call compiles, untimed), then compiled and eager steps are timed in turn until
+    each has :attr:`auto_rounds` timings; the compiled step is kept for those groups if
+    its fastest time is below :attr:`auto_margin` of eager's fastest (``choices``
+    records it). The fastest, not one sample: on a shared machine one step can take
+    10-20 % longer for reasons of its own (measured: a freshly compiled graph's first
+    timed run, another process), enough to flip a single-sample choice. Below the threshold, and where compiling
     fails (no C++ compiler for inductor on the CPU, an untraceable transform), steps run
     eagerly. ``auto = False`` keeps every step eager; :meth:`compile` makes every step
     compiled.
@@ -160,6 +164,10 @@ class Executor:
     #: the compiled step: large enough that the one-time compilation (about a minute for
     #: GPT-2 small's AdamW on 2 CPU cores) pays for itself within a few hundred steps
     auto_min_elements: int = 1 << 24
+    #: eager and compiled steps timed (alternately) before the automatic choice
+    auto_rounds: int = 2
+    #: the compiled step is kept when its fastest time is below this fraction of eager's
+    auto_margin: float = 0.95
 
     def __init__(self) -> None:
         self.compile_kwargs: dict[str, Any] | None = None
@@ -168,7 +176,7 @@ class Executor:
         self.auto = True
         #: the automatic choice per set of groups: ``"eager"`` or ``"compiled"``
         self.choices: dict[Any, str] = {}
-        self._trials: dict[Any, list[float]] = {}
+        self._trials: dict[Any, dict[str, Any]] = {}
         self._clock: Callable[[], float] = time.perf_counter
 
     def compile(self, **kwargs: Any) -> None:
@@ -377,7 +385,7 @@ class Executor:
         return self._clock() - t0
 
     def _auto_step(self, work: list[GroupWork]) -> None:
-        """Measure eager, then compiled, and keep the faster (see the class doc)."""
+        """Measure eager and compiled steps in turn and keep the faster (see the class doc)."""
         key = self._key(work)
         choice = self.choices.get(key)
         if choice == "compiled":
@@ -387,12 +395,14 @@ class Executor:
         if choice == "eager":
             self._eager_step(work)
             return
-        trial = self._trials.setdefault(key, [])
-        if not trial:  # 1: time an eager step
-            trial.append(self._timed(lambda: self._eager_step(work), work))
+        trial = self._trials.setdefault(key, {"eager": [], "compiled": [], "built": False})
+        eager, compiled = trial["eager"], trial["compiled"]
+        if not eager or (trial["built"] and len(compiled) == len(eager)):
+            # eager first, then again after each compiled step: E, build, C, E, C, ...
+            eager.append(self._timed(lambda: self._eager_step(work), work))
             return
-        if len(trial) == 1:  # 2: build and compile (untimed)
-            trial.append(0.0)
+        if not trial["built"]:  # build and compile (untimed: the first call compiles)
+            trial["built"] = True
             _log.info("muonfx: compiling the optimizer step of %d group(s) to measure it against eager "
                       "(opt.executor.auto = False keeps it eager)", len(work))
             if not self._compiled_step(work):
@@ -401,10 +411,15 @@ class Executor:
                 self.choices[key] = "eager"
                 del self._trials[key]
             return
-        t = self._timed(lambda: self._compiled_step(work), work)  # 3: time a compiled step
-        self.choices[key] = "compiled" if t < 0.9 * trial[0] else "eager"
-        _log.info("muonfx: optimizer step eager %.1f ms, compiled %.1f ms: %s", 1e3 * trial[0], 1e3 * t,
-                  self.choices[key])
+        compiled.append(self._timed(lambda: self._compiled_step(work), work))
+        if len(compiled) < self.auto_rounds:
+            return
+        # the fastest of each: noise (another process, a first touch of fresh memory)
+        # only ever adds time
+        best_e, best_c = min(eager), min(compiled)
+        self.choices[key] = "compiled" if best_c < self.auto_margin * best_e else "eager"
+        _log.info("muonfx: optimizer step eager %.1f ms, compiled %.1f ms (fastest of %d each): %s",
+                  1e3 * best_e, 1e3 * best_c, len(compiled), self.choices[key])
         if self.choices[key] == "eager":
             self._compiled[key] = None
         del self._trials[key]
