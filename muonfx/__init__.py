@@ -5,7 +5,7 @@
 """
 
 from . import linalg, schedules, seam
-from .base import EmptyState, GradientTransformation, apply_updates, identity
+from .base import EmptyState, GradientTransformation, apply_updates, identity, is_leafwise, leafwise
 from .combine import MaskedState, PartitionState, chain, mask_by_ndim, masked, named_chain, partition
 from .distributed.fsdp import FSDPMuonOptimizer
 from .familiar import MeaningChangedWarning, MuonOptimizer, create_hybrid_optimizer
@@ -23,7 +23,7 @@ from .wrappers import (AccumulateState, ApplyIfFiniteState, InjectHyperparamsSta
 __version__ = "0.1.0"
 
 __all__ = [
-    "GradientTransformation", "EmptyState", "identity", "apply_updates",
+    "GradientTransformation", "EmptyState", "identity", "apply_updates", "leafwise", "is_leafwise",
     "chain", "named_chain", "masked", "mask_by_ndim", "partition", "MaskedState", "PartitionState",
     "momentum", "nesterov", "newton_schulz", "row_normalize", "RowNormalizeState", "scale_by_shape", "decoupled_decay", "scale",
     "scale_by_learning_rate", "scale_by_adam", "clip_by_global_norm", "global_norm",

@@ -25,6 +25,10 @@ Key = tuple[str, ...]
 
 __all__ = [
     "GradientTransformation",
+    "LeafwiseTransformation",
+    "leafwise",
+    "is_leafwise",
+    "leafwise_if",
     "EmptyState",
     "identity",
     "apply_updates",
@@ -69,6 +73,61 @@ class GradientTransformation(NamedTuple):
     update: Callable[..., tuple[TensorDictBase, Any]]
 
 
+class LeafwiseTransformation(GradientTransformation):
+    """A :class:`GradientTransformation` declared *leafwise* by :func:`leafwise`: the
+    same ``(init, update)`` pair, the same tuple, and a statement about what it computes."""
+
+    __slots__ = ()
+
+
+def leafwise(tx: GradientTransformation) -> GradientTransformation:
+    """Declare that ``tx`` treats the leaves of the tree independently.
+
+    A transform is leafwise when, for every leaf ``k``, the update and the new state of
+    ``k`` depend only on ``k``'s update, state and parameter, and on scalars that every
+    leaf shares and advances alike (step counters, injected hyperparameters). Then the
+    update of any split of the tree, merged, is the update of the whole tree:
+
+        update(u, s, p)[k] == update(u[K], s[K], p[K])[k]   for every subset K holding k
+
+    Elementwise transforms are leafwise; so are per-matrix ones (Newton-Schulz, per-row
+    statistics: each matrix is a leaf, or a stack of independent matrices), and
+    combinators of leafwise transforms (:func:`muonfx.chain`, :func:`muonfx.partition`,
+    :func:`muonfx.masked`, ...), which declare themselves so. A transform that reduces
+    over several leaves (a global norm, a finite check over all updates) is not.
+
+    The declaration changes nothing about what ``tx`` computes. It lets whoever runs
+    the transform split a large tree: the adapter's executor runs a leafwise group in
+    pieces of bounded size (each piece computed and written before the next), so a
+    step's extra memory is bounded by the piece, not by the model.
+    :func:`muonfx.testing.check_transform` checks a declaration (law ``leafwise``).
+    Undeclared transforms (your own, by default) always run on the whole tree.
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> from muonfx.base import GradientTransformation
+        >>> double = GradientTransformation(lambda p: (), lambda u, s, p=None: (u.apply(lambda t: 2 * t), s))
+        >>> mfx.is_leafwise(double), mfx.is_leafwise(mfx.leafwise(double))
+        (False, True)
+        >>> mfx.is_leafwise(mfx.chain(mfx.leafwise(double), mfx.scale(0.5)))
+        True
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"leafwise takes a GradientTransformation, got {type(tx).__name__}")
+    return tx if isinstance(tx, LeafwiseTransformation) else LeafwiseTransformation(tx.init, tx.update)
+
+
+def is_leafwise(tx: Any) -> bool:
+    """Whether ``tx`` is declared leafwise (see :func:`leafwise`)."""
+    return isinstance(tx, LeafwiseTransformation)
+
+
+def leafwise_if(tx: GradientTransformation, *inner: GradientTransformation) -> GradientTransformation:
+    """``tx`` declared leafwise when every transform in ``inner`` is (for combinators)."""
+    return leafwise(tx) if all(isinstance(t, LeafwiseTransformation) for t in inner) else tx
+
+
 class EmptyState(NamedTuple):
     """State of a stateless transform."""
 
@@ -82,7 +141,7 @@ def identity() -> GradientTransformation:
     def update_fn(updates, state, params=None):
         return updates, state
 
-    return GradientTransformation(init_fn, update_fn)
+    return LeafwiseTransformation(init_fn, update_fn)
 
 
 # ---------------------------------------------------------------------------
