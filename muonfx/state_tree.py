@@ -26,7 +26,7 @@ from tensordict import TensorDictBase
 from .base import Key, build, key_str
 from .wrappers import InjectHyperparamsState
 
-__all__ = ["flatten_per_param", "unflatten_per_param", "restrict", "merge", "state_tensors", "scalars_per_param",
+__all__ = ["flatten_per_param", "unflatten_per_param", "restrict", "merge", "frozen_scalars", "state_tensors", "scalars_per_param",
            "with_scalars", "same_scalars", "own_scalars"]
 
 _ELIDED = ("inner_state", "inner_states")
@@ -256,6 +256,15 @@ def restrict(state: Any, keep: set) -> Any:
         return node
 
     return _rebuild(state, "", fn)
+
+
+def frozen_scalars(state: Any) -> Any:
+    """``state``'s scalars (step counters, flags) in its structure, without per-parameter
+    tensors, tensor scalars copied: ``merge(later, frozen_scalars(state))`` puts the
+    scalars of ``state`` back into a later state, even one whose tensor scalars have
+    been written in place since."""
+    return _rebuild(restrict(state, set()), "",
+                    lambda path, node: node.clone() if isinstance(node, torch.Tensor) else node)
 
 
 def merge(full: Any, sub: Any, scalars: bool = True) -> Any:

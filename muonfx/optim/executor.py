@@ -19,8 +19,11 @@ the whole step of every group (compute, write-back, ``p += u``) is one
 ``torch.compile`` graph instead, cached per set of groups and static hyperparameters
 (``dynamic=True``; lr, momentum or weight decay changes recompile nothing), where the
 compiler stores in place and frees intermediates early. Matrix work is batched under a byte budget
-by :mod:`muonfx.linalg.batching`. DTensor shards run their elementwise work on the
-local tensors (:func:`muonfx.base.foreach`); only the seam sees whole matrices.
+by :mod:`muonfx.linalg.batching`; the same budget bounds the pieces in which a large
+group with a leafwise transform (:func:`muonfx.leafwise`) is run, each piece computed and
+written before the next (:meth:`Executor.pieces`), so a step's extra memory is that of
+one piece. DTensor shards run their elementwise work on the local tensors
+(:func:`muonfx.base.foreach`); only the seam sees whole matrices.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ import torch
 from tensordict import TensorDictBase
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from ..base import Key, build, foreach, key_str, tree_pairs as _tree_pairs, tree_replace as _rebuild
-from ..state_tree import merge, restrict, same_scalars, scalars_per_param, with_scalars
+from ..base import Key, build, foreach, is_leafwise, key_str, tree_pairs as _tree_pairs, tree_replace as _rebuild
+from ..linalg.batching import batch_bytes
+from ..state_tree import frozen_scalars, merge, restrict, same_scalars, scalars_per_param, with_scalars
 from ..wrappers import inject_hyperparams
 from .groups import GroupWork, static_key as _static_key
 
@@ -178,6 +182,10 @@ class Executor:
         self.choices: dict[Any, str] = {}
         self._trials: dict[Any, dict[str, Any]] = {}
         self._clock: Callable[[], float] = time.perf_counter
+        #: (group record id, static hyperparameters) of the transforms that have made a
+        #: whole step: only those are run in pieces (see :meth:`pieces`)
+        self._proven: set[tuple[int, tuple]] = set()
+        self._plans: dict[tuple, list[list[int]] | None] = {}
 
     def compile(self, **kwargs: Any) -> None:
         """Use ``torch.compile`` (``dynamic=True, fullgraph=True`` unless overridden)."""
@@ -356,23 +364,53 @@ class Executor:
             self._eager_step(work)
 
     def _compiled_step(self, work: list[GroupWork]) -> bool:
-        """The compiled whole step; False (nothing written) where it cannot run."""
+        """The compiled step; False (nothing written) where it cannot run.
+
+        Groups run whole go through one graph; a group run in pieces (see :meth:`pieces`)
+        through one graph per piece, each piece computed and written before the next, so
+        the graph's buffers are bounded by the piece. If a piece's graph cannot be built,
+        that piece and the rest run eagerly (nothing is run twice)."""
+        plans = [self.pieces(w) for w in work]
+        whole = [w for w, plan in zip(work, plans) if plan is None]
+        if whole:
+            new_states = self._run_fused(whole, [w.record.current_state(w.hp) for w in whole])
+            if new_states is None:
+                if len(whole) == len(work):
+                    return False
+                self._eager_step(work)  # nothing of this step has been written yet
+                return True
+            for w, st in zip(whole, new_states):
+                w.record.state = st
+            self._prove(whole)
+        for w, plan in zip(work, plans):
+            if plan is None:
+                continue
+            frozen = frozen_scalars(w.record.current_state(w.hp))
+            for k, piece in enumerate(plan):
+                pw = self._piece(w, piece)
+                state = w.record.current_state(w.hp)
+                new_states = self._run_fused([pw], [merge(state, frozen) if k else state])
+                if new_states is None:  # this graph cannot be built: this piece on, eagerly
+                    for rest in plan[k:]:
+                        self._eager_piece(self._piece(w, rest), frozen)
+                    break
+                w.record.state = new_states[0]
+        return True
+
+    def _run_fused(self, work: list[GroupWork], states: list[Any]) -> list[Any] | None:
+        """Run the compiled step of ``work`` from ``states``; the new states, or None where
+        the graph could not be built (raised while tracing or compiling, before it ran:
+        nothing was written; the groups stay eager from now on)."""
         fused = self._fused(work)
         if fused is None:
-            return False
-        states = [w.record.current_state(w.hp) for w in work]
+            return None
         try:
-            new_states = fused([w.grads for w in work], [w.params for w in work], states)
+            return fused([w.grads for w in work], [w.params for w in work], states)
         except torch._dynamo.exc.TorchDynamoException:
-            # Raised while tracing or compiling, before the graph ran: nothing was
-            # written. The eager step raises the transform's own error; if it succeeds
-            # instead, the compiler cannot trace these groups: they stay eager.
-            self._eager_step(work)
+            # The eager step raises the transform's own error; if it succeeds instead, the
+            # compiler cannot trace these groups: they stay eager.
             self._compiled[self._key(work)] = None
-            return True
-        for w, s in zip(work, new_states):
-            w.record.state = s
-        return True
+            return None
 
     def _timed(self, fn: Callable[[], Any], work: list[GroupWork]) -> float:
         devices = {p.device for w in work for p in w.params if p.device.type == "cuda"}
@@ -425,8 +463,106 @@ class Executor:
         del self._trials[key]
 
     def _eager_step(self, work: list[GroupWork]) -> None:
-        """Compute every group (nothing written), then commit every group."""
-        results = [self.compute(w) for w in work]
+        """Compute every group (nothing written), then commit every group.
+
+        A group run in pieces (see :meth:`pieces`) contributes its first piece to the
+        compute phase, so an error of the group (a bad hyperparameter or schedule value,
+        the transform's own) is raised before anything is written; its other pieces are
+        then computed and committed one after another."""
+        plans = [self.pieces(w) for w in work]
+        heads = [w if plan is None else self._piece(w, plan[0]) for w, plan in zip(work, plans)]
+        frozen = [None if plan is None else frozen_scalars(w.record.current_state(w.hp))
+                  for w, plan in zip(work, plans)]
+        # a first piece is computed from the group's state as it is (its other parameters
+        # step too, in the pieces that follow: no per-parameter counters, see compute)
+        results = [self.compute(h) if plan is None else self._compute(h, h.idx, h.record.current_state(h.hp))
+                   for h, plan in zip(heads, plans)]
         with torch.no_grad():
-            for w, (updates, new_state) in zip(work, results):
-                self.commit(w, updates, new_state)
+            for i, h in enumerate(heads):
+                updates, new_state = results[i]
+                results[i] = None  # the buffers now hold the new state: let the rest go
+                self.commit(h, updates, new_state)
+                del updates, new_state
+            for w, plan, fz in zip(work, plans, frozen):
+                for piece in plan[1:] if plan else ():
+                    self._eager_piece(self._piece(w, piece), fz)
+        self._prove([w for w, plan in zip(work, plans) if plan is None])
+
+    def _eager_piece(self, pw: GroupWork, frozen: Any) -> None:
+        """Compute and commit one piece of a group, from the step's starting scalars."""
+        rec = pw.record
+        updates, new_state = self._compute(pw, pw.idx, merge(rec.current_state(pw.hp), frozen))
+        with torch.no_grad():
+            self.commit(pw, updates, new_state)
+
+    # -- pieces -----------------------------------------------------------------
+
+    def pieces(self, w: GroupWork) -> list[list[int]] | None:
+        """How this step runs a group: ``None`` for whole, or its pieces (lists of
+        positions in ``w.params``), each computed and written before the next.
+
+        A group runs in pieces when its parameters hold more bytes than
+        :func:`muonfx.linalg.batch_bytes` (the one budget of matrix work, sized to the
+        device) and its transform is declared leafwise (:func:`muonfx.leafwise`: each
+        parameter's update and state depend on that parameter alone), every parameter
+        steps with the group's counters, none is a DTensor, and the same transform has
+        made a whole step before. Then the pieces compute exactly what the whole group
+        computes (every piece starts from the step's scalars: counters, hyperparameters),
+        and the step's extra memory is that of the largest piece instead of the group's.
+        Same-shape parameters go together (Newton-Schulz batches stay full); a parameter
+        larger than the budget is a piece of its own.
+
+        A raising step still changes nothing: an error of the group (a bad hyperparameter
+        or schedule value, a static hyperparameter that does not build) is raised by the
+        first piece, computed before anything is written; and the errors of one
+        parameter (its shape, dtype or kind refused by the transform) do not change
+        from step to step (torch keeps a gradient's shape, dtype and device those of its
+        parameter), so the whole step this transform made first has ruled them out.
+        """
+        rec = w.record
+        if not rec.stepped or rec.own or len(w.idx) != len(rec.keys) or w.own is not None:
+            return None
+        if (id(rec), _static_key(w.hp)) not in self._proven or not is_leafwise(rec.transform(w.hp)):
+            return None
+        budget = batch_bytes(w.params[0].device)
+        key = (id(rec), budget)
+        if key not in self._plans:
+            self._plans[key] = _plan_pieces(w.params, budget)
+        return self._plans[key]
+
+    @staticmethod
+    def _piece(w: GroupWork, piece: list[int]) -> GroupWork:
+        return GroupWork(w.record, w.hp, [w.idx[j] for j in piece], [w.params[j] for j in piece],
+                         [w.grads[j] for j in piece])
+
+    def _prove(self, whole: list[GroupWork]) -> None:
+        for w in whole:
+            self._proven.add((id(w.record), _static_key(w.hp)))
+
+
+def _plan_pieces(params: list[torch.Tensor], budget: int) -> list[list[int]] | None:
+    """Positions of ``params`` in pieces of at most ``budget`` bytes (same shape and dtype
+    together, in order of first appearance; one larger parameter alone); None when one
+    piece would hold them all or a parameter is a DTensor."""
+    if any(type(p).__name__ == "DTensor" for p in params):
+        return None
+    sizes = [p.numel() * p.element_size() for p in params]
+    if sum(sizes) <= budget:
+        return None
+    kinds: dict[tuple, list[int]] = {}
+    for j, p in enumerate(params):
+        kinds.setdefault((tuple(p.shape), p.dtype), []).append(j)
+    pieces: list[list[int]] = []
+    cur: list[int] = []
+    room = budget
+    for js in kinds.values():
+        for j in js:
+            if cur and sizes[j] > room:
+                pieces.append(cur)
+                cur, room = [], budget
+            cur.append(j)
+            room -= sizes[j]
+    if cur:
+        pieces.append(cur)
+    return pieces if len(pieces) > 1 else None
+
