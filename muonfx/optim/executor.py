@@ -124,6 +124,42 @@ def _store(old: Any, new: Any) -> Any:
     return _rebuild(new, taken) if taken else new
 
 
+def _cohort_positions(w: GroupWork) -> dict[Any, list[int]]:
+    """The positions (in ``w.params``) of the parameters that step, by counters: ``None``
+    for the group's, else the tag of a parameter's own counters (``record.own``)."""
+    own = w.record.own
+    keys_all = w.record.keys
+    if not own:
+        return {None: list(range(len(w.idx)))}
+    cohorts: dict[Any, list[int]] = {}
+    for j, i in enumerate(w.idx):
+        k = keys_all[i]
+        tag = None if k not in own else tuple(
+            (n, v.item() if isinstance(v, torch.Tensor) else v) for n, v in own[k].items())
+        cohorts.setdefault(tag, []).append(j)
+    return cohorts
+
+
+def _idle_counters(w: GroupWork, state: Any, cohorts: dict[Any, list[int]]) -> dict[Key, dict[str, Any]]:
+    """``record.own`` before this step's cohorts: when the group's counters advance, the
+    parameters that do not step keep their counters as they were."""
+    rec = w.record
+    new_own = dict(rec.own)
+    if None in cohorts and len(w.idx) != len(rec.keys):
+        stepped = {rec.keys[i] for i in w.idx}
+        idle = [k for k in rec.keys if k not in stepped and k not in rec.own]
+        new_own.update(scalars_per_param(state, idle))
+    return new_own
+
+
+def _caught_up(own: dict[Key, dict[str, Any]], state: Any) -> dict[Key, dict[str, Any]]:
+    """``own`` without the counters that equal the group's in ``state`` again."""
+    if not own:
+        return own
+    now = scalars_per_param(state, list(own))
+    return {k: c for k, c in own.items() if not same_scalars(c, now[k])}
+
+
 def _one_cohort(w: GroupWork) -> bool:
     """Whether the parameters that step all have the group's counters and those that
     do not all have their own already: then the step is one plain (partial) call."""
@@ -185,7 +221,8 @@ class Executor:
         #: (group record id, static hyperparameters) of the transforms that have made a
         #: whole step: only those are run in pieces (see :meth:`pieces`)
         self._proven: set[tuple[int, tuple]] = set()
-        self._plans: dict[tuple, list[list[int]] | None] = {}
+        self._plans: dict[tuple, list | None] = {}
+        self._bytes: dict[int, int] = {}
 
     def compile(self, **kwargs: Any) -> None:
         """Use ``torch.compile`` (``dynamic=True, fullgraph=True`` unless overridden)."""
@@ -219,17 +256,8 @@ class Executor:
         keys_all = rec.keys
         state = rec.current_state(w.hp)
         own = rec.own
-        cohorts: dict[Any, list[int]] = {}
-        for j, i in enumerate(w.idx):
-            k = keys_all[i]
-            tag = None if k not in own else tuple(
-                (n, v.item() if isinstance(v, torch.Tensor) else v) for n, v in own[k].items())
-            cohorts.setdefault(tag, []).append(j)
-        new_own = dict(own)
-        stepped = {keys_all[i] for i in w.idx}
-        if None in cohorts:  # the group's counters advance: who did not step keeps its own
-            idle = [k for k in keys_all if k not in stepped and k not in own]
-            new_own.update(scalars_per_param(state, idle))
+        cohorts = _cohort_positions(w)
+        new_own = _idle_counters(w, state, cohorts)
         updates: list[Any] = [None] * len(w.idx)
         new_state = state
         for tag in sorted(cohorts, key=lambda t: t is not None):  # the group's cohort first
@@ -246,10 +274,7 @@ class Executor:
                 new_state = merge(new_state, restrict(sub_state, {keys_all[i] for i in idx}), scalars=False)
                 cohort_keys = [keys_all[i] for i in idx]
                 new_own.update(scalars_per_param(sub_state, cohort_keys))
-        if new_own:  # counters that caught up with the group's are the group's again
-            now = scalars_per_param(new_state, list(new_own))
-            new_own = {k: c for k, c in new_own.items() if not same_scalars(c, now[k])}
-        w.own = new_own
+        w.own = _caught_up(new_own, new_state)
         return updates, new_state
 
     def _compute(self, w: GroupWork, idx: list[int], state: Any) -> tuple[list[torch.Tensor], Any]:
@@ -278,7 +303,8 @@ class Executor:
 
     # -- eager: phase 2 ---------------------------------------------------------
 
-    def commit(self, w: GroupWork, updates: list[torch.Tensor], new_state: Any) -> None:
+    @staticmethod
+    def commit(w: GroupWork, updates: list[torch.Tensor], new_state: Any) -> None:
         """Write the new state into the old buffers and add the updates to the parameters."""
         rec = w.record
         pairs = _tree_pairs(rec.state, new_state)
@@ -370,8 +396,8 @@ class Executor:
         through one graph per piece, each piece computed and written before the next, so
         the graph's buffers are bounded by the piece. If a piece's graph cannot be built,
         that piece and the rest run eagerly (nothing is run twice)."""
-        plans = [self.pieces(w) for w in work]
-        whole = [w for w, plan in zip(work, plans) if plan is None]
+        runs, large = self._all_runs(work)
+        whole = work if runs is None else [w for w, r in zip(work, runs) if r is None]
         if whole:
             new_states = self._run_fused(whole, [w.record.current_state(w.hp) for w in whole])
             if new_states is None:
@@ -381,20 +407,25 @@ class Executor:
                 return True
             for w, st in zip(whole, new_states):
                 w.record.state = st
-            self._prove(whole)
-        for w, plan in zip(work, plans):
-            if plan is None:
+            self._prove([w for w in whole if any(w is x for x in large)])
+        if runs is None:
+            return True
+        for w, r in zip(work, runs):
+            if r is None:
                 continue
-            frozen = frozen_scalars(w.record.current_state(w.hp))
-            for k, piece in enumerate(plan):
-                pw = self._piece(w, piece)
-                state = w.record.current_state(w.hp)
-                new_states = self._run_fused([pw], [merge(state, frozen) if k else state])
-                if new_states is None:  # this graph cannot be built: this piece on, eagerly
-                    for rest in plan[k:]:
-                        self._eager_piece(self._piece(w, rest), frozen)
-                    break
-                w.record.state = new_states[0]
+            ctx = _PieceStep(w)
+            eager = False
+            for tag, pieces in r:
+                for piece in pieces:
+                    pw = self._piece(w, piece)
+                    if not eager:
+                        new = self._run_fused([pw], [ctx.start(tag)])
+                        if new is not None:
+                            ctx.written(pw, tag, new[0])
+                            continue
+                        eager = True  # this graph cannot be built: this piece on, eagerly
+                    self._eager_piece(ctx, pw, tag, self._compute(pw, pw.idx, ctx.start(tag)))
+            ctx.finish()
         return True
 
     def _run_fused(self, work: list[GroupWork], states: list[Any]) -> list[Any] | None:
@@ -465,35 +496,52 @@ class Executor:
     def _eager_step(self, work: list[GroupWork]) -> None:
         """Compute every group (nothing written), then commit every group.
 
-        A group run in pieces (see :meth:`pieces`) contributes its first piece to the
-        compute phase, so an error of the group (a bad hyperparameter or schedule value,
-        the transform's own) is raised before anything is written; its other pieces are
-        then computed and committed one after another."""
-        plans = [self.pieces(w) for w in work]
-        heads = [w if plan is None else self._piece(w, plan[0]) for w, plan in zip(work, plans)]
-        frozen = [None if plan is None else frozen_scalars(w.record.current_state(w.hp))
-                  for w, plan in zip(work, plans)]
-        # a first piece is computed from the group's state as it is (its other parameters
-        # step too, in the pieces that follow: no per-parameter counters, see compute)
-        results = [self.compute(h) if plan is None else self._compute(h, h.idx, h.record.current_state(h.hp))
-                   for h, plan in zip(heads, plans)]
-        with torch.no_grad():
-            for i, h in enumerate(heads):
-                updates, new_state = results[i]
-                results[i] = None  # the buffers now hold the new state: let the rest go
-                self.commit(h, updates, new_state)
-                del updates, new_state
-            for w, plan, fz in zip(work, plans, frozen):
-                for piece in plan[1:] if plan else ():
-                    self._eager_piece(self._piece(w, piece), fz)
-        self._prove([w for w, plan in zip(work, plans) if plan is None])
+        A group run in pieces (see :meth:`pieces`) contributes the first piece of each of
+        its cohorts to the compute phase, so an error of the group (a bad hyperparameter
+        or schedule value, the transform's own) is raised before anything is written; its
+        other pieces are then computed and committed one after another."""
+        runs, large = self._all_runs(work)
+        if runs is None:
+            results = [self.compute(w) for w in work]
+            with torch.no_grad():
+                for w, (updates, new_state) in zip(work, results):
+                    self.commit(w, updates, new_state)
+            if large:
+                self._prove(large)
+            return
+        ctxs = [None if r is None else _PieceStep(w) for w, r in zip(work, runs)]
+        heads: list[tuple] = []  # (piece step or None: whole, cohort tag, work of the head)
+        for w, r, ctx in zip(work, runs, ctxs):
+            if r is None:
+                heads.append((None, None, w))
+            else:
+                heads.extend((ctx, tag, self._piece(w, pieces[0])) for tag, pieces in r)
+        results: list[Any] = [self.compute(h) if ctx is None else self._compute(h, h.idx, ctx.start(tag))
+                              for ctx, tag, h in heads]
+        for i, (ctx, tag, h) in enumerate(heads):
+            result, results[i] = results[i], None  # once written, let the new tensors go
+            if ctx is None:
+                with torch.no_grad():
+                    self.commit(h, *result)
+            else:
+                self._eager_piece(ctx, h, tag, result)
+            del result
+        for w, r, ctx in zip(work, runs, ctxs):
+            if r is None:
+                continue
+            for tag, pieces in r:
+                for piece in pieces[1:]:
+                    pw = self._piece(w, piece)
+                    self._eager_piece(ctx, pw, tag, self._compute(pw, pw.idx, ctx.start(tag)))
+            ctx.finish()
+        self._prove([w for w, r in zip(work, runs) if r is None and any(w is x for x in large)])
 
-    def _eager_piece(self, pw: GroupWork, frozen: Any) -> None:
-        """Compute and commit one piece of a group, from the step's starting scalars."""
-        rec = pw.record
-        updates, new_state = self._compute(pw, pw.idx, merge(rec.current_state(pw.hp), frozen))
+    def _eager_piece(self, ctx: "_PieceStep", pw: GroupWork, tag: Any, result: tuple[list[torch.Tensor], Any]) -> None:
+        """Write one computed piece (its tensors; the counters when the step ends)."""
+        updates, new_state = result
+        ctx.note(pw, tag, new_state)
         with torch.no_grad():
-            self.commit(pw, updates, new_state)
+            self.commit(pw, updates, merge(pw.record.state, new_state, scalars=False))
 
     # -- pieces -----------------------------------------------------------------
 
@@ -504,50 +552,148 @@ class Executor:
         A group runs in pieces when its parameters hold more bytes than
         :func:`muonfx.linalg.batch_bytes` (the one budget of matrix work, sized to the
         device) and its transform is declared leafwise (:func:`muonfx.leafwise`: each
-        parameter's update and state depend on that parameter alone), every parameter
-        steps with the group's counters, none is a DTensor, and the same transform has
-        made a whole step before. Then the pieces compute exactly what the whole group
-        computes (every piece starts from the step's scalars: counters, hyperparameters),
-        and the step's extra memory is that of the largest piece instead of the group's.
-        Same-shape parameters go together (Newton-Schulz batches stay full); a parameter
-        larger than the budget is a piece of its own.
+        parameter's update and state depend on that parameter alone), none is a
+        DTensor, and the same transform has made a whole step before. Then the pieces
+        compute exactly what the whole group computes: every piece starts from the
+        step's scalars (counters, hyperparameters), those of its cohort when some
+        parameters have counters of their own (they missed steps: torch's per-parameter
+        ``step``) or have no gradient; and the step's extra memory is that of the
+        largest piece instead of the group's. Same-shape parameters go together
+        (Newton-Schulz batches stay full); a parameter larger than the budget is a piece
+        of its own.
 
         A raising step still changes nothing: an error of the group (a bad hyperparameter
         or schedule value, a static hyperparameter that does not build) is raised by the
-        first piece, computed before anything is written; and the errors of one
-        parameter (its shape, dtype or kind refused by the transform) do not change
-        from step to step (torch keeps a gradient's shape, dtype and device those of its
-        parameter), so the whole step this transform made first has ruled them out.
+        first piece of a cohort, and those are computed before anything is written; the
+        errors of one parameter (its shape, dtype or kind refused by the transform) do
+        not change from step to step (torch keeps a gradient's shape, dtype and device
+        those of its parameter), so the whole step this transform made first has ruled
+        them out.
         """
+        runs = self._all_runs([w])[0]
+        return None if runs is None else [piece for _, pieces in runs[0] for piece in pieces]
+
+    def _all_runs(self, work: list[GroupWork]) -> tuple[list | None, list[GroupWork]]:
+        """:meth:`_runs` of every group (None when every group runs whole), and the
+        groups larger than a piece (or of unknown size): a whole step of theirs proves
+        their transform (see :meth:`pieces`). Cheap for small groups: one dictionary
+        lookup and the budget."""
+        out = None
+        large: list[GroupWork] = []
+        budgets: dict[Any, int] = {}
+        for i, w in enumerate(work):
+            rec = w.record
+            size = self._bytes.get(id(rec))
+            if size is None:
+                size = self._size(w)
+            device = w.params[0].device
+            budget = budgets.get(device)
+            if budget is None:
+                budget = budgets[device] = batch_bytes(device)
+            if size is not None and size <= budget:  # the whole group within the budget
+                continue
+            large.append(w)
+            r = self._runs(w, budget) if rec.stepped else None
+            if r is not None:
+                if out is None:
+                    out = [None] * len(work)
+                out[i] = r
+        return out, large
+
+    def _runs(self, w: GroupWork, budget: int) -> list[tuple[Any, list[list[int]]]] | None:
+        """``[(cohort tag, pieces)]`` of a group larger than ``budget`` (the group's
+        cohort first), or None: whole."""
         rec = w.record
-        if not rec.stepped or rec.own or len(w.idx) != len(rec.keys) or w.own is not None:
-            return None
         if (id(rec), _static_key(w.hp)) not in self._proven or not is_leafwise(rec.transform(w.hp)):
             return None
-        budget = batch_bytes(w.params[0].device)
-        key = (id(rec), budget)
-        if key not in self._plans:
-            self._plans[key] = _plan_pieces(w.params, budget)
-        return self._plans[key]
+        if not rec.own and len(w.idx) == len(rec.keys):  # every parameter steps, alike
+            key = (id(rec), budget)
+            if key not in self._plans:
+                plan = _plan_pieces(w.params, budget)
+                self._plans[key] = None if plan is None else [(None, plan)]
+            return self._plans[key]
+        runs = []
+        for tag, js in sorted(_cohort_positions(w).items(), key=lambda t: t[0] is not None):
+            plan = _plan_pieces([w.params[j] for j in js], budget, whole=True)
+            if plan is None:
+                return None
+            runs.append((tag, [[js[j] for j in piece] for piece in plan]))
+        return runs if sum(len(p) for _, p in runs) > 1 else None
 
     @staticmethod
     def _piece(w: GroupWork, piece: list[int]) -> GroupWork:
         return GroupWork(w.record, w.hp, [w.idx[j] for j in piece], [w.params[j] for j in piece],
                          [w.grads[j] for j in piece])
 
+    def _size(self, w: GroupWork) -> int | None:
+        """The bytes of all the group's parameters (None until a step has them all)."""
+        if len(w.idx) != len(w.record.keys):
+            return None
+        size = self._bytes[id(w.record)] = sum([p.numel() * p.element_size() for p in w.params])
+        return size
+
     def _prove(self, whole: list[GroupWork]) -> None:
+        """Remember the transforms of these groups (larger than a piece) that made a whole step."""
         for w in whole:
             self._proven.add((id(w.record), _static_key(w.hp)))
 
 
-def _plan_pieces(params: list[torch.Tensor], budget: int) -> list[list[int]] | None:
+class _PieceStep:
+    """The bookkeeping of one group's step in pieces: where each cohort starts, and the
+    counters it ends with (written once every piece is)."""
+
+    def __init__(self, w: GroupWork) -> None:
+        rec = w.record
+        self.w = w
+        self.state0 = rec.current_state(w.hp)
+        self.cohorts = _cohort_positions(w)
+        self.own = _idle_counters(w, self.state0, self.cohorts)
+        self.frozen: dict[Any, Any] = {}
+        self.group_scalars: Any = None
+
+    def start(self, tag: Any) -> Any:
+        """The state a piece of cohort ``tag`` starts from: the buffers as they are now,
+        the cohort's counters as they were when the step began."""
+        if tag not in self.frozen:
+            rec = self.w.record
+            base = self.state0 if tag is None else with_scalars(self.state0, rec.own[self._first_key(tag)])
+            self.frozen[tag] = frozen_scalars(base)
+        return merge(self.w.record.current_state(self.w.hp), self.frozen[tag])
+
+    def _first_key(self, tag: Any) -> Key:
+        rec = self.w.record
+        return rec.keys[self.w.idx[self.cohorts[tag][0]]]
+
+    def note(self, pw: GroupWork, tag: Any, new_state: Any) -> None:
+        """Keep the counters a piece of cohort ``tag`` advanced to."""
+        if tag is None:
+            if self.group_scalars is None:
+                self.group_scalars = frozen_scalars(new_state)
+        else:
+            self.own.update(scalars_per_param(new_state, [pw.record.keys[i] for i in pw.idx]))
+
+    def written(self, pw: GroupWork, tag: Any, new_state: Any) -> None:
+        """A compiled piece wrote its tensors in place: keep the group's counters."""
+        self.note(pw, tag, new_state)
+        pw.record.state = merge(pw.record.state, new_state, scalars=False)
+        pw.record.stepped = True
+
+    def finish(self) -> None:
+        """Every piece is written: the group's counters and the parameters' own."""
+        rec = self.w.record
+        if self.group_scalars is not None:
+            rec.state = merge(rec.state, self.group_scalars)
+        rec.own = _caught_up(self.own, rec.state)
+
+
+def _plan_pieces(params: list[torch.Tensor], budget: int, whole: bool = False) -> list[list[int]] | None:
     """Positions of ``params`` in pieces of at most ``budget`` bytes (same shape and dtype
-    together, in order of first appearance; one larger parameter alone); None when one
-    piece would hold them all or a parameter is a DTensor."""
+    together, in order of first appearance; one larger parameter alone); None when a
+    parameter is a DTensor, or (unless ``whole``) when one piece would hold them all."""
     if any(type(p).__name__ == "DTensor" for p in params):
         return None
     sizes = [p.numel() * p.element_size() for p in params]
-    if sum(sizes) <= budget:
+    if not whole and sum(sizes) <= budget:
         return None
     kinds: dict[tuple, list[int]] = {}
     for j, p in enumerate(params):
@@ -564,5 +710,4 @@ def _plan_pieces(params: list[torch.Tensor], budget: int) -> list[list[int]] | N
             room -= sizes[j]
     if cur:
         pieces.append(cur)
-    return pieces if len(pieces) > 1 else None
-
+    return pieces if whole or len(pieces) > 1 else None
