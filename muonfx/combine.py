@@ -13,7 +13,7 @@ from typing import Any, Callable, Hashable, Mapping, NamedTuple, Union
 import torch
 from tensordict import TensorDictBase, is_leaf_nontensor
 
-from .base import GradientTransformation, Key, build, check_keys, key_str, leaves
+from .base import GradientTransformation, Key, build, check_keys, key_str, leaves, leafwise_if
 
 Predicate = Callable[[str, torch.Tensor], bool]
 MaskSpec = Union[Predicate, TensorDictBase, Mapping[str, bool]]
@@ -27,6 +27,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Apply ``transforms`` one after another; the state is the tuple of their states.
 
     ``chain()`` is the identity; ``chain(identity(), t)`` computes what ``t`` does.
+    Leafwise (:func:`muonfx.leafwise`) when every transform is.
 
     Example::
 
@@ -49,11 +50,13 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_state.append(s)
         return updates, tuple(new_state)
 
-    return GradientTransformation(init_fn, update_fn)
+    return leafwise_if(GradientTransformation(init_fn, update_fn), *transforms)
 
 
 def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransformation:
     """Like :func:`chain`, with the state a dict ``{name: state}`` (addressable by name).
+
+    Leafwise (:func:`muonfx.leafwise`) when every transform is.
 
     Example::
 
@@ -85,7 +88,7 @@ def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransform
             updates, new_state[n] = t.update(updates, state[n], params)
         return updates, new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return leafwise_if(GradientTransformation(init_fn, update_fn), *(t for _, t in named))
 
 
 # ---------------------------------------------------------------------------
@@ -171,7 +174,8 @@ def masked(inner: GradientTransformation, mask: MaskSpec) -> GradientTransformat
 
     ``mask`` is a predicate ``(key, tensor) -> bool``, a TensorDict of bools keyed
     like the params, or a mapping ``{dotted key: bool}``. Masked-out leaves get no
-    state. With an all-false mask ``masked`` is the identity.
+    state. With an all-false mask ``masked`` is the identity. Leafwise
+    (:func:`muonfx.leafwise`) when ``inner`` is: the mask is decided leaf by leaf.
 
     Example::
 
@@ -197,7 +201,7 @@ def masked(inner: GradientTransformation, mask: MaskSpec) -> GradientTransformat
         out = [new_u.get(k) if p else u for k, u, p in zip(keys, us, pick)]
         return build(keys, out), MaskedState(new_inner)
 
-    return GradientTransformation(init_fn, update_fn)
+    return leafwise_if(GradientTransformation(init_fn, update_fn), inner)
 
 
 def mask_by_ndim(inner: GradientTransformation, ndim: int | set[int] | frozenset[int]) -> GradientTransformation:
@@ -226,6 +230,9 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], labels: Lab
     ``labels`` is a function ``(key, tensor) -> label``, a TensorDict of labels or a
     mapping ``{dotted key: label}``. A label with no transform raises ``ValueError``
     naming the leaves. Every transform is initialised (on its possibly empty share).
+    Leafwise (:func:`muonfx.leafwise`) when every transform is: labels are decided
+    leaf by leaf, and a transform whose share of a piece is empty still runs (its
+    counters advance alike).
 
     Example::
 
@@ -270,4 +277,4 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], labels: Lab
                     out[k] = new_u.get(k)
         return build(keys, [out[k] for k in keys]), PartitionState(new_states)
 
-    return GradientTransformation(init_fn, update_fn)
+    return leafwise_if(GradientTransformation(init_fn, update_fn), *transforms.values())

@@ -17,8 +17,10 @@ from hypothesis.errors import Flaky
 from tensordict import TensorDictBase
 
 from .base import GradientTransformation, apply_updates as _apply_updates, build as _build, identity as _identity, key_str
+from .base import is_leafwise
 from .combine import chain as _chain, masked as _masked
 from ._strategies import params_and_grads
+from .state_tree import merge as _merge, restrict as _restrict
 from .wrappers import InjectHyperparamsState as _InjectHyperparamsState
 from .wrappers import accumulate as _accumulate, inject_hyperparams as _inject_hyperparams
 
@@ -40,6 +42,7 @@ LAWS: tuple[str, ...] = (
     "accumulate_k1",
     "inject_hyperparams",
     "state_dict_roundtrip",
+    "leafwise",
 )
 
 
@@ -545,6 +548,48 @@ def _law_state_dict(tx, params, grads, cfg: _Config) -> None:
                     f"uninterrupted run: {d}")
 
 
+def _law_leafwise(tx, params, grads, cfg: _Config) -> None:
+    """A transform declared leafwise, run on the first half of the keys and on the rest
+    (each piece with its share of the state, :func:`muonfx.state_tree.restrict`, merged
+    back after the step as the executor does), computes what it computes on the whole tree."""
+    keys = [(k,) if isinstance(k, str) else tuple(k) for k in params.keys(include_nested=True, leaves_only=True)]
+    half = len(keys) // 2
+    pieces = [keys[:half], keys[half:]]  # one leaf: the empty piece and the leaf
+
+    def sub(td, ks):
+        return _build(ks, [td.get(k) for k in ks])
+
+    def named(ks):
+        return "the leaves [" + ", ".join(key_str(k) for k in ks) + "]"
+
+    state = _init(tx, params, "init")
+    for ks in pieces:
+        d = _tree_diff(_init(tx, sub(params, ks), f"init on {named(ks)}"), _restrict(state, set(ks)), "state",
+                       cfg.mode, cfg.rtol, cfg.atol)
+        if d:
+            raise _Fail(f"init on {named(ks)} alone differs from init on the whole tree restricted to them: {d}")
+    split = state
+    for i, g in enumerate(_grad_seq(grads, cfg.steps)):
+        out, state = _update(tx, g, state, params, f"step {i}")
+        merged = split
+        for ks in pieces:
+            o, s = _update(tx, sub(g, ks), _restrict(split, set(ks)), sub(params, ks), f"step {i} on {named(ks)}")
+            d = _tree_diff(o, sub(out, ks), "updates", cfg.mode, cfg.rtol, cfg.atol)
+            if d:
+                raise _Fail(f"step {i}: on {named(ks)} alone tx gave other updates than on the whole tree: {d}. "
+                            "Does an update depend on other leaves (a global norm, a count of leaves)?")
+            d = _tree_diff(s, _restrict(state, set(ks)), "state", cfg.mode, cfg.rtol, cfg.atol)
+            if d:
+                raise _Fail(f"step {i}: on {named(ks)} alone tx left another state than on the whole tree "
+                            f"(restricted to them, scalars included): {d}")
+            merged = _merge(merged, s)
+        split = merged
+        d = _tree_diff(split, state, "state", cfg.mode, cfg.rtol, cfg.atol)
+        if d:
+            raise _Fail(f"step {i}: the pieces' states merged (muonfx.state_tree.merge) differ from the whole "
+                        f"tree's state: {d}. Key per-leaf state by the parameters' keys.")
+
+
 def _drop_hyperparams(node: Any) -> Any:
     """``node`` with every ``InjectHyperparamsState.hyperparams`` replaced by ``None``."""
     if isinstance(node, _InjectHyperparamsState):
@@ -568,6 +613,7 @@ _LAW_FNS: dict[str, Callable[..., None]] = {
     "accumulate_k1": _law_accumulate,
     "inject_hyperparams": _law_inject,
     "state_dict_roundtrip": _law_state_dict,
+    "leafwise": _law_leafwise,
 }
 
 
@@ -593,6 +639,10 @@ def _expectation(law: str, cfg: _Config) -> str:
         "state_dict_roundtrip": f"in mfx.TransformOptimizer, saving state_dict() after {cfg.steps} steps "
                                 "(torch.save, then torch.load(weights_only=True)) and loading it into "
                                 f"a fresh optimizer must continue {ex} like the uninterrupted run",
+        "leafwise": "tx is declared leafwise (mfx.leafwise): run on the first half of the leaves and on the "
+                    f"rest, each with its share of the state, it must compute {ex} what it computes on the "
+                    "whole tree: the same updates, and per piece the whole tree's state restricted to it "
+                    "(muonfx.state_tree.restrict), scalars included",
     }[law]
 
 
@@ -710,7 +760,12 @@ def check_transform(
     * ``state_dict_roundtrip``: ``steps`` steps of :class:`muonfx.TransformOptimizer` with
       ``tx``, ``state_dict()`` through ``torch.save`` / ``torch.load(weights_only=True)``
       into a fresh optimizer, one more step: the same parameters and state as the
-      uninterrupted run.
+      uninterrupted run;
+    * ``leafwise`` (only for a transform declared leafwise, :func:`muonfx.leafwise`):
+      ``init`` and ``update`` on the first half of the keys and on the rest (each piece
+      with its share of the state, :func:`muonfx.state_tree.restrict`, merged back with
+      :func:`~muonfx.state_tree.merge` after each step) equal the whole tree's: the same
+      updates, the same per-leaf state and the same scalars (step counters).
 
     "Equals" compares updates and states over ``steps`` updates with ``torch.equal``
     (NaN equal to NaN), or within ``rtol``/``atol`` when given (for transforms whose
@@ -798,6 +853,9 @@ def check_transform(
             report[law] = ("skipped: pass factory= and hyperparams= to check it"
                            if law == "inject_hyperparams" and not has_inject and laws is None
                            else "skipped: not requested")
+            continue
+        if law == "leafwise" and not is_leafwise(tx):
+            report[law] = "skipped: not declared leafwise"
             continue
         failure = _run_law(law, tx, cfg, params, hyp)
         if failure is None:

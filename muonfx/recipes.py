@@ -37,7 +37,8 @@ from typing import Any, Callable, Hashable, Sequence, Union
 
 import torch
 
-from .base import EmptyState, GradientTransformation, Key, aligned, build, foreach, key_str, leaves
+from .base import (EmptyState, GradientTransformation, Key, LeafwiseTransformation, aligned, build, foreach,
+                   key_str, leafwise_if, leaves)
 from .combine import MaskSpec, chain, masked, named_chain, partition
 from .options import MuonOptions, insert_step, takes_muon_options
 from .presets import adamw, default_muon_labels, muon
@@ -207,7 +208,7 @@ def cautious_decay(weight_decay: float, mask: MaskSpec | None = None) -> Gradien
         foreach("mul_", gated, ps)
         return build(keys, foreach("add", us, gated, alpha=weight_decay)), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return LeafwiseTransformation(init_fn, update_fn)
 
 
 @takes_muon_options(defaults={"weight_decay": 0.01})
@@ -331,7 +332,8 @@ def blockwise(inner: GradientTransformation, split_sizes: SplitSizes, dim: int =
     The state is ``inner``'s state over the blocks. Same-shape blocks are batched by the
     matrix transforms inside (one batched Newton-Schulz for all heads of all layers).
     On DTensors, blocks along a sharded dim are gathered first (correct, not fast);
-    the output gets the input's placements back.
+    the output gets the input's placements back. Leafwise (:func:`muonfx.leafwise`) when
+    ``inner`` is: a leaf's blocks are keyed under the leaf's own key.
 
     Example::
 
@@ -383,7 +385,7 @@ def blockwise(inner: GradientTransformation, split_sizes: SplitSizes, dim: int =
             outs.append(_placed_like(out, u))
         return build(keys, outs), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return leafwise_if(GradientTransformation(init_fn, update_fn), inner)
 
 
 def split_newton_schulz(split_sizes: SplitSizes, dim: int = 0, **ns_kwargs) -> GradientTransformation:

@@ -246,12 +246,21 @@ def unflatten_per_param(template: Any, keys: list[Key], flat: dict[Key, dict[str
     return _rebuild(template, "", fn, elide)
 
 
+def _owned(key: Key, keep: set) -> bool:
+    """Whether the state entry ``key`` belongs to a parameter in ``keep``: its own key, or
+    a key under it (:func:`muonfx.blockwise` keeps its blocks' state at ``(*key, "block<i>")``)."""
+    return any(key[:i] in keep for i in range(len(key), 0, -1))
+
+
 def restrict(state: Any, keep: set) -> Any:
-    """The sub-state of the parameters in ``keep`` (TensorDicts filtered; scalars kept)."""
+    """The sub-state of the parameters in ``keep`` (TensorDicts filtered; scalars kept).
+
+    A TensorDict entry is kept when its key, or a prefix of it, is in ``keep``.
+    """
 
     def fn(path: str, node: Any) -> Any:
         if isinstance(node, TensorDictBase):
-            ks = [k for k in _td_keys(node) if k in keep]
+            ks = [k for k in _td_keys(node) if _owned(k, keep)]
             return build(ks, [node.get(k) for k in ks])
         return node
 

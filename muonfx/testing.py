@@ -1,7 +1,8 @@
 """Hypothesis strategies for testing code built on muonfx, and a conformance check.
 
 :func:`check_transform` runs muonfx's laws (purity, eager state, dtypes, zero
-gradients, the combinator laws, a ``state_dict`` round-trip) on a transform you wrote
+gradients, the combinator laws, a ``state_dict`` round-trip, and for a transform declared
+leafwise that a split of the tree computes what the whole does) on a transform you wrote
 and raises :class:`ConformanceError`, naming the broken law with a minimal example.
 
 This module imports `hypothesis <https://hypothesis.readthedocs.io>`_, which is

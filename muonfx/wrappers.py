@@ -12,7 +12,7 @@ import torch
 from tensordict import TensorDict
 
 from . import seam
-from .base import GradientTransformation, aligned, build, foreach, leaves
+from .base import GradientTransformation, aligned, build, foreach, is_leafwise, leafwise, leafwise_if, leaves
 from .hyperparams import check
 from .schedules import evaluate
 
@@ -52,7 +52,8 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int =
     global reduction, identical on every rank under FSDP2) the output is a zero
     update and the inner state is kept. After more than ``max_consecutive_errors``
     consecutive bad steps the update is let through (optax's semantics), so a run
-    that is really diverging does not silently stall.
+    that is really diverging does not silently stall. Not leafwise
+    (:func:`muonfx.leafwise`): one leaf's NaN zeroes every leaf's update.
 
     Example::
 
@@ -114,7 +115,9 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
 
     Calls 1..k-1 of each cycle return zero updates and only add to the running sum;
     call k feeds ``sum / k`` (in the update's dtype) to ``inner`` and resets the sum.
-    ``accumulate(t, 1)`` computes exactly what ``t`` does.
+    ``accumulate(t, 1)`` computes exactly what ``t`` does. Leafwise
+    (:func:`muonfx.leafwise`) when ``inner`` is: the micro-step counter is shared by
+    all leaves and advances alike.
 
     Example::
 
@@ -149,7 +152,7 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
         fresh = build(keys, [torch.zeros_like(a) for a in accs])
         return new_u, AccumulateState(0, fresh, new_inner)
 
-    return GradientTransformation(init_fn, update_fn)
+    return leafwise_if(GradientTransformation(init_fn, update_fn), inner)
 
 
 # ---------------------------------------------------------------------------
@@ -229,6 +232,11 @@ def inject_hyperparams(
     hyperparameter. Callables that do not take one argument (label functions, mask
     predicates) are not schedules: they go to the factory unchanged.
 
+    The transform is leafwise (:func:`muonfx.leafwise`) when ``factory``'s transform
+    built from the initial values is (the hyperparameters are scalars every leaf
+    shares); a later value for which the factory builds a transform that is not
+    leafwise raises ``ValueError``.
+
     Example (momentum warm-up 0.85 -> 0.95 over 300 steps, as in nanochat)::
 
         >>> import muonfx as mfx
@@ -237,6 +245,7 @@ def inject_hyperparams(
         >>> # state.hyperparams["lr"] = 0.01 between steps changes the lr
     """
     sig = signature(factory)
+    name = getattr(factory, "__name__", "factory")
 
     def make(*args: Any, **kwargs: Any) -> GradientTransformation:
         bound = sig.bind(*args, **kwargs)
@@ -254,22 +263,39 @@ def inject_hyperparams(
                 for n in injected
             }
 
+        # Leafwise iff the factory's transform is, decided once on the one built from the
+        # initial values. Initial values the factory refuses declare nothing: init raises
+        # that error itself, naming the hyperparameter.
+        try:
+            declared = is_leafwise(factory(**static, **values_at(0, injected)))
+        except Exception:
+            declared = False
+
+        def inner_tx(hp: dict) -> GradientTransformation:
+            tx = factory(**static, **hp)
+            if declared and not is_leafwise(tx):
+                raise ValueError(
+                    f"inject_hyperparams: {name} built a leafwise transform from the initial "
+                    f"hyperparameters but not from {hp}; the declaration (mfx.leafwise) cannot change "
+                    "between steps: name the hyperparameter that decides it in static_args")
+            return tx
+
         def init_fn(params):
             hp = values_at(0, injected)
-            return InjectHyperparamsState(0, hp, factory(**static, **hp).init(params))
+            return InjectHyperparamsState(0, hp, inner_tx(hp).init(params))
 
         def update_fn(updates, state, params=None):
             missing = set(injected) - set(state.hyperparams)
             if missing:
                 raise ValueError(f"inject_hyperparams: state lacks hyperparameters {sorted(missing)}")
             hp = values_at(state.count, state.hyperparams)
-            tx = factory(**static, **hp)
-            new_u, new_inner = tx.update(updates, state.inner_state, params)
+            new_u, new_inner = inner_tx(hp).update(updates, state.inner_state, params)
             return new_u, InjectHyperparamsState(state.count + 1, hp, new_inner)
 
-        return GradientTransformation(init_fn, update_fn)
+        tx = GradientTransformation(init_fn, update_fn)
+        return leafwise(tx) if declared else tx
 
-    make.__name__ = f"inject_hyperparams({getattr(factory, '__name__', 'factory')})"
+    make.__name__ = f"inject_hyperparams({name})"
     make.__doc__ = factory.__doc__
     return make
 

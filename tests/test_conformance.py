@@ -98,9 +98,11 @@ def test_public_transforms_conform(name):
     kind, build_tx, extra = PUBLIC[name]
     if kind == MATRIX and "params" not in extra:
         extra = dict(extra, matrices_only=True)
-    report = check_transform(build_tx(), **FAST, **extra)
+    tx = build_tx()
+    report = check_transform(tx, **FAST, **extra)
     assert report == {law: "ok" for law in LAWS if law != "inject_hyperparams"} | {
-        "inject_hyperparams": "skipped: pass factory= and hyperparams= to check it"}
+        "inject_hyperparams": "skipped: pass factory= and hyperparams= to check it",
+        "leafwise": "ok" if mfx.is_leafwise(tx) else "skipped: not declared leafwise"}
 
 
 @pytest.mark.parametrize("factory,hyperparams,kind,static_args", [

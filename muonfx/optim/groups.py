@@ -10,7 +10,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from ..base import GradientTransformation, Key, build, foreach, key_str, leaves
+from ..base import GradientTransformation, Key, build, foreach, key_str, leafwise_if, leaves
 from ..wrappers import InjectHyperparamsState, inject_hyperparams, signature
 
 __all__ = ["GroupRecord", "lr_multiplier", "as_factory", "factory_defaults", "check_known", "serialisable",
@@ -27,7 +27,8 @@ def lr_multiplier(tx: GradientTransformation) -> Callable[..., GradientTransform
 
     :class:`muonfx.TransformOptimizer` uses it for pre-built transforms, so that
     ``group["lr"]`` (and any lr scheduler) scales the whole update: ``out = lr * tx(u)``.
-    With ``lr == 1`` the update is exactly ``tx``'s.
+    With ``lr == 1`` the update is exactly ``tx``'s. Leafwise (:func:`muonfx.leafwise`)
+    when ``tx`` is.
 
     Example::
 
@@ -47,7 +48,7 @@ def lr_multiplier(tx: GradientTransformation) -> Callable[..., GradientTransform
             keys, us = leaves(out)
             return type(out)(dict(zip(keys, foreach("mul", us, float(lr)))), batch_size=[]), state
 
-        return GradientTransformation(tx.init, update_fn)
+        return leafwise_if(GradientTransformation(tx.init, update_fn), tx)
 
     return with_lr
 

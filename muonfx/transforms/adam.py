@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 from tensordict import TensorDict
 
-from ..base import GradientTransformation, aligned, build, foreach, leaves
+from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
 from ..hyperparams import check, check_float_dtype
 
 
@@ -89,4 +89,4 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         store = lambda new, old: [n if n.dtype == o.dtype else n.to(o.dtype) for n, o in zip(new, old)]  # noqa: E731
         return build(keys, out), ScaleByAdamState(t, build(keys, store(new_m, ms)), build(keys, store(new_v, vs)))
 
-    return GradientTransformation(init_fn, update_fn)
+    return LeafwiseTransformation(init_fn, update_fn)

@@ -44,7 +44,8 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     on every rank. ``n`` is summed in float64, so gradients with entries of 1e19 or more
     (whose float32 sum of squares overflows) are still scaled down to ``max_norm``
     rather than zeroed; a gradient holding inf or NaN gives a NaN update (wrap the
-    chain in :func:`~muonfx.apply_if_finite` to skip such steps).
+    chain in :func:`~muonfx.apply_if_finite` to skip such steps). Not leafwise
+    (:func:`muonfx.leafwise`): every leaf's update depends on every other leaf.
 
     Example::
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..base import EmptyState, GradientTransformation, aligned, build, foreach, leaves
+from ..base import EmptyState, GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
 from ..combine import MaskSpec, masked
 from ..hyperparams import check
 
@@ -41,4 +41,4 @@ def decoupled_decay(weight_decay: float, mask: MaskSpec | None = None) -> Gradie
             return updates, state
         return build(keys, foreach("add", us, ps, alpha=weight_decay)), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return LeafwiseTransformation(init_fn, update_fn)

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from tensordict import TensorDict
 
-from ..base import GradientTransformation, aligned, build, foreach, leaves
+from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
 from ..hyperparams import check, check_float_dtype
 
 
@@ -61,7 +61,7 @@ def momentum(beta: float = 0.95, nesterov: bool = False, mu_dtype: torch.dtype |
         stored = [n if n.dtype == m.dtype else n.to(m.dtype) for n, m in zip(new_m, ms)]
         return build(keys, out), MomentumState(build(keys, stored))
 
-    return GradientTransformation(init_fn, update_fn)
+    return LeafwiseTransformation(init_fn, update_fn)
 
 
 def nesterov(beta: float = 0.95, mu_dtype: torch.dtype | None = None) -> GradientTransformation:
@@ -137,4 +137,4 @@ def bias_corrected_momentum(beta: float = 0.95, nesterov: bool = True,
         stored = [n if n.dtype == m.dtype else n.to(m.dtype) for n, m in zip(new_m, ms)]
         return build(keys, out), BiasCorrectedMomentumState(t, build(keys, stored))
 
-    return GradientTransformation(init_fn, update_fn)
+    return LeafwiseTransformation(init_fn, update_fn)

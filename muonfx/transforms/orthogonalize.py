@@ -7,7 +7,7 @@ from functools import partial
 import torch
 
 from .. import seam
-from ..base import EmptyState, GradientTransformation, build, leaves
+from ..base import EmptyState, GradientTransformation, LeafwiseTransformation, build, leaves
 from ..hyperparams import check, check_float_dtype
 from ..linalg import CoefficientSpec, newton_schulz_batched, resolve
 from ..linalg.precision import device_ns_dtype, pinned_ns_dtype
@@ -111,4 +111,4 @@ def newton_schulz(
         outs = seam.map_matrices(run, as_stacks(keys, gs, "newton_schulz"))
         return build(keys, [o.reshape(g.shape) for o, g in zip(outs, gs)]), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return LeafwiseTransformation(init_fn, update_fn)

@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from .. import seam
-from ..base import GradientTransformation, aligned, build, leaves
+from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, leaves
 from ..hyperparams import check
 from ._matrix import matrix_dims
 
@@ -104,4 +104,4 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows")
             outs.append((out.mT if f else out).reshape(u.shape))
         return build(keys, outs), RowNormalizeState(build(keys, new_vs))
 
-    return GradientTransformation(init_fn, update_fn)
+    return LeafwiseTransformation(init_fn, update_fn)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ..base import EmptyState, GradientTransformation, build, foreach, leaves
+from ..base import EmptyState, GradientTransformation, LeafwiseTransformation, build, foreach, leaves
 from ..hyperparams import check
 from ..schedules import ScalarOrSchedule, evaluate
 from ._matrix import matrix_shapes
@@ -33,7 +33,7 @@ def scale(factor: float) -> GradientTransformation:
         keys, us = leaves(updates)
         return build(keys, foreach("mul", us, factor)), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return LeafwiseTransformation(init_fn, update_fn)
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -77,7 +77,7 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
         keys, us = leaves(updates)
         return build(keys, foreach("mul", us, -value)), ScaleByScheduleState(state.count + 1)
 
-    return GradientTransformation(init_fn, update_fn)
+    return LeafwiseTransformation(init_fn, update_fn)
 
 
 def shape_factor(mode: str, a: int, b: int) -> float:
@@ -129,4 +129,4 @@ def scale_by_shape(mode: str = "original") -> GradientTransformation:
             factors.append(f)
         return build(keys, foreach("mul", us, factors)), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return LeafwiseTransformation(init_fn, update_fn)
