@@ -12,7 +12,8 @@ import torch
 from tensordict import TensorDict
 
 from . import seam
-from .base import GradientTransformation, aligned, build, foreach, is_leafwise, leafwise, leafwise_if, leaves
+from .base import (GradientTransformation, LeafwiseTransformation, aligned, build, foreach, is_leafwise, leafwise,
+                   leafwise_if, leaves)
 from .hyperparams import check
 from .schedules import evaluate
 
@@ -271,25 +272,28 @@ def inject_hyperparams(
         except Exception:
             declared = False
 
-        def inner_tx(hp: dict) -> GradientTransformation:
-            tx = factory(**static, **hp)
-            if declared and not is_leafwise(tx):
-                raise ValueError(
-                    f"inject_hyperparams: {name} built a leafwise transform from the initial "
-                    f"hyperparameters but not from {hp}; the declaration (mfx.leafwise) cannot change "
-                    "between steps: name the hyperparameter that decides it in static_args")
-            return tx
+        def not_leafwise(hp: dict) -> ValueError:
+            return ValueError(
+                f"inject_hyperparams: {name} built a leafwise transform from the initial "
+                f"hyperparameters but not from {hp}; the declaration (mfx.leafwise) cannot change "
+                "between steps: name the hyperparameter that decides it in static_args")
 
         def init_fn(params):
             hp = values_at(0, injected)
-            return InjectHyperparamsState(0, hp, inner_tx(hp).init(params))
+            tx = factory(**static, **hp)
+            if declared and not isinstance(tx, LeafwiseTransformation):
+                raise not_leafwise(hp)
+            return InjectHyperparamsState(0, hp, tx.init(params))
 
         def update_fn(updates, state, params=None):
             missing = set(injected) - set(state.hyperparams)
             if missing:
                 raise ValueError(f"inject_hyperparams: state lacks hyperparameters {sorted(missing)}")
             hp = values_at(state.count, state.hyperparams)
-            new_u, new_inner = inner_tx(hp).update(updates, state.inner_state, params)
+            tx = factory(**static, **hp)
+            if declared and not isinstance(tx, LeafwiseTransformation):  # (inline: every step)
+                raise not_leafwise(hp)
+            new_u, new_inner = tx.update(updates, state.inner_state, params)
             return new_u, InjectHyperparamsState(state.count + 1, hp, new_inner)
 
         tx = GradientTransformation(init_fn, update_fn)

@@ -145,23 +145,27 @@ def _matrices(seed=0):
     return [(n, p) for n, p in _named(seed=seed) if n != "bias"]
 
 
-def test_the_first_step_and_partial_steps_run_whole(budget):
-    """Step 0 creates the state (whole); step 1 runs in pieces; at step 2 ``w1`` has no
-    gradient, so the group runs whole (its counters stay behind: torch's per-parameter
-    ``step``), and from then on ``w1`` keeps counters of its own: whole steps."""
+def test_the_first_step_runs_whole_and_cohorts_run_in_pieces(budget):
+    """Step 0 creates the state (whole); from step 1 on the group runs in pieces, also at
+    step 2, where ``w1`` has no gradient (it keeps its counters: torch's per-parameter
+    ``step``), and at steps 3-4, where ``w1`` steps one count behind the others (a cohort
+    of its own, in pieces from its own counters). Parameters, state and counters end
+    exactly as with whole steps."""
     a, b = _matrices(), _matrices()
-    kw = dict(lr=0.02, ns_dtype=torch.float32)
+    kw = dict(lr=0.02, ns_dtype=torch.float32, momentum=lambda step: 0.9 + 0.01 * min(step, 5))
     got = mfx.TransformOptimizer(a, mfx.muon, **kw)
     ref = _whole(mfx.TransformOptimizer(b, mfx.muon, **kw))
     got.executor.auto = ref.executor.auto = False
     runs = _counting(got)
-    for i, skip in enumerate([(), (), ("w1",), ()]):
+    for i, skip in enumerate([(), (), ("w1",), (), ()]):
         _grads(a, i, skip)
         _grads(b, i, skip)
         before = len(runs)
         got.step()
         ref.step()
-        assert (len(runs) > before) == (i == 1), (i, runs)
+        assert (len(runs) > before) == (i >= 1), (i, runs)
+        assert got.records[0].own == ref.records[0].own, i
+    assert set(got.records[0].own) == {("w1",)}
     _same(a, b, got, ref)
 
 
