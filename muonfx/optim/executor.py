@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from typing import Any, Callable
 
 import torch
@@ -369,7 +370,13 @@ class Executor:
             return new_states
 
         kwargs = self.compile_kwargs or {"dynamic": True, "fullgraph": True}
-        fn = self._compiled[key] = torch.compile(step_in_place, **kwargs)
+        # a code object of its own for every compiled step (dynamo caches its graphs per
+        # code object, at most a few each: one per piece would exhaust them), named after
+        # what it runs; identical graphs (pieces of the same shapes) still share the
+        # compiler's own cache
+        code = step_in_place.__code__.replace(co_name=f"muonfx_step_{len(self._compiled)}")
+        fresh = types.FunctionType(code, step_in_place.__globals__, code.co_name, None, step_in_place.__closure__)
+        fn = self._compiled[key] = torch.compile(fresh, **kwargs)
         return fn
 
     # -- a step -----------------------------------------------------------------
@@ -437,7 +444,7 @@ class Executor:
             return None
         try:
             return fused([w.grads for w in work], [w.params for w in work], states)
-        except torch._dynamo.exc.TorchDynamoException:
+        except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit):
             # The eager step raises the transform's own error; if it succeeds instead, the
             # compiler cannot trace these groups: they stay eager.
             self._compiled[self._key(work)] = None
