@@ -257,3 +257,28 @@ def test_pieces_survive_a_checkpoint(budget):
         again.step()
     _same(a, b, got, again)
     assert math.isfinite(sum(p.sum().item() for _, p in a))
+
+
+def test_the_measured_choice_compiles_a_group_that_runs_in_pieces(budget, monkeypatch):
+    """The automatic choice times pieces eagerly and compiled; a faster compiled step is
+    kept (its graphs are the pieces', not one for the whole group)."""
+    torch._dynamo.reset()
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"}))
+    a, b = _matrices(), _matrices()
+    kw = dict(lr=0.02, ns_dtype=torch.float32)
+    opt = mfx.TransformOptimizer(a, mfx.muon, **kw)
+    ref = _whole(mfx.TransformOptimizer(b, mfx.muon, **kw))
+    ref.executor.auto = False
+    opt.executor.auto_min_elements = 0
+    ticks = iter([0.0, 1.0, 10.0, 10.5, 20.0, 21.0, 30.0, 30.5])  # eager 1 s, compiled 0.5 s
+    opt.executor._clock = lambda: next(ticks)
+    for step in range(8):
+        _grads(a, step)
+        _grads(b, step)
+        opt.step()
+        ref.step()
+    assert list(opt.executor.choices.values()) == ["compiled"]
+    graphs = [k for k, f in opt.executor._compiled.items() if f is not None]
+    assert len(graphs) > 1 and all(len(k[0][1]) < len(a) for k in graphs), graphs
+    _same(a, b, opt, ref, exact=False)

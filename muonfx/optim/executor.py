@@ -223,6 +223,8 @@ class Executor:
         #: whole step: only those are run in pieces (see :meth:`pieces`)
         self._proven: set[tuple[int, tuple]] = set()
         self._plans: dict[tuple, list | None] = {}
+        #: set when a compiled step ran (part of) its work eagerly instead
+        self._fell_back = False
         self._bytes: dict[int, int] = {}
 
     def compile(self, **kwargs: Any) -> None:
@@ -441,6 +443,7 @@ class Executor:
         nothing was written; the groups stay eager from now on)."""
         fused = self._fused(work)
         if fused is None:
+            self._fell_back = True
             return None
         try:
             return fused([w.grads for w in work], [w.params for w in work], states)
@@ -448,6 +451,7 @@ class Executor:
             # The eager step raises the transform's own error; if it succeeds instead, the
             # compiler cannot trace these groups: they stay eager.
             self._compiled[self._key(work)] = None
+            self._fell_back = True
             return None
 
     def _timed(self, fn: Callable[[], Any], work: list[GroupWork]) -> float:
@@ -481,9 +485,11 @@ class Executor:
             trial["built"] = True
             _log.info("muonfx: compiling the optimizer step of %d group(s) to measure it against eager "
                       "(opt.executor.auto = False keeps it eager)", len(work))
+            self._fell_back = False
             if not self._compiled_step(work):
                 self._eager_step(work)
-            if self._compiled.get(key) is None:  # it could not be compiled: eager for good
+                self._fell_back = True
+            if self._fell_back:  # (part of) it could not be compiled: eager for good
                 self.choices[key] = "eager"
                 del self._trials[key]
             return
