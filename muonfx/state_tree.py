@@ -26,7 +26,7 @@ from tensordict import TensorDictBase
 from .base import Key, build, key_str
 from .wrappers import InjectHyperparamsState
 
-__all__ = ["flatten_per_param", "unflatten_per_param", "restrict", "merge", "frozen_scalars", "state_tensors", "scalars_per_param",
+__all__ = ["flatten_per_param", "unflatten_per_param", "restrict", "split", "merge", "frozen_scalars", "state_tensors", "scalars_per_param",
            "with_scalars", "same_scalars", "own_scalars"]
 
 _ELIDED = ("inner_state", "inner_states")
@@ -265,6 +265,45 @@ def restrict(state: Any, keep: set) -> Any:
         return node
 
     return _rebuild(state, "", fn)
+
+
+def split(state: Any, groups: list[set]) -> list[Any]:
+    """``[restrict(state, g) for g in groups]`` in one pass over the state's TensorDicts
+    (the groups are disjoint; an entry goes to the group holding its key or a prefix of
+    it). The sub-states share ``state``'s tensors and scalars."""
+    where = {k: i for i, g in enumerate(groups) for k in g}
+    n = len(groups)
+
+    def owner(key: Key) -> int | None:
+        for i in range(len(key), 0, -1):
+            g = where.get(key[:i])
+            if g is not None:
+                return g
+        return None
+
+    def walk(node: Any) -> list[Any]:
+        if isinstance(node, TensorDictBase):
+            keys: list[list] = [[] for _ in range(n)]
+            vals: list[list] = [[] for _ in range(n)]
+            for k in _td_keys(node):
+                g = owner(k)
+                if g is not None:
+                    keys[g].append(k)
+                    vals[g].append(node.get(k))
+            return [build(ks, vs) for ks, vs in zip(keys, vals)]
+        if _is_namedtuple(node):
+            cols = [[dict(v)] * n if isinstance(node, InjectHyperparamsState) and f == "hyperparams" else walk(v)
+                    for f, v in zip(node._fields, node)]
+            return [type(node)(*(c[i] for c in cols)) for i in range(n)]
+        if isinstance(node, dict):
+            cols = {k: walk(v) for k, v in node.items()}
+            return [{k: c[i] for k, c in cols.items()} for i in range(n)]
+        if isinstance(node, (tuple, list)):
+            cols = [walk(v) for v in node]
+            return [type(node)(c[i] for c in cols) for i in range(n)]
+        return [node] * n
+
+    return walk(state)
 
 
 def frozen_scalars(state: Any) -> Any:

@@ -117,7 +117,7 @@ def test_muon_bf16_matches_torch_optim_muon_on_cuda():
 # 40 matrices of 1024x2048, bf16 Newton-Schulz): eagerly 5.25 B (the new momentum, the
 # Nesterov input, the Newton-Schulz work space and output, two links of the chain), for
 # B = 256 MiB (pieces of 32 and 8 matrices) and B = 32 MiB (10 pieces of 4) alike;
-# compiled about 1.5 B (the compiler stores in place and frees early). Before the pieces
+# compiled 1.75 B (the compiler stores in place and frees early). Before the pieces
 # the eager step held 3 P plus up to 3 B: with B = 32 MiB and P = 320 MiB, 1.1 GiB against
 # the 256 MiB bound below.
 # * 64 MiB of slack: allocator rounding and cuBLAS work space.

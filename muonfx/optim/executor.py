@@ -37,9 +37,9 @@ import torch
 from tensordict import TensorDictBase
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from ..base import Key, build, foreach, is_leafwise, key_str, tree_pairs as _tree_pairs, tree_replace as _rebuild
+from ..base import Key, build, foreach, is_leafwise, key_str, tree_pairs as _tree_pairs, tree_replace as _rebuild, tree_tensors
 from ..linalg.batching import batch_bytes
-from ..state_tree import frozen_scalars, merge, restrict, same_scalars, scalars_per_param, with_scalars
+from ..state_tree import frozen_scalars, merge, restrict, same_scalars, scalars_per_param, split, with_scalars
 from ..wrappers import inject_hyperparams
 from .groups import GroupWork, static_key as _static_key
 
@@ -102,6 +102,24 @@ def write_back(old: Any, new: Any, hazards: set[int] | None = None, pairs: list 
     if dst:
         torch._foreach_copy_(dst, src)
     return _rebuild(new, taken) if taken else new
+
+
+def _write(old: Any, new: Any, params: list[torch.Tensor], updates: list[torch.Tensor]) -> Any:
+    """Write the state ``new`` into ``old``'s buffers (:func:`write_back`) and add the
+    updates to the parameters; return the state holding ``old``'s buffers. An update
+    sharing memory with an old state buffer or a parameter is copied before either is
+    written."""
+    pairs = _tree_pairs(old, new)
+    olds = [o for o, _ in pairs if isinstance(o, torch.Tensor)]
+    addrs = _storages([*params, *olds, *updates])  # one pass: this runs for every group
+    n = len(params) + len(olds)
+    unsafe = set(addrs[:n])
+    us = []
+    for p, u, addr in zip(params, updates, addrs[n:]):
+        us.append(u.clone() if addr in unsafe and u is not p else u)
+    kept = write_back(old, new, unsafe, pairs)
+    foreach("add_", params, us)
+    return kept
 
 
 def _store(old: Any, new: Any) -> Any:
@@ -280,13 +298,17 @@ class Executor:
         w.own = _caught_up(new_own, new_state)
         return updates, new_state
 
-    def _compute(self, w: GroupWork, idx: list[int], state: Any) -> tuple[list[torch.Tensor], Any]:
+    def _compute(self, w: GroupWork, idx: list[int], state: Any, sub_state: bool = False
+                 ) -> tuple[list[torch.Tensor], Any]:
         """The updates of the parameters at positions ``idx`` of the group and the whole
-        new state (``state`` with their entries replaced)."""
+        new state (``state`` with their entries replaced); with ``sub_state``, ``state``
+        is already theirs alone (a piece's) and so is the new state returned."""
         rec = w.record
         keys_all = rec.keys
         partial = len(idx) != len(keys_all)
         keys: list[Key] = [keys_all[i] for i in idx] if partial else keys_all
+        if sub_state:
+            partial = False
         sub = restrict(state, set(keys)) if partial else state
         upd, new_sub = rec.transform(w.hp).update(build(keys, w.grads), sub, build(keys, w.params))
         if not isinstance(upd, TensorDictBase):
@@ -310,16 +332,7 @@ class Executor:
     def commit(w: GroupWork, updates: list[torch.Tensor], new_state: Any) -> None:
         """Write the new state into the old buffers and add the updates to the parameters."""
         rec = w.record
-        pairs = _tree_pairs(rec.state, new_state)
-        unsafe = set(_storages(w.params))
-        unsafe.update(_storages([o for o, _ in pairs if isinstance(o, torch.Tensor)]))
-        us = []
-        for p, u, addr in zip(w.params, updates, _storages(updates)):
-            # an update sharing memory with an old state buffer or a parameter is copied
-            # before either is written
-            us.append(u.clone() if addr in unsafe and u is not p else u)
-        rec.state = write_back(rec.state, new_state, unsafe, pairs)
-        foreach("add_", w.params, us)
+        rec.state = _write(rec.state, new_state, w.params, updates)
         rec.stepped = True
         if w.own is not None:
             rec.own = w.own
@@ -346,17 +359,17 @@ class Executor:
     def _key(work: list[GroupWork]) -> tuple:
         return tuple((id(w.record), tuple(w.idx), _static_key(w.hp)) for w in work)
 
-    def _fused(self, work: list[GroupWork]) -> Callable[..., Any] | None:
+    def _fused(self, work: list[GroupWork], sub_state: bool = False) -> Callable[..., Any] | None:
         """The compiled whole step for these groups, their present parameters and static
         hyperparameters (built and compiled once, then cached; None where it could not be
-        traced)."""
-        key = self._key(work)
+        traced). With ``sub_state`` (a piece) the states it takes are theirs alone."""
+        key = ("piece",) + self._key(work) if sub_state else self._key(work)
         if key in self._compiled:
             return self._compiled[key]
         plans = []
         for w in work:
             rec = w.record
-            partial = len(w.idx) != len(rec.keys)
+            partial = len(w.idx) != len(rec.keys) and not sub_state
             keys = [rec.keys[i] for i in w.idx]
             # traced from the plain factory: the graph rebuilds nothing at run time
             plans.append((inject_hyperparams(rec.factory)(**w.hp), keys, partial))
@@ -422,26 +435,25 @@ class Executor:
         for w, r in zip(work, runs):
             if r is None:
                 continue
-            ctx = _PieceStep(w)
+            ctx = _PieceStep(w, r)
             eager = False
-            for tag, pieces in r:
-                for piece in pieces:
-                    pw = self._piece(w, piece)
-                    if not eager:
-                        new = self._run_fused([pw], [ctx.start(tag)])
-                        if new is not None:
-                            ctx.written(pw, tag, new[0])
-                            continue
-                        eager = True  # this graph cannot be built: this piece on, eagerly
-                    self._eager_piece(ctx, pw, tag, self._compute(pw, pw.idx, ctx.start(tag)))
+            for n, (tag, pw) in enumerate(ctx.pieces):
+                start = ctx.start(n)
+                if not eager:
+                    new = self._run_fused([pw], [start], sub_state=True)
+                    if new is not None:
+                        ctx.written(n, new[0])
+                        continue
+                    eager = True  # this graph cannot be built: this piece on, eagerly
+                self._eager_piece(ctx, n, self._compute(pw, pw.idx, start, sub_state=True))
             ctx.finish()
         return True
 
-    def _run_fused(self, work: list[GroupWork], states: list[Any]) -> list[Any] | None:
+    def _run_fused(self, work: list[GroupWork], states: list[Any], sub_state: bool = False) -> list[Any] | None:
         """Run the compiled step of ``work`` from ``states``; the new states, or None where
         the graph could not be built (raised while tracing or compiling, before it ran:
         nothing was written; the groups stay eager from now on)."""
-        fused = self._fused(work)
+        fused = self._fused(work, sub_state)
         if fused is None:
             self._fell_back = True
             return None
@@ -450,7 +462,7 @@ class Executor:
         except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit):
             # The eager step raises the transform's own error; if it succeeds instead, the
             # compiler cannot trace these groups: they stay eager.
-            self._compiled[self._key(work)] = None
+            self._compiled[("piece",) + self._key(work) if sub_state else self._key(work)] = None
             self._fell_back = True
             return None
 
@@ -522,39 +534,41 @@ class Executor:
             if large:
                 self._prove(large)
             return
-        ctxs = [None if r is None else _PieceStep(w) for w, r in zip(work, runs)]
-        heads: list[tuple] = []  # (piece step or None: whole, cohort tag, work of the head)
-        for w, r, ctx in zip(work, runs, ctxs):
-            if r is None:
-                heads.append((None, None, w))
+        ctxs = [None if r is None else _PieceStep(w, r) for w, r in zip(work, runs)]
+        heads: list[tuple] = []  # (piece step or None: whole, number of the piece, its work)
+        for w, ctx in zip(work, ctxs):
+            if ctx is None:
+                heads.append((None, 0, w))
             else:
-                heads.extend((ctx, tag, self._piece(w, pieces[0])) for tag, pieces in r)
-        results: list[Any] = [self.compute(h) if ctx is None else self._compute(h, h.idx, ctx.start(tag))
-                              for ctx, tag, h in heads]
-        for i, (ctx, tag, h) in enumerate(heads):
+                heads.extend((ctx, n, ctx.pieces[n][1]) for n in ctx.heads)
+        results: list[Any] = [self.compute(h) if ctx is None else self._compute(h, h.idx, ctx.start(n), sub_state=True)
+                              for ctx, n, h in heads]
+        for i, (ctx, n, h) in enumerate(heads):
             result, results[i] = results[i], None  # once written, let the new tensors go
             if ctx is None:
                 with torch.no_grad():
                     self.commit(h, *result)
             else:
-                self._eager_piece(ctx, h, tag, result)
+                self._eager_piece(ctx, n, result)
             del result
-        for w, r, ctx in zip(work, runs, ctxs):
-            if r is None:
+        for ctx in ctxs:
+            if ctx is None:
                 continue
-            for tag, pieces in r:
-                for piece in pieces[1:]:
-                    pw = self._piece(w, piece)
-                    self._eager_piece(ctx, pw, tag, self._compute(pw, pw.idx, ctx.start(tag)))
+            for n, (tag, pw) in enumerate(ctx.pieces):
+                if n not in ctx.heads:
+                    self._eager_piece(ctx, n, self._compute(pw, pw.idx, ctx.start(n), sub_state=True))
             ctx.finish()
         self._prove([w for w, r in zip(work, runs) if r is None and any(w is x for x in large)])
 
-    def _eager_piece(self, ctx: "_PieceStep", pw: GroupWork, tag: Any, result: tuple[list[torch.Tensor], Any]) -> None:
-        """Write one computed piece (its tensors; the counters when the step ends)."""
-        updates, new_state = result
-        ctx.note(pw, tag, new_state)
+    def _eager_piece(self, ctx: "_PieceStep", n: int, result: tuple[list[torch.Tensor], Any]) -> None:
+        """Write one computed piece: its state into its buffers, its updates into its
+        parameters (the counters are written when the step ends)."""
+        updates, new_sub = result
+        pw = ctx.pieces[n][1]
         with torch.no_grad():
-            self.commit(pw, updates, merge(pw.record.state, new_state, scalars=False))
+            # the piece's state holds the group's buffers: this writes them in place
+            kept = _write(ctx.subs[n], new_sub, pw.params, updates)
+        ctx.written(n, kept)
 
     # -- pieces -----------------------------------------------------------------
 
@@ -652,57 +666,69 @@ class Executor:
 
 
 class _PieceStep:
-    """The bookkeeping of one group's step in pieces: where each cohort starts, and the
-    counters it ends with (written once every piece is)."""
+    """One group's step in pieces: the pieces (cohort tag and work, the group's cohort
+    first), their sub-states (split from the group's state in one pass: they hold the
+    group's buffers, so a piece written in place is written in the group's state), where
+    each cohort starts, and the counters the step ends with (written by :meth:`finish`)."""
 
-    def __init__(self, w: GroupWork) -> None:
+    def __init__(self, w: GroupWork, runs: list[tuple[Any, list[list[int]]]]) -> None:
         rec = w.record
         self.w = w
         self.state0 = rec.current_state(w.hp)
-        self.cohorts = _cohort_positions(w)
-        self.own = _idle_counters(w, self.state0, self.cohorts)
-        self.frozen: dict[Any, Any] = {}
+        self.pieces = [(tag, Executor._piece(w, piece)) for tag, pieces in runs for piece in pieces]
+        #: the first piece of every cohort: computed before anything is written
+        self.heads = [sum(len(p) for _, p in runs[:c]) for c in range(len(runs))]
+        self.subs = split(self.state0, [{rec.keys[i] for i in pw.idx} for _, pw in self.pieces])
+        self.own = _idle_counters(w, self.state0, _cohort_positions(w)) if rec.own or len(w.idx) != len(rec.keys) \
+            else {}
         self.group_scalars: Any = None
+        self.replaced: list[Any] = []
 
-    def start(self, tag: Any) -> Any:
-        """The state a piece of cohort ``tag`` starts from: the buffers as they are now,
-        the cohort's counters as they were when the step began."""
-        if tag not in self.frozen:
-            rec = self.w.record
-            base = self.state0 if tag is None else with_scalars(self.state0, rec.own[self._first_key(tag)])
-            self.frozen[tag] = frozen_scalars(base)
-        return merge(self.w.record.current_state(self.w.hp), self.frozen[tag])
+    def start(self, n: int) -> Any:
+        """The sub-state piece ``n`` starts from: its buffers, and its cohort's counters
+        as they were when the step began."""
+        tag, pw = self.pieces[n]
+        sub = self.subs[n]
+        if tag is None:
+            return sub
+        return with_scalars(sub, self.w.record.own[pw.record.keys[pw.idx[0]]])
 
-    def _first_key(self, tag: Any) -> Key:
-        rec = self.w.record
-        return rec.keys[self.w.idx[self.cohorts[tag][0]]]
-
-    def note(self, pw: GroupWork, tag: Any, new_state: Any) -> None:
-        """Keep the counters a piece of cohort ``tag`` advanced to."""
+    def written(self, n: int, new_sub: Any) -> None:
+        """Piece ``n`` wrote its state (``new_sub``: its buffers, its advanced counters)."""
+        tag, pw = self.pieces[n]
+        old = list(tree_tensors(self.subs[n]))
+        new = list(tree_tensors(new_sub))
+        if len(old) != len(new) or any(a is not b for a, b in zip(old, new)):
+            self.replaced.append(new_sub)  # a tensor the commit could not write in place
         if tag is None:
             if self.group_scalars is None:
-                self.group_scalars = frozen_scalars(new_state)
+                self.group_scalars = frozen_scalars(new_sub)
         else:
-            self.own.update(scalars_per_param(new_state, [pw.record.keys[i] for i in pw.idx]))
-
-    def written(self, pw: GroupWork, tag: Any, new_state: Any) -> None:
-        """A compiled piece wrote its tensors in place: keep the group's counters."""
-        self.note(pw, tag, new_state)
-        pw.record.state = merge(pw.record.state, new_state, scalars=False)
+            self.own.update(scalars_per_param(new_sub, [pw.record.keys[i] for i in pw.idx]))
         pw.record.stepped = True
 
     def finish(self) -> None:
-        """Every piece is written: the group's counters and the parameters' own."""
+        """Every piece is written: the group's counters, the parameters' own, and any
+        tensor that was replaced rather than written in place."""
         rec = self.w.record
+        state = rec.state
+        for sub in self.replaced:
+            state = merge(state, sub, scalars=False)
         if self.group_scalars is not None:
-            rec.state = merge(rec.state, self.group_scalars)
-        rec.own = _caught_up(self.own, rec.state)
+            state = merge(state, self.group_scalars)
+        rec.state = state
+        rec.own = _caught_up(self.own, state)
 
 
 def _plan_pieces(params: list[torch.Tensor], budget: int, whole: bool = False) -> list[list[int]] | None:
-    """Positions of ``params`` in pieces of at most ``budget`` bytes (same shape and dtype
-    together, in order of first appearance; one larger parameter alone); None when a
-    parameter is a DTensor, or (unless ``whole``) when one piece would hold them all."""
+    """Positions of ``params`` in pieces of at most ``budget`` bytes; None when a
+    parameter is a DTensor, or (unless ``whole``) when one piece would hold them all.
+
+    Same shape and dtype go together, in order of first appearance, so that a compiled
+    step has few distinct pieces (one graph each) and Newton-Schulz batches stay full:
+    a shape holding at least a quarter of the budget is cut into pieces of its own (a
+    parameter larger than the budget alone); the smaller shapes share pieces.
+    """
     if any(type(p).__name__ == "DTensor" for p in params):
         return None
     sizes = [p.numel() * p.element_size() for p in params]
@@ -712,15 +738,27 @@ def _plan_pieces(params: list[torch.Tensor], budget: int, whole: bool = False) -
     for j, p in enumerate(params):
         kinds.setdefault((tuple(p.shape), p.dtype), []).append(j)
     pieces: list[list[int]] = []
+    small: list[int] = []
+    for js in kinds.values():
+        if sum(sizes[j] for j in js) < budget // 4:
+            small.extend(js)
+        else:
+            pieces.extend(_pack(js, sizes, budget))
+    pieces.extend(_pack(small, sizes, budget))
+    return pieces if whole or len(pieces) > 1 else None
+
+
+def _pack(js: list[int], sizes: list[int], budget: int) -> list[list[int]]:
+    """``js`` in order, cut into runs of at most ``budget`` bytes (a larger one alone)."""
+    out: list[list[int]] = []
     cur: list[int] = []
     room = budget
-    for js in kinds.values():
-        for j in js:
-            if cur and sizes[j] > room:
-                pieces.append(cur)
-                cur, room = [], budget
-            cur.append(j)
-            room -= sizes[j]
+    for j in js:
+        if cur and sizes[j] > room:
+            out.append(cur)
+            cur, room = [], budget
+        cur.append(j)
+        room -= sizes[j]
     if cur:
-        pieces.append(cur)
-    return pieces if whole or len(pieces) > 1 else None
+        out.append(cur)
+    return out
