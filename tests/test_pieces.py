@@ -229,10 +229,12 @@ def test_compiled_pieces_match_eager_and_bound_the_graphs_memory(budget):
         _grads(b, step)
         comp.step()
         ref.step()
-    # one graph per distinct piece (the pieces of same-shape matrices share one), none whole
-    # after the first (eager) step
+    # the first compiled step ran one graph and measured it (aot_eager fuses nothing: it
+    # holds the whole chain), so later steps run one graph per piece
+    assert list(comp.executor._compiled_mode.values()) == ["pieces"]
     graphs = [k for k, f in comp.executor._compiled.items() if f is not None]
-    assert graphs and all(k[0] == "piece" and len(k[1][1]) < len(shapes) for k in graphs), graphs
+    pieces = [k for k in graphs if k[0] == "piece"]
+    assert len(graphs) == len(pieces) + 1 and all(len(k[1][1]) < len(shapes) for k in pieces), graphs
     _same(a, b, comp, ref, exact=False)
 
 
@@ -273,12 +275,35 @@ def test_the_measured_choice_compiles_a_group_that_runs_in_pieces(budget, monkey
     opt.executor.auto_min_elements = 0
     ticks = iter([0.0, 1.0, 10.0, 10.5, 20.0, 21.0, 30.0, 30.5])  # eager 1 s, compiled 0.5 s
     opt.executor._clock = lambda: next(ticks)
+    # steps: 0 creates the state, 1 eager timed, 2 builds the one graph and measures its
+    # memory (too much: pieces), 3 builds the pieces' graphs, 4-7 C, E, C (timed): chosen
     for step in range(8):
         _grads(a, step)
         _grads(b, step)
         opt.step()
         ref.step()
     assert list(opt.executor.choices.values()) == ["compiled"]
-    graphs = [k for k, f in opt.executor._compiled.items() if f is not None]
-    assert len(graphs) > 1 and all(k[0] == "piece" and len(k[1][1]) < len(a) for k in graphs), graphs
+    assert list(opt.executor._compiled_mode.values()) == ["pieces"]
+    pieces = [k for k, f in opt.executor._compiled.items() if f is not None and k[0] == "piece"]
+    assert len(pieces) > 1 and all(len(k[1][1]) < len(a) for k in pieces), pieces
     _same(a, b, opt, ref, exact=False)
+
+
+def test_a_compiled_step_that_stores_in_place_stays_one_graph(budget):
+    """Inductor compiles AdamW's whole step into in-place loops: the measured first
+    compiled step holds (almost) nothing, so it stays one graph (pieces would only cost
+    a graph and a call each)."""
+    torch._dynamo.reset()
+    a, b = _named(), _named()
+    comp = mfx.TransformOptimizer(a, mfx.adamw, lr=1e-2, weight_decay=0.1).compile()
+    ref = mfx.TransformOptimizer(b, mfx.adamw, lr=1e-2, weight_decay=0.1)
+    ref.executor.auto = False
+    for step in range(4):
+        _grads(a, step)
+        _grads(b, step)
+        comp.step()
+        ref.step()
+    assert list(comp.executor._compiled_mode.values()) == ["whole"]
+    assert not [k for k, f in comp.executor._compiled.items() if f is not None and k[0] == "piece"]
+    for (n, x), (_, y) in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
