@@ -61,7 +61,9 @@ def settle(opt) -> str:
     ex = getattr(opt, "executor", None)
     if ex is None:
         return ""
-    for _ in range(2 * ex.auto_rounds + 2):  # the first step, E, build, then C/E rounds
+    # the first step, E, one or two build steps, then C/E rounds; a step below the
+    # measuring threshold makes no choice (eager)
+    for _ in range(2 * ex.auto_rounds + 4):
         if ex.choices or ex.compile_kwargs is not None or not ex.auto:
             break
         opt.step()
