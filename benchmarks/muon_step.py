@@ -4,6 +4,7 @@
     python benchmarks/muon_step.py --layers 12      # the full GPT-2 small set (slow on CPU)
     python benchmarks/muon_step.py --device cuda --sets llama1b,moe32   # the GPU sets, full size
     python benchmarks/muon_step.py --sets llama1b,moe32 --layers 1 --shrink 8   # their shape, on a CPU
+    python benchmarks/muon_step.py --variants default  # only the default row next to torch
 
 Matrix sets (one parameter per matrix for torch; torch.optim.Muon takes 2-D only):
 
@@ -86,7 +87,8 @@ def distinct_variants(device: torch.device) -> dict[str, dict]:
     return out
 
 
-def run(kind: str, layers: int | None, shrink: int, device: torch.device, repeats: int, warmup: int) -> list:
+def run(kind: str, layers: int | None, shrink: int, device: torch.device, repeats: int, warmup: int,
+        only: list[str] | None = None) -> list:
     shapes = matrices(kind, layers, shrink)
     gen = torch.Generator().manual_seed(0)
     grads = {k: torch.randn(*s, generator=gen).to(device) for k, s in shapes.items()}
@@ -99,6 +101,8 @@ def run(kind: str, layers: int | None, shrink: int, device: torch.device, repeat
             q.grad = g
             torch_params.append(q)
     variants = distinct_variants(device)
+    if only:
+        variants = {k: v for k, v in variants.items() if k.removeprefix("muonfx ") in only}
     opts = {}
     for name, kw in variants.items():
         copies = [(k, torch.nn.Parameter(p.clone())) for k, p in init.items()]
@@ -127,7 +131,15 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated muonfx rows to run, from: " + ", ".join(k.removeprefix("muonfx ") for k in VARIANTS)
+                         + " (default: every row that computes differently on the device)")
     args = ap.parse_args(argv)
+    only = None if args.variants is None else [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in only or () if f"muonfx {v}" not in VARIANTS]
+    if bad:
+        raise SystemExit(f"muon_step.py: unknown variants {bad}; choose from "
+                         + ", ".join(k.removeprefix("muonfx ") for k in VARIANTS))
     if args.shrink < 1:
         raise SystemExit("muon_step.py: --shrink must be at least 1")
     device = torch.device(args.device)
@@ -136,7 +148,7 @@ def main(argv=None) -> None:
         matrices(k)  # unknown names fail before anything runs
     rows = []
     for k in kinds:
-        rows += run(k, args.layers, args.shrink, device, args.repeats, args.warmup)
+        rows += run(k, args.layers, args.shrink, device, args.repeats, args.warmup, only)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(f"\nMuon step, muonfx vs torch.optim.Muon ({_common.machine()})")
