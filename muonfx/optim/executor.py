@@ -505,18 +505,13 @@ class Executor:
         through one graph per piece, each piece computed and written before the next, so
         the graph's buffers are bounded by the piece. If a piece's graph cannot be built,
         that piece and the rest run eagerly (nothing is run twice)."""
-        runs, large = self._all_runs(work)
+        runs, _ = self._all_runs(work)
         whole = work if runs is None else [w for w, r in zip(work, runs) if r is None]
-        if whole:
-            new_states = self._run_fused(whole, [w.record.current_state(w.hp) for w in whole])
-            if new_states is None:
-                if len(whole) == len(work):
-                    return False
-                self._eager_step(work)  # nothing of this step has been written yet
-                return True
-            for w, st in zip(whole, new_states):
-                w.record.state = st
-            self._prove([w for w in whole if any(w is x for x in large)])
+        if whole and not self._compiled_whole(whole):
+            if len(whole) == len(work):
+                return False
+            self._eager_step(work)  # nothing of this step has been written yet
+            return True
         if runs is None:
             return True
         for w, r in zip(work, runs):
