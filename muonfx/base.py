@@ -16,7 +16,7 @@ tensordict.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -312,25 +312,27 @@ def tree_tensors(node: Any) -> list[torch.Tensor]:
     return [t for _, t in tree_pairs(None, node)]
 
 
-def tree_replace(tree: Any, by_id: dict[int, torch.Tensor]) -> Any:
-    """``tree`` with each tensor ``t`` replaced by ``by_id[id(t)]`` where present (new
-    containers; the tensors not named stay as they are)."""
+def tree_replace(tree: Any, by_id: dict[int, torch.Tensor] | None = None,
+                 fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+    """``tree`` with each tensor ``t`` replaced by ``by_id[id(t)]`` where present, or by
+    ``fn(t)`` when ``fn`` is given (visited in :func:`tree_pairs`'s order); new
+    containers, the tensors not replaced stay as they are."""
     if isinstance(tree, TensorDictBase):
         keys, vals = [], []
         for k, v in tree.items(include_nested=True, leaves_only=True):
             keys.append((k,) if type(k) is str else tuple(k))
-            vals.append(by_id.get(id(v), v))
+            vals.append(fn(v) if fn is not None else by_id.get(id(v), v))
         return build(keys, vals)
     if isinstance(tree, torch.Tensor):
-        return by_id.get(id(tree), tree)
+        return fn(tree) if fn is not None else by_id.get(id(tree), tree)
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
         if len(tree) == 0:
             return tree
-        return type(tree)(*[tree_replace(v, by_id) if isinstance(v, _TREE) and not (isinstance(v, tuple) and len(v) == 0) else v for v in tree])
+        return type(tree)(*[tree_replace(v, by_id, fn) if isinstance(v, _TREE) and not (isinstance(v, tuple) and len(v) == 0) else v for v in tree])
     if isinstance(tree, dict):
-        return {k: tree_replace(v, by_id) if isinstance(v, _TREE) and not (isinstance(v, tuple) and len(v) == 0) else v for k, v in tree.items()}
+        return {k: tree_replace(v, by_id, fn) if isinstance(v, _TREE) and not (isinstance(v, tuple) and len(v) == 0) else v for k, v in tree.items()}
     if isinstance(tree, (tuple, list)):
-        return type(tree)([tree_replace(v, by_id) if isinstance(v, _TREE) and not (isinstance(v, tuple) and len(v) == 0) else v for v in tree])
+        return type(tree)([tree_replace(v, by_id, fn) if isinstance(v, _TREE) and not (isinstance(v, tuple) and len(v) == 0) else v for v in tree])
     return tree
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tensordict import TensorDictBase
 
@@ -34,3 +35,13 @@ def flatten_state(obj, prefix=""):
             yield from flatten_state(v, f"{prefix}[{i}]")
     elif not callable(obj):
         yield prefix, obj
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread():
+    """Tiny tensors: one intra-op thread is fastest, and stays fast on a loaded runner
+    (import it into a test module to apply it there)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)

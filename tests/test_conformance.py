@@ -20,13 +20,7 @@ from muonfx.testing import LAWS, ConformanceError, check_transform, params_and_g
 FAST = dict(max_examples=5, derandomize=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """Tiny tensors: one intra-op thread is fastest, and stays fast on a loaded runner."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+from helpers import one_intra_op_thread  # noqa: E402,F401  (autouse: one thread in this module)
 
 
 # ---------------------------------------------------------------------------

@@ -10,11 +10,10 @@ is not. Kept fast: tiny trees, a few hypothesis examples, derandomized.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 import torch
-from hypothesis import strategies as st
 from tensordict import TensorDict
 
 import muonfx as mfx
@@ -28,12 +27,7 @@ from muonfx.testing import ConformanceError, check_transform, params_and_grads
 FAST = dict(max_examples=5, derandomize=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+from helpers import one_intra_op_thread  # noqa: E402,F401  (autouse: one thread in this module)
 
 
 # ---------------------------------------------------------------------------

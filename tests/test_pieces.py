@@ -38,6 +38,14 @@ def _grads(named, step, skip=()):
         p.grad = None if k in skip else g
 
 
+def _steps(pairs, steps, first=0):
+    """Step every ``(named, opt)`` of ``pairs`` ``steps`` times on the same gradients."""
+    for step in range(first, first + steps):
+        for named, opt in pairs:
+            _grads(named, step)
+            opt.step()
+
+
 def _whole(opt):
     """The same optimizer with pieces turned off (the reference)."""
     opt.executor._all_runs = lambda work: (None, [])
@@ -67,11 +75,7 @@ def test_pieces_compute_what_the_whole_step_computes(budget, factory, kw):
     ref = _whole(mfx.TransformOptimizer(b, factory, **kw))
     for o in (got, ref):
         o.executor.auto = False
-    for step in range(5):
-        _grads(a, step)
-        _grads(b, step)
-        got.step()
-        ref.step()
+    _steps([(a, got), (b, ref)], 5)
     _grads(a, 5)
     plan = got.executor.pieces(_work(got))
     assert plan is not None and len(plan) >= len(shapes) - 2, plan  # about one matrix a piece
@@ -224,11 +228,7 @@ def test_compiled_pieces_match_eager_and_bound_the_graphs_memory(budget):
     comp = mfx.TransformOptimizer(a, mfx.muon, **kw).compile(backend="aot_eager")
     ref = _whole(mfx.TransformOptimizer(b, mfx.muon, **kw))
     ref.executor.auto = False
-    for step in range(4):
-        _grads(a, step)
-        _grads(b, step)
-        comp.step()
-        ref.step()
+    _steps([(a, comp), (b, ref)], 4)
     # the first compiled step ran one graph and measured it (aot_eager fuses nothing: it
     # holds the whole chain), so later steps run one graph per piece
     assert list(comp.executor._compiled_mode.values()) == ["pieces"]
@@ -252,11 +252,7 @@ def test_pieces_survive_a_checkpoint(budget):
     again = mfx.TransformOptimizer(b, mfx.muon, **kw)
     again.executor.auto = False
     again.load_state_dict(sd)
-    for step in range(3, 6):
-        _grads(a, step)
-        _grads(b, step)
-        got.step()
-        again.step()
+    _steps([(a, got), (b, again)], 3, first=3)
     _same(a, b, got, again)
     assert math.isfinite(sum(p.sum().item() for _, p in a))
 
@@ -277,11 +273,7 @@ def test_the_measured_choice_compiles_a_group_that_runs_in_pieces(budget, monkey
     opt.executor._clock = lambda: next(ticks)
     # steps: 0 creates the state, 1 eager timed, 2 builds the one graph and measures its
     # memory (too much: pieces), 3 builds the pieces' graphs, 4-7 C, E, C (timed): chosen
-    for step in range(8):
-        _grads(a, step)
-        _grads(b, step)
-        opt.step()
-        ref.step()
+    _steps([(a, opt), (b, ref)], 8)
     assert list(opt.executor.choices.values()) == ["compiled"]
     assert list(opt.executor._compiled_mode.values()) == ["pieces"]
     pieces = [k for k, f in opt.executor._compiled.items() if f is not None and k[0] == "piece"]
@@ -298,11 +290,7 @@ def test_a_compiled_step_that_stores_in_place_stays_one_graph(budget):
     comp = mfx.TransformOptimizer(a, mfx.adamw, lr=1e-2, weight_decay=0.1).compile()
     ref = mfx.TransformOptimizer(b, mfx.adamw, lr=1e-2, weight_decay=0.1)
     ref.executor.auto = False
-    for step in range(4):
-        _grads(a, step)
-        _grads(b, step)
-        comp.step()
-        ref.step()
+    _steps([(a, comp), (b, ref)], 4)
     assert list(comp.executor._compiled_mode.values()) == ["whole"]
     assert not [k for k, f in comp.executor._compiled.items() if f is not None and k[0] == "piece"]
     for (n, x), (_, y) in zip(a, b):

@@ -170,19 +170,22 @@ def _store(old: Any, new: Any) -> Any:
     functionalization orders the reads before the writes); return the state holding
     ``old``'s buffers."""
     pairs = _tree_pairs(old, new)
-    taken: dict[int, torch.Tensor] = {}
+    kept: list[torch.Tensor] = []  # what the state holds, in the pairs' order
     dst, src = [], []
     for o, n in pairs:
-        if n is o:
-            continue
-        if (isinstance(o, torch.Tensor) and o.shape == n.shape and o.dtype == n.dtype
-                and o.device == n.device and type(o) is type(n)):
+        if n is not o and (isinstance(o, torch.Tensor) and o.shape == n.shape and o.dtype == n.dtype
+                           and o.device == n.device and type(o) is type(n)):
             dst.append(o)
             src.append(n)
-            taken[id(n)] = o
-    if dst:
-        torch._foreach_copy_(dst, src)
-    return _rebuild(new, taken) if taken else new
+            kept.append(o)
+        else:
+            kept.append(n)
+    if not dst:
+        return new
+    torch._foreach_copy_(dst, src)
+    # by position, not by id(): torch 2.10's dynamo cannot trace id() of a tensor
+    it = iter(kept)
+    return _rebuild(new, fn=lambda _: next(it))
 
 
 def _cohort_positions(w: GroupWork) -> dict[Any, list[int]]:

@@ -6,7 +6,6 @@ import math
 from typing import NamedTuple
 
 from ..base import EmptyState, GradientTransformation, LeafwiseTransformation, build, foreach, leaves
-from ..hyperparams import check
 from ..schedules import ScalarOrSchedule, evaluate
 from ._matrix import matrix_shapes
 
