@@ -387,7 +387,7 @@ def _auto_pair(times=None):
 
 
 def _readings(eager_s, compiled_s):
-    """Clock readings for the trial's timed steps, in their order: E, C, E, C."""
+    """Clock readings for the trial's timed steps, in their order: E, C, E, C, E, C."""
     out, t = [], 0.0
     for e, c in zip(eager_s, compiled_s):
         out += [t, t + e, t + 10, t + 10 + c]
@@ -396,26 +396,26 @@ def _readings(eager_s, compiled_s):
 
 
 @pytest.mark.parametrize("eager_s,compiled_s,expected", [
-    ((1.0, 1.0), (0.5, 0.5), "compiled"),
-    ((1.0, 1.0), (0.97, 0.96), "eager"),  # within the 5 % margin
+    ((1.0, 1.0, 1.0), (0.5, 0.5, 0.5), "compiled"),
+    ((1.0, 1.0, 1.0), (0.99, 0.98, 0.985), "eager"),  # within the 3 % margin
     # one slow sample each (a freshly compiled graph's first run, another process): the
     # fastest of each decides; a single-sample choice would have kept eager
-    ((1.0, 1.25), (1.2, 0.8), "compiled"),
-    ((1.3, 1.0), (1.0, 0.98), "eager"),  # a slow first eager step alone would pick compiled
+    ((1.0, 1.25, 1.2), (1.2, 0.8, 1.3), "compiled"),
+    ((1.3, 1.0, 1.2), (1.0, 0.99, 1.1), "eager"),  # a slow first eager step alone would pick compiled
 ])
 def test_auto_keeps_the_faster_step_and_trains_like_eager(eager_s, compiled_s, expected, monkeypatch):
     torch._dynamo.reset()
     monkeypatch.setattr(torch, "compile", _aot_eager_compile)
     named, ref, opt, eager = _auto_pair(_readings(eager_s, compiled_s))
-    # steps: 1 creates the state (eager), 2 eager timed, 3 compiles, 4 compiled timed,
-    # 5 eager timed, 6 compiled timed: the choice is made
-    for step in range(5):
+    # steps: 1 creates the state (eager), 2 eager timed, 3 compiles, then compiled and
+    # eager timed in turn: 4 C, 5 E, 6 C, 7 E, 8 C: the choice is made
+    for step in range(7):
         _grads(named, step)
         _grads(ref, step)
         opt.step()
         eager.step()
     assert opt.executor.choices == {}
-    for step in range(5, 8):
+    for step in range(7, 10):
         _grads(named, step)
         _grads(ref, step)
         opt.step()

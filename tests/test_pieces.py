@@ -269,11 +269,12 @@ def test_the_measured_choice_compiles_a_group_that_runs_in_pieces(budget, monkey
     ref = _whole(mfx.TransformOptimizer(b, mfx.muon, **kw))
     ref.executor.auto = False
     opt.executor.auto_min_elements = 0
-    ticks = iter([0.0, 1.0, 10.0, 10.5, 20.0, 21.0, 30.0, 30.5])  # eager 1 s, compiled 0.5 s
+    ticks = iter([0.0, 1.0, 10.0, 10.5, 20.0, 21.0, 30.0, 30.5, 40.0, 41.0, 50.0, 50.5])  # eager 1 s, compiled 0.5 s
     opt.executor._clock = lambda: next(ticks)
     # steps: 0 creates the state, 1 eager timed, 2 builds the one graph and measures its
-    # memory (too much: pieces), 3 builds the pieces' graphs, 4-7 C, E, C (timed): chosen
-    _steps([(a, opt), (b, ref)], 8)
+    # memory (too much: pieces), 3 builds the pieces' graphs, 4-8 C, E, C, E, C (timed):
+    # chosen
+    _steps([(a, opt), (b, ref)], 9)
     assert list(opt.executor.choices.values()) == ["compiled"]
     assert list(opt.executor._compiled_mode.values()) == ["pieces"]
     pieces = [k for k, f in opt.executor._compiled.items() if f is not None and k[0] == "piece"]

@@ -269,9 +269,9 @@ class Executor:
     #: GPT-2 small's AdamW on 2 CPU cores) pays for itself within a few hundred steps
     auto_min_elements: int = 1 << 24
     #: eager and compiled steps timed (alternately) before the automatic choice
-    auto_rounds: int = 2
+    auto_rounds: int = 3
     #: the compiled step is kept when its fastest time is below this fraction of eager's
-    auto_margin: float = 0.95
+    auto_margin: float = 0.97
 
     def __init__(self) -> None:
         self.compile_kwargs: dict[str, Any] | None = None
