@@ -105,10 +105,15 @@ class AllocatorPeak:
 
     @staticmethod
     def available() -> bool:
-        return bool(torch.autograd.kineto_available())
+        """Kineto is there and no profiler is running (a second profiling session would
+        end the running one: the user's profile would be lost)."""
+        return bool(torch.autograd.kineto_available()) and not torch.autograd._profiler_enabled()
 
     def __enter__(self) -> "AllocatorPeak":
         from torch.profiler import ProfilerActivity, profile
+
+        if torch.autograd._profiler_enabled():
+            raise RuntimeError("AllocatorPeak: a profiler is already running; its session would be ended")
 
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         self._prof.__enter__()
@@ -132,7 +137,8 @@ def step_memory(step: Callable[[], object], device: torch.device) -> int:
     the optimizer's state (and, for the executor's automatic choice, after it has
     chosen: the figure is that of the path the step runs). CUDA:
     ``torch.cuda.max_memory_allocated``; CPU: :class:`AllocatorPeak` (or, without the
-    Kineto profiler, :class:`FreshMemory`, which sees the eager path only)."""
+    Kineto profiler or while another profiler runs, :class:`FreshMemory`, which sees the
+    eager path only)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

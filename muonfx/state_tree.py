@@ -246,31 +246,20 @@ def unflatten_per_param(template: Any, keys: list[Key], flat: dict[Key, dict[str
     return _rebuild(template, "", fn, elide)
 
 
-def _owned(key: Key, keep: set) -> bool:
-    """Whether the state entry ``key`` belongs to a parameter in ``keep``: its own key, or
-    a key under it (:func:`muonfx.blockwise` keeps its blocks' state at ``(*key, "block<i>")``)."""
-    return any(key[:i] in keep for i in range(len(key), 0, -1))
-
-
 def restrict(state: Any, keep: set) -> Any:
     """The sub-state of the parameters in ``keep`` (TensorDicts filtered; scalars kept).
 
-    A TensorDict entry is kept when its key, or a prefix of it, is in ``keep``.
+    A TensorDict entry is kept when its key, or a prefix of it, is in ``keep``
+    (:func:`muonfx.blockwise` keeps its blocks' state at ``(*key, "block<i>")``).
     """
-
-    def fn(path: str, node: Any) -> Any:
-        if isinstance(node, TensorDictBase):
-            ks = [k for k in _td_keys(node) if _owned(k, keep)]
-            return build(ks, [node.get(k) for k in ks])
-        return node
-
-    return _rebuild(state, "", fn)
+    return split(state, [keep])[0]
 
 
 def split(state: Any, groups: list[set]) -> list[Any]:
-    """``[restrict(state, g) for g in groups]`` in one pass over the state's TensorDicts
-    (the groups are disjoint; an entry goes to the group holding its key or a prefix of
-    it). The sub-states share ``state``'s tensors and scalars."""
+    """The sub-states of several disjoint sets of parameters, in one pass over the
+    state's TensorDicts: ``split(state, gs)[i]`` is :func:`restrict` ``(state, gs[i])``
+    (an entry goes to the set holding its key, or a prefix of it). The sub-states share
+    ``state``'s tensors and scalars."""
     where = {k: i for i, g in enumerate(groups) for k in g}
     n = len(groups)
 

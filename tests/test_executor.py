@@ -449,12 +449,17 @@ def test_auto_stays_eager_below_the_threshold_and_when_turned_off():
     assert opt.executor.choices == {} and opt.executor._compiled == {}
 
 
-def test_auto_falls_back_to_eager_when_compiling_fails(monkeypatch):
+@pytest.mark.parametrize("error", [
+    torch._dynamo.exc.TorchDynamoException("backend failed: no C++ compiler"),
+    # dynamo's per-code recompile limit under fullgraph=True (not a TorchDynamoException)
+    torch._dynamo.exc.FailOnRecompileLimitHit("Hard failure due to fullgraph=True"),
+], ids=["dynamo-error", "recompile-limit"])
+def test_auto_falls_back_to_eager_when_compiling_fails(monkeypatch, error):
     torch._dynamo.reset()
 
     def failing(fn, **kwargs):
         def run(*args):
-            raise torch._dynamo.exc.TorchDynamoException("backend failed: no C++ compiler")
+            raise error
         return run
 
     monkeypatch.setattr(torch, "compile", failing)

@@ -296,3 +296,22 @@ def test_a_compiled_step_that_stores_in_place_stays_one_graph(budget):
     assert not [k for k, f in comp.executor._compiled.items() if f is not None and k[0] == "piece"]
     for (n, x), (_, y) in zip(a, b):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_the_first_compiled_step_leaves_a_running_profiler_alone(budget):
+    """Under the user's own profiler the first compiled step cannot measure its memory
+    without ending the user's profiling session: it does not measure (one graph stays),
+    and the user's profile keeps its events."""
+    from torch.profiler import profile
+
+    torch._dynamo.reset()
+    a, b = _matrices(), _matrices()
+    kw = dict(lr=0.02, ns_dtype=torch.float32)
+    comp = mfx.TransformOptimizer(a, mfx.muon, **kw).compile(backend="aot_eager")
+    ref = _whole(mfx.TransformOptimizer(b, mfx.muon, **kw))
+    ref.executor.auto = False
+    with profile() as prof:
+        _steps([(a, comp), (b, ref)], 3)
+    assert list(comp.executor._compiled_mode.values()) == ["whole"]
+    assert any(e.name == "aten::bmm" for e in prof.events())  # the profile survived
+    _same(a, b, comp, ref, exact=False)

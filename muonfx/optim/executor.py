@@ -39,6 +39,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ..base import Key, build, foreach, is_leafwise, key_str, tree_pairs as _tree_pairs, tree_replace as _rebuild, tree_tensors
 from ..linalg.batching import batch_bytes
+from ..memory import AllocatorPeak
 from ..state_tree import frozen_scalars, merge, restrict, same_scalars, scalars_per_param, split, with_scalars
 from ..wrappers import inject_hyperparams
 from .groups import GroupWork, static_key as _static_key
@@ -123,13 +124,10 @@ def _extra_memory(step: Callable[[], bool], work: list[GroupWork]) -> tuple[bool
             torch.cuda.synchronize(d)
             extra = max(extra, torch.cuda.max_memory_allocated(d) - before[d])
         return ran, extra
-    from ..memory import AllocatorPeak
-
-    counter = AllocatorPeak()
-    try:
-        counter.__enter__()
-    except Exception:  # noqa: BLE001 - a profiler already running, no Kineto: not measured
+    if not AllocatorPeak.available():  # no Kineto, or the user's profiler is running
         return step(), None
+    counter = AllocatorPeak()
+    counter.__enter__()
     try:
         ran = step()
     finally:
@@ -474,14 +472,15 @@ class Executor:
         """
         key = self._key(work)
         mode = self._compiled_mode.get(key)
+        runs, large = self._all_runs(work)
         if mode == "pieces":
-            return self._compiled_pieces(work)
+            return self._compiled_pieces(work, runs, large)
         if mode == "whole":
-            return self._compiled_whole(work)
-        ran, extra = _extra_memory(lambda: self._compiled_whole(work), work)
+            return self._compiled_whole(work, large)
+        ran, extra = _extra_memory(lambda: self._compiled_whole(work, large), work)
         if not ran:
             return False
-        runs, _ = self._all_runs(work)
+        runs, _ = self._all_runs(work)  # (that whole step may have proven the transform)
         budget = min(batch_bytes(w.params[0].device) for w in work)
         pieces = runs is not None and extra is not None and extra > 2 * budget
         self._compiled_mode[key] = "pieces" if pieces else "whole"
@@ -489,28 +488,28 @@ class Executor:
                   "in pieces from now on" if pieces else "one graph")
         return True
 
-    def _compiled_whole(self, work: list[GroupWork]) -> bool:
-        """Every group in one graph; False (nothing written) where it cannot be built."""
+    def _compiled_whole(self, work: list[GroupWork], large: list[GroupWork]) -> bool:
+        """Every group in one graph; False (nothing written) where it cannot be built.
+        ``large``: the groups larger than a piece (see :meth:`_all_runs`)."""
         new_states = self._run_fused(work, [w.record.current_state(w.hp) for w in work])
         if new_states is None:
             return False
         for w, st in zip(work, new_states):
             w.record.state = st
-        runs, large = self._all_runs(work)
         if large:
             self._prove([w for w in work if any(w is x for x in large)])
         return True
 
-    def _compiled_pieces(self, work: list[GroupWork]) -> bool:
+    def _compiled_pieces(self, work: list[GroupWork], runs: list | None, large: list[GroupWork]) -> bool:
         """The compiled step with the groups that can run in pieces in pieces.
 
         Groups run whole go through one graph; a group run in pieces (see :meth:`pieces`)
         through one graph per piece, each piece computed and written before the next, so
         the graph's buffers are bounded by the piece. If a piece's graph cannot be built,
-        that piece and the rest run eagerly (nothing is run twice)."""
-        runs, _ = self._all_runs(work)
+        that piece and the rest run eagerly (nothing is run twice). ``runs``, ``large``:
+        :meth:`_all_runs` of ``work``."""
         whole = work if runs is None else [w for w, r in zip(work, runs) if r is None]
-        if whole and not self._compiled_whole(whole):
+        if whole and not self._compiled_whole(whole, large):
             if len(whole) == len(work):
                 return False
             self._eager_step(work)  # nothing of this step has been written yet
