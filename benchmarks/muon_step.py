@@ -21,7 +21,8 @@ every matrix dimension by K (a quick look at a GPU set on a CPU).
 Both optimizers get the same gradients; steps are timed in alternating rounds (median).
 muonfx runs its defaults for the device (Newton-Schulz in bf16 on CUDA and on CPUs with
 native bf16 matmul, float32 elsewhere: ``muonfx.linalg.ns_dtype_for``; ``ns_method="auto"``:
-the Gram iteration on rectangular matrices in bf16) and, as extra rows, float32 NS, bf16
+the Gram iteration on rectangular matrices, in float32 too where float32 is the device's
+default) and, as extra rows, float32 NS (given: the standard form), bf16
 standard NS (torch.optim.Muon's arithmetic), bf16 auto, and bf16 with the Gram iteration
 on every matrix (restarts every 3 steps); a row that computes exactly what an earlier row
 computes on this device is left out. torch.optim.Muon runs its bf16 standard NS.
@@ -43,7 +44,8 @@ import _common  # (sets ONEDNN_MAX_CPU_ISA before torch)
 import torch
 
 import muonfx as mfx
-from muonfx.linalg import cpu_ns_choice, ns_dtype_for
+from muonfx.linalg import auto_takes_gram, cpu_ns_choice, ns_dtype_for
+from muonfx.linalg.precision import pinned_ns_dtype
 
 #: per-layer matrices and the default number of layers of each set
 SETS: dict[str, tuple[tuple[tuple[str, tuple[int, ...]], ...], int]] = {
@@ -79,8 +81,10 @@ def distinct_variants(device: torch.device) -> dict[str, dict]:
     for name, kw in VARIANTS.items():
         dtype = kw.get("ns_dtype", default_dtype)
         method = kw.get("ns_method", "auto")
-        if method == "auto" and dtype in (torch.float32, torch.float64):
-            method = "standard"  # "auto" takes the Gram iteration in 16-bit dtypes only
+        # no dtype given (and none pinned): the device's default, with bf16's accuracy
+        accuracy = "bf16" if "ns_dtype" not in kw and pinned_ns_dtype() is None else "dtype"
+        if method == "auto" and not auto_takes_gram(dtype, accuracy):
+            method = "standard"
         if (dtype, method) not in seen:
             seen.add((dtype, method))
             out[name] = kw
@@ -154,7 +158,7 @@ def main(argv=None) -> None:
     print(f"\nMuon step, muonfx vs torch.optim.Muon ({_common.machine()})")
     why = cpu_ns_choice().reason if device.type == "cpu" else f"the {device.type} default"
     print(f"muonfx default Newton-Schulz dtype here: {str(ns_dtype_for(device)).replace('torch.', '')} ({why}); "
-          "method auto (Gram on rectangular matrices in bf16)")
+          f"method auto (Gram on rectangular matrices{'' if auto_takes_gram(ns_dtype_for(device), 'bf16') else ' in bf16 only'})")
     print(_common.table(["set", "matrices", "muonfx variant", "path", "muonfx ms", "torch ms", "muonfx/torch",
                          "muonfx extra mem", "torch extra mem"], rows))
     print("path: the executor's measured choice, made before the timed rounds (eager or compiled); "

@@ -353,6 +353,9 @@ def task_ns(rank: int, world: int) -> dict:
         "experts_rows": _ns_case(mesh, {"x": torch.randn(3, 8, 12)}, [Shard(1)]),
         # replicated matrices: transformed where they are, counted once
         "replicated": _ns_case(mesh, {"r": torch.randn(6, 10)}, [Replicate()]),
+        # bf16 Newton-Schulz on float32 shards: exchanged in bf16 both ways (half the bytes)
+        "rows_bf16": _ns_case(mesh, {f"h{i}": torch.randn(16, 24) for i in range(5)}, [Shard(0)],
+                              dtype=torch.bfloat16),
         # mixed shapes, tall and tiny matrices, an empty shard (2 rows at W=3), a conv weight
         # in float64 (one all-to-all each way carries 8-byte elements): the exchange is
         # exact, whatever the batch composition on the owners does to float32 rounding
@@ -514,6 +517,14 @@ def task_hsdp(rank: int, world: int, steps: int = 10, rows_per_rank: int = 4) ->
     ref2, _ = tx.update(TensorDict({"s2": full2}, []), None)
     out["fallback_error"] = rel_errors({"s2": ref2["s2"]}, {"s2": full(o2["s2"])})["s2"]
     out["fallback_placements"] = str(tuple(o2["s2"].placements))
+    # the same in bf16: gathered and scattered back in bf16, the float32 result cast back
+    tx16 = mfx.newton_schulz(dtype=torch.bfloat16)
+    mdist.comm_stats().reset()
+    o3, _ = tx16.update(td2, None)
+    out["fallback_bf16_gathers"] = stats()["fallback_gathers"]
+    ref3, _ = tx16.update(TensorDict({"s2": full2}, []), None)
+    out["fallback_bf16_error"] = rel_errors({"s2": ref3["s2"]}, {"s2": full(o3["s2"])})["s2"]
+    out["fallback_bf16_dtype"] = str(o3["s2"].dtype) + str(tuple(o3["s2"].placements))
     out["norm"] = mfx.global_norm(td).item()
     out["norm_ref"] = mfx.global_norm(TensorDict(dict(fulls), [])).item()
     return out

@@ -306,8 +306,16 @@ def test_exchange_work_and_bytes(request, W):
     for r in range(W):
         st = res[r]["ns"]["replicated"]["stats"]
         assert st["collectives"] == 0 and st["ortho_total"] == 1, st
+    # bf16 Newton-Schulz of float32 shards: the same elements, sent in bf16 (2 bytes each),
+    # and results equal to single-process NS bit for bit (bf16 in, bf16 out, cast back)
+    exp = expected_received([(16, 24)] * 5, W)
+    assert [res[r]["ns"]["rows_bf16"]["stats"]["elements_received"] for r in range(W)] == exp
+    for r in range(W):
+        st = res[r]["ns"]["rows_bf16"]["stats"]
+        assert st["collectives"] == 2 and st["bytes_received"] == 2 * st["elements_received"], st
+        assert worst(res[r]["ns"]["rows_bf16"]["errors"])[1] == 0.0
     # results: DTensors with the input's placements, equal to single-process NS
-    for case in ("rows", "cols", "experts", "experts_rows", "replicated", "mixed"):
+    for case in ("rows", "cols", "experts", "experts_rows", "replicated", "mixed", "rows_bf16"):
         for r in range(W):
             c = res[r]["ns"][case]
             assert set(c["types"].values()) == {"DTensor"} and all(c["same_placements"].values()), c
@@ -355,6 +363,9 @@ def test_hsdp_2x2_mesh(world4):
         assert h["fallback_stats"]["fallback_gathers"] == 1, h["fallback_stats"]
         assert h["fallback_placements"] == "(Shard(dim=0), Shard(dim=1))"
         assert h["fallback_error"] < PARITY_TOL
+        # bf16 Newton-Schulz: gathered in bf16, the result equal to one process's bit for bit
+        assert h["fallback_bf16_gathers"] == 1 and h["fallback_bf16_error"] == 0.0, h
+        assert h["fallback_bf16_dtype"] == "torch.float32(Shard(dim=0), Shard(dim=1))"
 
 
 # ---------------------------------------------------------------------------

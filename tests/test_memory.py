@@ -110,10 +110,12 @@ def test_muon_step_memory_is_a_few_budgets_whatever_the_model(ns_dtype):
     """32 same-shape matrices, budget B = 4 of them (one knob,
     muonfx.linalg.set_batch_bytes): the group is larger than B, so it runs in pieces of
     at most B bytes, each written before the next, and the step's extra memory is a few
-    B whatever the number of matrices (measured: float32 7.3 B, bf16 5.2 B, for 32 and
-    for 64 matrices alike). A group within the budget runs whole: the pure update (new
-    momentum and two links of the chain: 3 P) plus the Newton-Schulz batches; without
-    the budget (all 32 matrices in one batch and one piece) 7.3 P and 5.2 P."""
+    B whatever the number of matrices (measured: float32 6.3 B, bf16 4.2 B, for 32 and
+    for 64 matrices alike; 7.3 B and 5.2 B before the seam put bf16 batches together in
+    bf16 and Newton-Schulz let go of its normalised input). A group within the budget
+    runs whole: the pure update (new momentum and two links of the chain: 3 P) plus the
+    Newton-Schulz batches; without the budget (all 32 matrices in one batch and one
+    piece) 6.3 P and 4.2 P."""
     mat = 64 * 96 * 4
     budget = 4 * mat
     try:
@@ -124,9 +126,9 @@ def test_muon_step_memory_is_a_few_budgets_whatever_the_model(ns_dtype):
         unbounded, _ = _step_peak(mfx.muon, _same_shapes(32), ns_dtype=ns_dtype)
     finally:
         mfx.linalg.set_batch_bytes(None, "cpu")
-    assert peak <= 8 * budget, peak / budget
+    assert peak <= (7 if ns_dtype == torch.float32 else 4.5) * budget, peak / budget
     assert twice <= peak + 4096, (twice, peak)  # twice the model, the same peak
-    assert unbounded >= 5 * model  # the whole model in one batch: the budget is what bounds it
+    assert unbounded >= 4 * model  # the whole model in one batch: the budget is what bounds it
     # 32 matrices of other shapes, all within the CPU's budget: one piece, whole
     peak, model = _step_peak(mfx.muon, _distinct_shapes(32), ns_dtype=ns_dtype)
     assert model <= mfx.linalg.batch_bytes("cpu")

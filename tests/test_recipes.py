@@ -336,8 +336,9 @@ MUON_BUILDERS = {
 #: ``moonlight(ns_eps=)``/``normuon(ns_eps=)`` are ``eps``, ``normuon(eps=)`` and
 #: ``fsdp_muon``/``FSDPMuonOptimizer(eps=)`` (row normalisation's) are ``row_eps``.
 #: ``ns_method``'s default changed on purpose from ``"standard"`` to ``"auto"`` (issue 11;
-#: CHANGELOG): "auto" is the standard iteration in float32 and the Gram form on
-#: rectangular matrices in bf16 only.
+#: CHANGELOG): "auto" is the Gram form on rectangular matrices in bf16, and in float32
+#: where float32 is the device's default rather than asked for; the standard iteration
+#: otherwise.
 BEFORE = {
     mfx.muon: dict(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients="keller", weight_decay=0.0,
                    adjust_lr="original", eps=1e-07, ns_dtype=None, ns_method="auto", mu_dtype=None),

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..seam import MatrixFn, ScalarFn
+from ..seam import MatrixFn, ScalarFn, compute_dtype
 from .plan import assign_owners, shard_sizes
 
 __all__ = ["DTensorBackend", "CommStats", "BACKEND"]
@@ -97,11 +97,13 @@ class DTensorBackend:
 
     def _gather_everywhere(self, fn: MatrixFn, s: DTensor) -> DTensor:
         self.stats.fallback_gathers += 1
-        full = s.full_tensor()
+        cdtype = compute_dtype(fn, s)  # gathered and scattered back in it (see _exchange)
+        full = (s if cdtype == s.dtype else s.to(cdtype)).full_tensor()
         res = fn(full)
         self.stats.matrices_orthogonalized += s.shape[0]
         rep = DTensor.from_local(res, s.device_mesh, [Replicate()] * s.device_mesh.ndim, run_check=False)
-        return rep.redistribute(s.device_mesh, s.placements)
+        back = rep.redistribute(s.device_mesh, s.placements)
+        return back if back.dtype == s.dtype else back.to(s.dtype)
 
     def _exchange(self, fn: MatrixFn, stacks, exchange, out) -> None:
         """Owner-based exchange: one all-to-all each way per process group and dtype.
@@ -115,19 +117,21 @@ class DTensorBackend:
         for i, md, sd in exchange:
             s = stacks[i]
             pg = s.device_mesh.get_group(md)
-            by_pg.setdefault((id(pg), s.dtype), (pg, []))[1].append((i, sd))
+            # sent both ways in the dtype fn computes in where it is narrower (seam.compute_dtype:
+            # bf16 Newton-Schulz on float32 shards sends half the bytes, same results)
+            cdtype = compute_dtype(fn, s)
+            by_pg.setdefault((id(pg), cdtype), (pg, cdtype, []))[2].append((i, sd))
         pieces: dict[int, list] = {i: [None] * stacks[i].shape[0] for i, _, _ in exchange}
-        for pg, items in by_pg.values():
-            for (i, j), local in self._exchange_pg(fn, stacks, items, pg):
+        for pg, cdtype, items in by_pg.values():
+            for (i, j), local in self._exchange_pg(fn, stacks, items, pg, cdtype):
                 pieces[i][j] = local
         for i, ps in pieces.items():
-            out[i] = _from_local(torch.stack(ps, dim=0), stacks[i])
+            out[i] = _from_local(torch.stack(ps, dim=0).to(stacks[i].dtype), stacks[i])
 
-    def _exchange_pg(self, fn: MatrixFn, stacks, items, pg):
+    def _exchange_pg(self, fn: MatrixFn, stacks, items, pg, dtype: torch.dtype):
         world = dist.get_world_size(pg)
         me = dist.get_rank(pg)
-        first = stacks[items[0][0]].to_local()
-        dtype, device = first.dtype, first.device
+        device = stacks[items[0][0]].to_local().device
         # one record per matrix: (stack, index in stack, stack dim of the shard, m, n, shard sizes)
         mats = []
         for i, sd in items:
@@ -149,7 +153,8 @@ class DTensorBackend:
             return sizes[r] * (n if sd == 1 else m)
 
         # forward: my shard of each matrix, to its owner
-        send_parts = [stacks[mats[k][0]].to_local()[mats[k][1]].reshape(-1) for r in range(world) for k in owned[r]]
+        send_parts = [stacks[mats[k][0]].to_local()[mats[k][1]].reshape(-1).to(dtype)
+                      for r in range(world) for k in owned[r]]
         in_splits = [sum(shard_numel(k, me) for k in owned[r]) for r in range(world)]
         out_splits = [sum(shard_numel(k, r) for k in owned[me]) for r in range(world)]
         recv = self._all_to_all(send_parts, in_splits, out_splits, dtype, device, pg, me)

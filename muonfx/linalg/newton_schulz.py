@@ -24,7 +24,10 @@ from . import triton_ns
 from .precision import ns_dtype_for
 
 __all__ = ["newton_schulz_batched", "default_compute_dtype", "gram_pays_off", "gram_flops", "standard_flops",
-           "default_restart"]
+           "default_restart", "auto_takes_gram", "ACCURACIES", "NewtonSchulz"]
+
+#: what ``accuracy=`` of :func:`newton_schulz_batched` accepts (see there)
+ACCURACIES = ("dtype", "bf16")
 
 
 def default_compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -34,7 +37,13 @@ def default_compute_dtype(t: torch.Tensor) -> torch.dtype:
     return ns_dtype_for(t.device, t.dtype)
 
 
-def _standard(x: torch.Tensor, steps) -> torch.Tensor:
+def _standard(x: "torch.Tensor | list[torch.Tensor]", steps) -> torch.Tensor:
+    """The standard iteration on the normalised batch ``x``, or on the one tensor taken out
+    of the list ``x``: a caller that hands its batch over in a list keeps no reference to
+    it, so the iteration frees it with its first new iterate (eagerly, one batch fewer
+    alive at the peak; not relying on how the interpreter passes a temporary argument,
+    which changes once a PEP 523 frame hook has run in the process)."""
+    x = x.pop() if isinstance(x, list) else x
     for a, b, c in steps:
         gram = torch.bmm(x, x.mT)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
@@ -42,7 +51,7 @@ def _standard(x: torch.Tensor, steps) -> torch.Tensor:
     return x
 
 
-def _gram(x: torch.Tensor, steps, restart: int | None) -> torch.Tensor:
+def _gram(x: "torch.Tensor | list[torch.Tensor]", steps, restart: int | None) -> torch.Tensor:
     """Iterate on the small Gram matrix ``R = X X^T`` (``m x m``, ``m <= n``).
 
     Every step is ``X <- p(R) X`` with ``p(R) = a I + b R + c R^2``, so after ``k``
@@ -51,6 +60,7 @@ def _gram(x: torch.Tensor, steps, restart: int | None) -> torch.Tensor:
     ``X`` is touched twice per segment (``R_0`` and ``Q X_0``). ``restart`` re-forms
     ``X`` and ``R`` every that many steps (needed in low precision).
     """
+    x = x.pop() if isinstance(x, list) else x  # as in _standard
     steps = list(steps)
     seg = len(steps) if not restart else restart
     for start in range(0, len(steps), seg):
@@ -107,6 +117,26 @@ def gram_pays_off(m: int, n: int, steps: int, restart: int | None = None) -> boo
         4 * m * m * n + 2 * m ** 3)
 
 
+def auto_takes_gram(dtype: torch.dtype, accuracy: str = "dtype") -> bool:
+    """Whether ``method="auto"`` considers the Gram form in ``dtype`` (where it pays off,
+    :func:`gram_pays_off`): always in 16-bit dtypes; in float32 only when the accuracy
+    asked for is bfloat16's (``accuracy="bf16"``: the compute dtype is the device's
+    default, not one the caller asked for); never in float64.
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx.linalg import auto_takes_gram
+        >>> auto_takes_gram(torch.bfloat16), auto_takes_gram(torch.float32)
+        (True, False)
+        >>> auto_takes_gram(torch.float32, accuracy="bf16")
+        True
+    """
+    if dtype in (torch.bfloat16, torch.float16):
+        return True
+    return dtype == torch.float32 and accuracy == "bf16"
+
+
 def newton_schulz_batched(
     g: torch.Tensor,
     schedule: Schedule,
@@ -114,6 +144,7 @@ def newton_schulz_batched(
     dtype: torch.dtype | None = None,
     method: str = "auto",
     restart: int | None = None,
+    accuracy: str = "dtype",
 ) -> torch.Tensor:
     """Orthogonalise each matrix of ``g`` (``[N, m, n]``); returns a new tensor like ``g``.
 
@@ -125,34 +156,101 @@ def newton_schulz_batched(
     ``m x m`` Gram matrix, mathematically the same function), or ``"auto"`` (default:
     in 16-bit dtypes the Gram form where it needs fewer flops counting its restarts,
     see :func:`gram_pays_off`, i.e. rectangular matrices with ``n > 1.5 m``; there it is
-    within 2.5x of the standard form's rounding error. In float32/float64 always the
-    standard form: there Gram's error (~1e-4..1e-3 relative on tall matrices) is
-    orders of magnitude above the dtype's own). ``restart`` (Gram
+    within 2.5x of the standard form's rounding error. In float32 and float64 the
+    standard form, unless ``accuracy="bf16"``: there Gram's error (up to ~1e-3 relative
+    to the exact iteration; standard float32 ~1e-5) is far above the dtype's own).
+
+    ``accuracy``: the accuracy ``"auto"`` must keep. ``"dtype"`` (default): that of the
+    compute dtype, as above. ``"bf16"``: bfloat16's, what ``torch.optim.Muon`` computes:
+    ``"auto"`` then takes the Gram form where it pays off in float32 too (without
+    restarts; up to ~1e-3 from the exact iteration on ill-conditioned and low-rank
+    inputs, where bf16 is 1e-2..1, ``docs/performance.md``). The
+    :func:`muonfx.newton_schulz` transform asks for it when its dtype is the device's
+    default (none given, none pinned): float32 on CPUs that emulate bf16, where it is
+    the fastest accurate-enough configuration. See :func:`auto_takes_gram`. ``restart`` (Gram
     only) re-forms ``X`` every that many steps; ``None`` means
     :func:`default_restart`: never in float32/float64 and every 3 steps in 16-bit
     dtypes. The whole batch is one call: how many matrices a
     batch holds is decided by :mod:`muonfx.linalg.batching` (the seam plans the
     batches). ``g`` is never modified, even when it already has the compute dtype.
     """
-    if g.ndim != 3:
-        raise ValueError(f"newton_schulz_batched takes [N, m, n], got {tuple(g.shape)}")
-    if method not in ("standard", "gram", "auto"):
-        raise ValueError(f"unknown Newton-Schulz method {method!r}; use 'standard', 'gram' or 'auto'")
-    cdtype = dtype if dtype is not None else ns_dtype_for(g.device, g.dtype)
-    low = cdtype in (torch.bfloat16, torch.float16)
-    if restart is None and low:  # default_restart(cdtype), inline: this runs once per batch
-        restart = 3
-    use_gram = method == "gram" or (
-        method == "auto" and low and gram_pays_off(g.shape[-2], g.shape[-1], len(schedule.steps), restart))
-    return _orthogonalize(g, schedule, eps, cdtype, use_gram, restart)
+    return NewtonSchulz(schedule, eps, dtype, method, restart, accuracy)(g)
 
 
-def _orthogonalize(g: torch.Tensor, schedule: Schedule, eps: float, cdtype: torch.dtype, use_gram: bool,
-                   restart: int | None) -> torch.Tensor:
-    """One batched call; a new tensor of ``g``'s dtype (contiguous, except inside
-    ``torch.compile``, where the compiler lays it out)."""
+class NewtonSchulz:
+    """:func:`newton_schulz_batched` with its settings bound: a matrix function of
+    :mod:`muonfx.seam` (``NewtonSchulz(schedule, ...)(g)`` is
+    ``newton_schulz_batched(g, schedule, ...)``; the settings are checked once, here).
+
+    ``compute_dtype`` tells the seam the dtype it computes in (``dtype``; ``None``: the
+    device's default, per batch), so batches are put together and sent between ranks in
+    it (:func:`muonfx.seam.compute_dtype`): the same results, fewer bytes.
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx.linalg import NewtonSchulz, newton_schulz_batched, resolve
+        >>> g = torch.randn(2, 8, 16)
+        >>> ns = NewtonSchulz(resolve("keller", 5), dtype=torch.bfloat16)
+        >>> ns.compute_dtype
+        torch.bfloat16
+        >>> torch.equal(ns(g), newton_schulz_batched(g, resolve("keller", 5), dtype=torch.bfloat16))
+        True
+    """
+
+    def __init__(self, schedule: Schedule, eps: float = 1e-7, dtype: torch.dtype | None = None,
+                 method: str = "auto", restart: int | None = None, accuracy: str = "dtype") -> None:
+        if method not in ("standard", "gram", "auto"):
+            raise ValueError(f"unknown Newton-Schulz method {method!r}; use 'standard', 'gram' or 'auto'")
+        if accuracy not in ACCURACIES:
+            raise ValueError(f"unknown Newton-Schulz accuracy {accuracy!r}; use 'dtype' or 'bf16'")
+        self.schedule, self.eps, self.method, self.restart, self.accuracy = schedule, eps, method, restart, accuracy
+        self.compute_dtype = dtype
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        if g.ndim != 3:
+            raise ValueError(f"newton_schulz_batched takes [N, m, n], got {tuple(g.shape)}")
+        cdtype = self.compute_dtype if self.compute_dtype is not None else ns_dtype_for(g.device, g.dtype)
+        schedule, restart = self.schedule, self.restart
+        low = cdtype in (torch.bfloat16, torch.float16)
+        if restart is None and low:  # default_restart(cdtype), inline: this runs once per batch
+            restart = 3
+        use_gram = self.method == "gram" or (
+            # auto_takes_gram(cdtype, accuracy), inline: this runs once per batch
+            self.method == "auto" and (low or (cdtype == torch.float32 and self.accuracy == "bf16"))
+            and gram_pays_off(g.shape[-2], g.shape[-1], len(schedule.steps), restart))
+        # one batched call; the normalised input is handed over in a list (see _standard), so
+        # the iteration holds the only reference and frees it with its first new iterate
+        tall = g.shape[-2] > g.shape[-1]
+        x = None
+        if low and triton_ns.available(g):
+            # the same iteration with symmetric Triton products (CUDA); None: use torch's
+            x = triton_ns.orthogonalize(_normalized(g, schedule, self.eps, cdtype, tall), schedule.steps, restart,
+                                        use_gram)
+        if x is None:
+            if use_gram:
+                x = _gram([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps, restart)
+            else:
+                x = _standard([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps)
+        if tall:
+            x = x.mT
+        if torch.compiler.is_compiling():
+            # traced (the executor's compiled step): the cast stays a pointwise op that the
+            # compiler fuses into whatever reads the result (scale, decay, the parameter
+            # update), so no float32 copy of the batch is written and read back; the layout
+            # is the compiler's to choose (measured on the CPU, MoE set: the step's
+            # elementwise kernels 22.8 -> 14.5 ms)
+            return x.to(g.dtype)
+        if x.dtype == g.dtype:
+            return x.contiguous()
+        # one pass: cast back and lay out contiguously (a transposed result would otherwise
+        # be cast, then copied again by a separate .contiguous())
+        return torch.empty(x.shape, dtype=g.dtype, device=x.device).copy_(x)
+
+
+def _normalized(g: torch.Tensor, schedule: Schedule, eps: float, cdtype: torch.dtype, tall: bool) -> torch.Tensor:
+    """``g`` in ``cdtype``, wide, divided by ``max(||g||_F * safety, eps)``: a new tensor."""
     x = g.to(cdtype)
-    tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
@@ -166,28 +264,6 @@ def _orthogonalize(g: torch.Tensor, schedule: Schedule, eps: float, cdtype: torc
         x = x * down  # a new tensor: x may alias g when no cast happened
         norm = torch.where(down < 1, torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True), norm)
         den = norm * schedule.safety
-        x.div_(torch.where(down < 1, den, den.clamp_min(eps)))
-    else:
-        # out-of-place division: x may alias g when no cast happened
-        x = x / (norm * schedule.safety).clamp_min(eps)
-    y = None
-    if cdtype in (torch.bfloat16, torch.float16) and triton_ns.available(x):
-        # the same iteration with symmetric Triton products (CUDA); None: use torch's
-        y = triton_ns.orthogonalize(x, schedule.steps, restart, use_gram)
-    if y is None:
-        y = _gram(x, schedule.steps, restart) if use_gram else _standard(x, schedule.steps)
-    x = y
-    if tall:
-        x = x.mT
-    if torch.compiler.is_compiling():
-        # traced (the executor's compiled step): the cast stays a pointwise op that the
-        # compiler fuses into whatever reads the result (scale, decay, the parameter
-        # update), so no float32 copy of the batch is written and read back; the layout
-        # is the compiler's to choose (measured on the CPU, MoE set: the step's
-        # elementwise kernels 22.8 -> 14.5 ms)
-        return x.to(g.dtype)
-    if x.dtype == g.dtype:
-        return x.contiguous()
-    # one pass: cast back and lay out contiguously (a transposed result would otherwise
-    # be cast, then copied again by a separate .contiguous())
-    return torch.empty(x.shape, dtype=g.dtype, device=x.device).copy_(x)
+        return x.div_(torch.where(down < 1, den, den.clamp_min(eps)))
+    # out-of-place division: x may alias g when no cast happened
+    return x / (norm * schedule.safety).clamp_min(eps)

@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
 from .. import seam
 from ..base import EmptyState, GradientTransformation, LeafwiseTransformation, build, leaves
 from ..hyperparams import check, check_float_dtype
-from ..linalg import CoefficientSpec, newton_schulz_batched, resolve
+from ..linalg import CoefficientSpec, NewtonSchulz, resolve
 from ..linalg.precision import device_ns_dtype, pinned_ns_dtype
 from ._matrix import as_stacks
 
 
-def _each_batch(fn, pinned: torch.dtype | None, g: torch.Tensor) -> torch.Tensor:
-    """``fn`` on one batch with its compute dtype: float64 for float64, else ``pinned`` or
-    the batch's device's own."""
-    return fn(g, dtype=torch.float64 if g.dtype == torch.float64 else pinned or device_ns_dtype(g.device))
+class _PerBatch:
+    """The matrix function for updates on several devices or of several dtypes: each
+    batch in its own compute dtype (float64 stays float64; else ``pinned`` or the
+    batch's device's own)."""
+
+    def __init__(self, ns: NewtonSchulz, pinned: torch.dtype | None) -> None:
+        self.ns, self.pinned = ns, pinned
+
+    def compute_dtype(self, batch: torch.Tensor) -> torch.dtype:
+        if batch.dtype == torch.float64:
+            return torch.float64
+        return self.pinned or device_ns_dtype(batch.device)
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        ns = self.ns
+        return NewtonSchulz(ns.schedule, ns.eps, self.compute_dtype(g), ns.method, ns.restart, ns.accuracy)(g)
 
 
 def newton_schulz(
@@ -52,17 +62,28 @@ def newton_schulz(
             polar_express, else 1).
         method: ``"auto"`` (default), ``"standard"`` or ``"gram"``. ``"auto"`` takes
             the Gram-matrix iteration (the same function, iterated on the small
-            ``m x m`` Gram matrix) wherever it needs fewer flops counting its restarts:
-            rectangular matrices with ``n > 1.5 m`` in bf16 (restarting every 3 steps)
-            and ``n > 1.2 m`` in float32; the standard iteration otherwise. In float32
-            the Gram form amplifies small input perturbations more (FSDP2
-            reduction-order noise grows from ~7e-7 to ~5e-6 over 10 steps); in bf16 it
-            differs from the exact iteration by ~2e-2 against standard bf16's ~1e-2
-            (restarting every 3 steps),
-            both 5-20x below the 5-step schedule's own distance to the exact polar
-            factor (0.09-0.45, ``docs/performance.md``).
+            ``m x m`` Gram matrix) wherever it needs fewer flops counting its restarts,
+            in the precision that allows it, and the standard iteration otherwise:
+
+            * bf16/fp16 (given or the device's default): rectangular matrices with
+              ``n > 1.5 m`` (restarting every 3 steps). It differs from the exact
+              iteration by ~2e-2 against standard bf16's ~1e-2, both 5-20x below the
+              5-step schedule's own distance to the exact polar factor (0.09-0.45).
+            * float32 as the device's default (``dtype=None`` and no process-wide pin,
+              on a CPU that emulates bf16): rectangular matrices with ``n > 1.2 m``
+              (no restarts). The default promises bf16's accuracy, what
+              torch.optim.Muon computes; float32 Gram is within ~1e-3 of the exact
+              iteration, 100x closer than bf16, and 1.2-1.9x faster than standard
+              float32 on 1:2 to 1:4 matrices (``docs/performance.md``).
+            * float32 given (``dtype=torch.float32``, ``set_default_ns_dtype`` or
+              ``MUONFX_NS_DTYPE``) and float64: always standard; there the Gram form's
+              error (~1e-4..1e-3) would be far above the dtype's own (~1e-6), and it
+              amplifies small input perturbations more (FSDP2 reduction-order noise
+              grows from ~7e-7 to ~5e-6 over 10 steps).
+
             ``"standard"`` computes what torch.optim.Muon computes. See
-            :func:`muonfx.linalg.newton_schulz_batched`.
+            :func:`muonfx.linalg.newton_schulz_batched` and
+            :func:`muonfx.linalg.auto_takes_gram`.
 
     A matrix whose float32 (or bfloat16) norm overflows (entries of ~1e19 and more) is
     scaled by ``2**-100`` before it is normalised, so it gets the update of the same
@@ -93,21 +114,23 @@ def newton_schulz(
     # a process-wide override (set_default_ns_dtype, MUONFX_NS_DTYPE) is read now, once:
     # the transform computes the same thing at every step whatever the setting later says
     pinned = pinned_ns_dtype() if dtype is None else None
-    fn = partial(newton_schulz_batched, schedule=schedule, eps=eps, dtype=dtype, method=method)
+    # no dtype asked for: the device's default, which promises bf16's accuracy (what
+    # torch.optim.Muon computes), so "auto" may take the Gram form in float32 too
+    accuracy = "bf16" if dtype is None and pinned is None else "dtype"
 
     def init_fn(params):
         return EmptyState()
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
-        run = fn
-        if dtype is None and gs and len({(g.device, g.dtype) for g in gs}) == 1:
+        one = dtype
+        if one is None and gs and len({(g.device, g.dtype) for g in gs}) == 1:
             # float64 stays float64; else the pinned dtype or the device's own (a fact of
             # the machine), once per update rather than per batch
-            run = partial(fn, dtype=torch.float64 if gs[0].dtype == torch.float64
-                          else pinned or device_ns_dtype(gs[0].device))
-        elif dtype is None:  # leaves on several devices or of several dtypes: per batch
-            run = partial(_each_batch, fn, pinned)
+            one = torch.float64 if gs[0].dtype == torch.float64 else pinned or device_ns_dtype(gs[0].device)
+        run = NewtonSchulz(schedule, eps, one, method, accuracy=accuracy)
+        if one is None:  # leaves on several devices or of several dtypes: per batch
+            run = _PerBatch(run, pinned)
         outs = seam.map_matrices(run, as_stacks(keys, gs, "newton_schulz"))
         return build(keys, [o.reshape(g.shape) for o, g in zip(outs, gs)]), state
 
