@@ -91,6 +91,18 @@ def test_the_iterations_compute_the_same_function(interpreter, shape):
     assert e_ours <= 1.5 * e_torch + 2e-3, (e_ours, e_torch)
 
 
+def test_a_batch_handed_over_in_a_list_is_taken_out(interpreter):
+    """Eagerly the caller hands the normalised batch over in a list, so the iteration
+    holds the only reference (and frees it with its first iterate): the list is emptied
+    and the result is the one of the batch passed directly."""
+    xb = _unit((2, 16, 40), 8, torch.bfloat16)
+    for fn, args in ((triton_ns.standard_sym, (STEPS,)), (triton_ns.gram_sym, (STEPS, 2)),
+                     (lambda x, *a: triton_ns.orthogonalize(x, STEPS, 2, True), ())):
+        box = [xb.clone()]
+        got = fn(box, *args)
+        assert box == [] and torch.equal(got, fn(xb.clone(), *args))
+
+
 def test_newton_schulz_routes_16_bit_work_to_the_kernels(interpreter, monkeypatch):
     calls = []
     real_std, real_gram = triton_ns.standard_sym, triton_ns.gram_sym

@@ -225,7 +225,7 @@ class NewtonSchulz:
         x = None
         if low and triton_ns.available(g):
             # the same iteration with symmetric Triton products (CUDA); None: use torch's
-            x = triton_ns.orthogonalize(_normalized(g, schedule, self.eps, cdtype, tall), schedule.steps, restart,
+            x = triton_ns.orthogonalize([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps, restart,
                                         use_gram)
         if x is None:
             if use_gram:

@@ -147,8 +147,10 @@ def sym_product(x: torch.Tensor, y: torch.Tensor | None = None, alpha: float = 1
     return out
 
 
-def standard_sym(x: torch.Tensor, steps) -> torch.Tensor:
-    """The standard iteration (``_standard`` of :mod:`.newton_schulz`) with symmetric products."""
+def standard_sym(x: "torch.Tensor | list[torch.Tensor]", steps) -> torch.Tensor:
+    """The standard iteration (``_standard`` of :mod:`.newton_schulz`) with symmetric
+    products; ``x`` handed over in a list is taken out of it (as there)."""
+    x = x.pop() if isinstance(x, list) else x
     for a, b, c in steps:
         gram = sym_product(x)
         poly = sym_product(gram, gram, alpha=c, beta=b, c0=gram)
@@ -156,8 +158,10 @@ def standard_sym(x: torch.Tensor, steps) -> torch.Tensor:
     return x
 
 
-def gram_sym(x: torch.Tensor, steps, restart: int | None) -> torch.Tensor:
-    """The Gram iteration (``_gram`` of :mod:`.newton_schulz`) with symmetric products."""
+def gram_sym(x: "torch.Tensor | list[torch.Tensor]", steps, restart: int | None) -> torch.Tensor:
+    """The Gram iteration (``_gram`` of :mod:`.newton_schulz`) with symmetric products;
+    ``x`` handed over in a list is taken out of it."""
+    x = x.pop() if isinstance(x, list) else x
     steps = list(steps)
     seg = len(steps) if not restart else restart
     for start in range(0, len(steps), seg):
@@ -178,9 +182,12 @@ _failed = False
 _verified = False
 
 
-def orthogonalize(x: torch.Tensor, steps, restart: int | None, gram: bool) -> torch.Tensor | None:
+def orthogonalize(x: "torch.Tensor | list[torch.Tensor]", steps, restart: int | None,
+                  gram: bool) -> torch.Tensor | None:
     """The standard (or Gram) iteration on ``x`` with the symmetric products, or None where
-    the caller should use torch's products.
+    the caller should use torch's products. Eagerly, ``x`` handed over in a list is taken
+    out of it by the iteration, which frees it with its first new iterate (a caller that
+    gets None normalises its input again).
 
     Eagerly, the first failure of a launch is logged once (``muonfx`` logger) and every
     later call returns None. Inside ``torch.compile`` the kernels run as one opaque
@@ -194,6 +201,7 @@ def orthogonalize(x: torch.Tensor, steps, restart: int | None, gram: bool) -> to
         if not _verified or _failed:
             return None
         flat = [float(c) for abc in steps for c in abc]
+        x = x.pop() if isinstance(x, list) else x
         return torch.ops.muonfx.symmetric_newton_schulz(x, flat, int(restart or 0), bool(gram))
     if _failed:
         return None
