@@ -44,7 +44,8 @@ def compute_dtype(fn: MatrixFn, stack: torch.Tensor) -> torch.dtype:
     A matrix function that says it promises that it computes the same result from a
     batch cast to that dtype as from the batch itself (it reads its input at that
     precision), and that its results hold no more precision than that dtype. The seam
-    and the backends then cast stacks to it *before* they concatenate or send them,
+    and the backends then cast stacks to it *before* they concatenate or send them
+    (a single stack that needs neither goes as it is),
     and cast the results back to the stacks' dtype: the results are the same, bit for
     bit, with fewer bytes copied and sent. Newton-Schulz says it
     (:class:`muonfx.linalg.NewtonSchulz`: bfloat16 on CUDA and CPUs with native bf16).
@@ -112,8 +113,9 @@ def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor]) -> list[tor
     :func:`muonfx.linalg.batch_bytes` bytes (see :func:`muonfx.linalg.plan_batches`).
     A batch that is one whole stack goes as it is (no copy); other batches are
     concatenated along dim 0, and a stack cut over several batches is put back
-    together. Batches are put together in ``fn``'s :func:`compute_dtype` and results
-    are returned in the stacks' own dtype. Inputs are never modified.
+    together. Batches of several parts are put together in ``fn``'s
+    :func:`compute_dtype`, and their results cast back to the stacks' own dtype; a batch
+    of one part goes as it is (``fn`` casts it itself). Inputs are never modified.
     """
     out: list = [None] * len(stacks)
     groups: dict[tuple, list[int]] = {}
@@ -139,14 +141,15 @@ def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor]) -> list[tor
             for j, a, b in batch:
                 parts.append(stacks[idx[j]] if (a, b) == (0, counts[j]) else stacks[idx[j]][a:b])
                 sizes.append(b - a)
-            if cdtype != dtype:
-                # put together (and hand over) in the dtype fn reads: no float32 copy of
-                # a batch that fn casts to bfloat16 first; the results come back as they
-                # would have (fn's own results hold no more than cdtype)
-                inputs = parts[0].to(cdtype) if len(parts) == 1 else torch.cat([p.to(cdtype) for p in parts])
-                res = fn(inputs).to(dtype).split(sizes, dim=0)
-            elif len(parts) == 1:
+            if len(parts) == 1:
+                # one part goes as it is: fn casts it itself, and frees its own copy
+                # sooner than a cast made here could be freed
                 res = (fn(parts[0]),)
+            elif cdtype != dtype:
+                # put together in the dtype fn reads: no float32 copy of a batch that fn
+                # casts to bfloat16 first; the results come back as they would have
+                # (fn's own results hold no more than cdtype)
+                res = fn(torch.cat([p.to(cdtype) for p in parts])).to(dtype).split(sizes, dim=0)
             else:
                 res = fn(torch.cat(parts, dim=0)).split(sizes, dim=0)
             for (j, _, _), r in zip(batch, res):
