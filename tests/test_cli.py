@@ -84,6 +84,11 @@ def test_info_prints_versions_devices_backends(env):
     assert "distributed gloo yes" in out and "nccl" in out and "mpi" in out
     assert "bf16 matmul (CPU)" in out
     assert "cpu " in out and "cuda" in out
+    # the default Newton-Schulz dtype and the method rule that goes with it
+    choice = muonfx.linalg.cpu_ns_choice().dtype
+    assert f"ns dtype    CPU {str(choice).replace('torch.', '')}" in out
+    rule = "bf16, restarting every 3 steps" if choice == torch.bfloat16 else "float32, this CPU's default"
+    assert "ns method   auto: the Gram iteration" in out and rule in out, out
 
 
 def test_bf16_check_explains_the_sigill_workaround(monkeypatch):

@@ -279,3 +279,17 @@ def test_an_expert_stack_piece_holds_under_four_budgets_in_bf16(ns_dtype, bound)
     finally:
         mfx.linalg.set_batch_bytes(None, "cpu")
     assert peak <= bound * stack, peak / stack
+
+
+def test_the_step_memory_benchmark_prints_each_path():
+    """``benchmarks/step_memory.py`` on a small set: a row per path, pieces below whole."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "step_memory.py"
+    out = subprocess.run([sys.executable, str(script), "--sets", "moe", "--layers", "1", "--budget-mib", "4",
+                          "--paths", "whole,eager"], capture_output=True, text=True, timeout=300, check=True).stdout
+    mib = {path: int(n) for path, n in re.findall(r"^\|\s*moe\s*\|[^|]*\|\s*(whole|eager)\s*\|\s*(\d+) MiB", out, re.M)}
+    assert set(mib) == {"whole", "eager"} and mib["eager"] < mib["whole"], out
