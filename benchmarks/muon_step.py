@@ -44,7 +44,7 @@ import _common  # (sets ONEDNN_MAX_CPU_ISA before torch)
 import torch
 
 import muonfx as mfx
-from muonfx.linalg import auto_takes_gram, cpu_ns_choice, ns_dtype_for
+from muonfx.linalg import auto_method, auto_takes_gram, cpu_ns_choice, ns_dtype_for
 from muonfx.linalg.precision import pinned_ns_dtype
 
 #: per-layer matrices and the default number of layers of each set
@@ -120,8 +120,12 @@ def run(kind: str, layers: int | None, shrink: int, device: torch.device, repeat
     mem = {k: _common.step_memory(o.step, device) for k, o in opts.items()}  # untimed, after the timed steps
     n = len(torch_params)
     numel = sum(p.numel() for p in torch_params)
+    # what "auto" computes on this set with the default dtype (bf16's accuracy unless pinned)
+    accuracy = "bf16" if pinned_ns_dtype() is None else "dtype"
+    forms = sorted({auto_method(*s[-2:], ns_dtype_for(device), accuracy, device) for s in shapes.values()})
+    label = {name: f"{name} ({', '.join(forms)})" if name == "muonfx default" else name for name in variants}
     what = f"{len({k.split('.')[0] for k in shapes})} layers, {n} matrices, {numel / 1e6:.1f} M"
-    return [[kind, what, name, paths[name], f"{t[name] * 1e3:.0f}", f"{t['torch'] * 1e3:.0f}",
+    return [[kind, what, label[name], paths[name], f"{t[name] * 1e3:.0f}", f"{t['torch'] * 1e3:.0f}",
              f"{t[name] / t['torch']:.2f}", _common.fmt_bytes(mem[name]), _common.fmt_bytes(mem["torch"])]
             for name in variants]
 
@@ -158,7 +162,7 @@ def main(argv=None) -> None:
     print(f"\nMuon step, muonfx vs torch.optim.Muon ({_common.machine()})")
     why = cpu_ns_choice().reason if device.type == "cpu" else f"the {device.type} default"
     print(f"muonfx default Newton-Schulz dtype here: {str(ns_dtype_for(device)).replace('torch.', '')} ({why}); "
-          f"method auto (Gram on rectangular matrices{'' if auto_takes_gram(ns_dtype_for(device), 'bf16') else ' in bf16 only'})")
+          "method auto (the default row names the forms it computes on the set: muonfx.linalg.auto_method)")
     print(_common.table(["set", "matrices", "muonfx variant", "path", "muonfx ms", "torch ms", "muonfx/torch",
                          "muonfx extra mem", "torch extra mem"], rows))
     print("path: the executor's measured choice, made before the timed rounds (eager or compiled); "

@@ -1,7 +1,7 @@
 """Newton-Schulz: achieved GFLOP/s against this machine's matmul peak, and accuracy.
 
     python benchmarks/newton_schulz.py                # both tables
-    python benchmarks/newton_schulz.py --only speed   # or: --only accuracy, --only restarts
+    python benchmarks/newton_schulz.py --only speed   # or: --only accuracy, restarts, spectral
 
 Speed: the batched NS (muonfx.linalg.newton_schulz_batched) on same-shape groups of
 matrices, standard and Gram forms: on the CPU GPT-2-small matrices in float32 and bf16;
@@ -19,6 +19,12 @@ Accuracy: relative Frobenius error to the exact polar factor ``U V^T`` (SVD, flo
 and the singular-value band, for each coefficient schedule on a Gaussian matrix and on
 one with a power-law spectrum (condition ~1e3), NS computed in float32 and bf16.
 
+Spectral (CPU, float32): where the spectral form (the same function evaluated on LAPACK's
+eigendecomposition of the Gram matrix, ``method="spectral"``) is faster than the faster
+iteration (standard or Gram), by the smaller matrix side: the measurement behind
+``muonfx.linalg.SPECTRAL_MIN_DIM``; and its relative error to the float64 iteration on
+an ill-conditioned input (condition 1e6) next to float32 Gram's and standard bf16's.
+
 Restarts: the Gram iteration in bf16 by restart pattern (segment length 2 = 2+2+1, 3 = 3+2
 (the default), 5 = no restart) against the standard bf16 iteration, as relative
 Frobenius error to the float64 standard iteration (the same function, exactly computed).
@@ -31,7 +37,7 @@ import argparse
 import _common
 import torch
 
-from muonfx.linalg import PRESETS, newton_schulz_batched, resolve, triton_ns
+from muonfx.linalg import PRESETS, SPECTRAL_MIN_DIM, newton_schulz_batched, resolve, triton_ns
 
 
 def flops(m: int, n: int, steps: int = 5) -> int:
@@ -74,14 +80,18 @@ def speed(device: torch.device, repeats: int) -> str:
             g = torch.randn(count, *shape, device=device)
             fns = {}
             for route in _routes(device, dtype):
-                for m in ("standard", "gram"):
-                    def fn(m=m, route=route):
+                # the spectral form: float32 on the CPU, where "auto" may take it
+                forms = ("standard", "gram", "spectral") if (device.type, dtype, route) == (
+                    "cpu", torch.float32, "torch") else ("standard", "gram")
+                for m in forms:
+                    def fn(m=m, route=route, g=g):
                         if route == "torch":
                             with _torch_products():
                                 return newton_schulz_batched(g, sched, dtype=dtype, method=m)
                         return newton_schulz_batched(g, sched, dtype=dtype, method=m)
                     fns[(route, m)] = fn
             t = _common.interleaved(fns, repeats, 1, device)
+            fns.clear()  # the closures hold the batch
             for (route, m), sec in t.items():
                 gf = count * flops(*shape) / sec / 1e9
                 rows.append([str(dtype).replace("torch.", ""), f"{count}x{shape[0]}x{shape[1]}", m, route,
@@ -129,6 +139,38 @@ def accuracy(m: int, n: int) -> str:
                       _common.table(["schedule", "input", "relF f32", "band f32", "relF bf16", "band bf16"], rows)])
 
 
+def spectral(repeats: int, sides=(128, 256, 320, 384, 512, 768), ratios=(1, 2, 4)) -> str:
+    """The spectral form against the iterations in float32 on the CPU, by matrix size."""
+    sched = resolve("keller", 5)
+    rows = []
+    for m in sides:
+        for r in ratios:
+            n = m * r
+            count = max(1, (4 << 20) // (m * n * 4))  # about 4 MiB of float32 matrices per batch
+            g = torch.randn(count, m, n)
+            fns = {f: (lambda f=f: newton_schulz_batched(g, sched, dtype=torch.float32, method=f))
+                   for f in ("standard", "gram", "spectral")}
+            t = _common.interleaved(fns, repeats, 1, torch.device("cpu"))
+            best = min(t["standard"], t["gram"])
+            gen = torch.Generator().manual_seed(0)
+            u = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))[0]
+            v = torch.linalg.qr(torch.randn(n, m, generator=gen, dtype=torch.float64))[0]
+            x = ((u * torch.logspace(0, -6, m, dtype=torch.float64)) @ v.mT)[None]
+            ref = newton_schulz_batched(x, sched, dtype=torch.float64, method="standard")
+            err = {k: ((newton_schulz_batched(x.float(), sched, dtype=d, method=f).double() - ref).norm()
+                       / ref.norm()).item()
+                   for k, d, f in (("spectral", torch.float32, "spectral"), ("gram", torch.float32, "gram"),
+                                   ("bf16", torch.bfloat16, "standard"))}
+            rows.append([f"{count}x{m}x{n}", f"{t['standard'] * 1e3:.1f}", f"{t['gram'] * 1e3:.1f}",
+                         f"{t['spectral'] * 1e3:.1f}", f"{t['spectral'] / best:.2f}",
+                         "yes" if m >= SPECTRAL_MIN_DIM else "no",
+                         f"{err['spectral']:.1e}", f"{err['gram']:.1e}", f"{err['bf16']:.1e}"])
+    return "\n".join([f"\nSpectral form vs the iterations, float32, keller 5 steps ({_common.machine()})",
+                      _common.table(["batch", "standard ms", "gram ms", "spectral ms", "spectral / faster",
+                                     "auto takes it", "relF spectral", "relF gram f32", "relF bf16 std"], rows),
+                      "relF: to the float64 iteration, on a matrix of condition 1e6"])
+
+
 def restarts(m: int, n: int, count: int = 4) -> str:
     gen = torch.Generator().manual_seed(0)
     gauss = torch.randn(count, m, n, generator=gen, dtype=torch.float64)
@@ -152,7 +194,7 @@ def restarts(m: int, n: int, count: int = 4) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["speed", "accuracy", "restarts"], default=None)
+    ap.add_argument("--only", choices=["speed", "accuracy", "restarts", "spectral"], default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--size", default="512x2048", help="accuracy matrix size MxN")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -164,6 +206,8 @@ def main(argv=None) -> None:
         print(accuracy(m, n))
     if args.only in (None, "restarts"):
         print(restarts(768, 3072))
+    if args.only in (None, "spectral") and args.device == "cpu":
+        print(spectral(args.repeats))
 
 
 if __name__ == "__main__":

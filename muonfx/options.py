@@ -57,8 +57,9 @@ class MuonOptions:
         ns_dtype: Newton-Schulz compute dtype; ``None``: the device's default
             (bfloat16 on CUDA and on CPUs with native bf16 matmul, float32 elsewhere;
             :func:`muonfx.linalg.ns_dtype_for`).
-        ns_method: ``"auto"`` (default: the Gram iteration where it needs fewer flops),
-            ``"standard"`` or ``"gram"`` (see :func:`~muonfx.newton_schulz`).
+        ns_method: ``"auto"`` (default: the fastest accurate-enough form for the shape,
+            dtype and device, :func:`muonfx.linalg.auto_method`), ``"standard"``,
+            ``"gram"`` or ``"spectral"`` (see :func:`~muonfx.newton_schulz`).
         mu_dtype: dtype of the momentum buffer (``None``: the parameter's).
 
     :meth:`steps` is Muon's named chain built from them; ``muon(**opts)`` is

@@ -87,8 +87,11 @@ def test_info_prints_versions_devices_backends(env):
     # the default Newton-Schulz dtype and the method rule that goes with it
     choice = muonfx.linalg.cpu_ns_choice().dtype
     assert f"ns dtype    CPU {str(choice).replace('torch.', '')}" in out
-    rule = "bf16, restarting every 3 steps" if choice == torch.bfloat16 else "float32, this CPU's default"
-    assert "ns method   auto: the Gram iteration" in out and rule in out, out
+    rule = ("auto: the Gram iteration on rectangular m x n matrices (bf16, restarting every 3 steps"
+            if choice == torch.bfloat16 else
+            f"auto: float32, this CPU's default: bf16's accuracy kept; the spectral form (eigh of X X^T) on "
+            f"matrices whose smaller side is at least {muonfx.linalg.SPECTRAL_MIN_DIM}")
+    assert f"ns method   {rule}" in out, out
 
 
 def test_bf16_check_explains_the_sigill_workaround(monkeypatch):

@@ -13,6 +13,9 @@ CASES = {
     "adamw": (mfx.adamw, dict(lr=1e-3, weight_decay=0.01)),
     "muon": (mfx.muon, dict(lr=0.02, momentum=0.95, weight_decay=0.01, ns_dtype=torch.float32)),
     "muon_adamw": (mfx.muon_adamw, dict(lr=0.02, momentum=0.95, weight_decay=0.01, adamw_lr=1e-3)),
+    # the spectral form (LAPACK's eigh inside the graph), as "auto" takes it on large CPU matrices
+    "muon_spectral": (mfx.muon, dict(lr=0.02, momentum=0.95, weight_decay=0.01, ns_dtype=torch.float32,
+                                     ns_method="spectral")),
 }
 
 
@@ -39,7 +42,7 @@ def _hp(step, base):
 def test_update_compiles_once_and_matches_eager(name):
     torch._dynamo.reset()
     factory, base = CASES[name]
-    params = _params(matrices_only=name == "muon")
+    params = _params(matrices_only=name.startswith("muon") and name != "muon_adamw")
     tx = mfx.inject_hyperparams(factory)(**base)
     counter = torch._dynamo.testing.CompileCounter()
     compiled = torch.compile(tx.update, backend=counter, dynamic=True, fullgraph=True)
@@ -138,6 +141,24 @@ def test_compiled_step_with_two_groups_is_one_graph_and_matches_eager():
             o.param_groups[0]["lr"] = 0.02 * (1 - 0.1 * step)
             o.step()
     assert counter.frame_count == 1
+    for (n, a), (_, b) in zip(eager_named, comp_named):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_inductor_compiled_spectral_muon_step_matches_eager():
+    """The spectral Newton-Schulz form through inductor (C++ on the CPU), as the executor
+    compiles it where "auto" takes it (float32 default, matrices of 320 and more)."""
+    torch._dynamo.reset()
+    eager_named, comp_named = _named(1)[:2], _named(1)[:2]
+    kw = dict(lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, ns_method="spectral")
+    eager = mfx.TransformOptimizer(eager_named, mfx.muon, **kw)
+    comp = mfx.TransformOptimizer(comp_named, mfx.muon, **kw).compile()
+    for step in range(3):
+        _grads(eager_named, step)
+        _grads(comp_named, step)
+        eager.step()
+        comp.step()
+    assert not comp.executor._fell_back, "the compiled step ran eagerly"
     for (n, a), (_, b) in zip(eager_named, comp_named):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 

@@ -406,7 +406,7 @@ def _ns(x: torch.Tensor, **kw) -> torch.Tensor:
     return out["w"]
 
 
-ns_methods = st.sampled_from(["auto", "standard", "gram"])
+ns_methods = st.sampled_from(["auto", "standard", "gram", "spectral"])
 
 
 @given(st.sampled_from([torch.float64, torch.float32]).flatmap(
@@ -438,10 +438,11 @@ def test_newton_schulz_is_spectral_polynomial(x, name, steps, method):
     torch.testing.assert_close(y, expected, rtol=0, atol=1e-10)
 
 
-@given(matrices(max_side=16), st.sampled_from(sorted(NS_BANDS)))
-def test_newton_schulz_gram_equals_standard(x, name):
-    # the same polynomial of X X^T applied to X, multiplied out in another order
-    torch.testing.assert_close(_ns(x, coefficients=name, method="gram"),
+@given(matrices(max_side=16), st.sampled_from(sorted(NS_BANDS)), st.sampled_from(["gram", "spectral"]))
+def test_newton_schulz_gram_and_spectral_equal_standard(x, name, method):
+    # the same polynomial of X X^T applied to X, multiplied out in another order (gram)
+    # or evaluated on the eigenvalues of X X^T (spectral)
+    torch.testing.assert_close(_ns(x, coefficients=name, method=method),
                                _ns(x, coefficients=name, method="standard"), rtol=0, atol=1e-11)
 
 

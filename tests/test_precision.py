@@ -1,6 +1,7 @@
 """The default Newton-Schulz dtype of each device (muonfx.linalg.precision) and the default
-method ("auto": Gram on rectangular matrices in bf16, and in float32 where float32 is the
-device's default rather than a dtype asked for).
+method ("auto": Gram on rectangular matrices in bf16; where float32 is the device's default
+rather than a dtype asked for, the spectral form on CPU matrices of 320 and more and Gram
+on smaller rectangular ones), and the spectral form itself.
 
 conftest.py pins ``MUONFX_NS_DTYPE=float32`` for the rest of the suite; the tests here lift
 the pin to exercise the per-device default itself.
@@ -14,7 +15,7 @@ from tensordict import TensorDict
 
 import muonfx as mfx
 from muonfx.linalg import cpu_ns_choice, ns_dtype_for, precision, set_default_ns_dtype
-from muonfx.linalg import auto_takes_gram, newton_schulz_batched, resolve
+from muonfx.linalg import SPECTRAL_MIN_DIM, auto_method, auto_takes_gram, newton_schulz_batched, resolve
 from muonfx.linalg.newton_schulz import gram_flops, gram_pays_off, standard_flops
 
 CPU = torch.device("cpu")
@@ -210,8 +211,9 @@ def test_default_muon_on_this_cpu_tracks_torch_optim_muon(cpu_default):
     over 10 steps, relative to the distance moved. Worst of 5 seeds measured: bf16 + Gram
     (native-bf16 CPUs, restarts every 3 steps) 1.4e-2 wide, 1.8e-2 tall, 9e-6 square
     (standard there); float32
-    4.9e-3..6.6e-3 (that is torch's own bf16 rounding); bf16 standard 1e-5."""
-    shapes = {"wide": (16, 48), "tall": (48, 16), "square": (24, 24)}
+    4.9e-3..6.6e-3 (that is torch's own bf16 rounding), 1.8e-3 where it is the spectral
+    form (480 x 320); bf16 standard 1e-5."""
+    shapes = {"wide": (16, 48), "tall": (48, 16), "square": (24, 24), "spectral": (480, 320)}
     gen = torch.Generator().manual_seed(5)
     init = {k: torch.randn(*s, generator=gen) for k, s in shapes.items()}
     grads = [{k: torch.randn(*s, generator=gen) for k, s in shapes.items()} for _ in range(10)]
@@ -254,3 +256,98 @@ def test_a_transform_keeps_the_dtype_pinned_when_it_was_built(unpinned, monkeypa
     got = run(built_bf16, mixed)  # several dtypes: per batch, still the pinned bf16 (float64 stays float64)
     assert torch.equal(got["w"], want_bf16["w"])
     assert torch.equal(got["d"], run(mfx.newton_schulz(dtype=torch.float64), TensorDict({"d": mixed["d"]}, []))["d"])
+
+
+def _spectral_cases(m, n, gen):
+    u, _ = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(n, m, generator=gen, dtype=torch.float64))
+    return {"gaussian": torch.randn(m, n, generator=gen, dtype=torch.float64),
+            "condition 1e6": u @ torch.diag(torch.logspace(0, -6, m, dtype=torch.float64)) @ v.mT,
+            "rank 2": torch.randn(m, 2, generator=gen, dtype=torch.float64)
+            @ torch.randn(2, n, generator=gen, dtype=torch.float64)}
+
+
+@pytest.mark.parametrize("shape", [(1, 40, 64), (33, 33), (20, 50), (70, 30), (3, 17, 45)],
+                         ids=["batch-of-one", "square", "wide", "tall", "odd-sizes"])
+@pytest.mark.parametrize("coefficients", ["keller", "polar_express"])
+def test_the_spectral_form_is_the_iteration_evaluated_on_the_spectrum(shape, coefficients):
+    """In float64 the spectral form and the standard iteration agree to rounding
+    (measured: 1e-14 relative), on square, wide, tall and odd-sized matrices."""
+    gen = torch.Generator().manual_seed(11)
+    g = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    s = resolve(coefficients, 5)
+    x = g if g.ndim == 3 else g[None]
+    spec = newton_schulz_batched(x, s, dtype=torch.float64, method="spectral")
+    std = newton_schulz_batched(x, s, dtype=torch.float64, method="standard")
+    assert spec.shape == x.shape and spec.dtype == torch.float64
+    assert ((spec - std).norm() / std.norm()).item() < 1e-11
+
+
+@pytest.mark.parametrize("m, n, bound", [(48, 128, 2e-2), (SPECTRAL_MIN_DIM, 2 * SPECTRAL_MIN_DIM, 2e-3)])
+def test_float32_spectral_is_far_closer_to_the_exact_iteration_than_bf16(m, n, bound):
+    """What makes the float32 spectral form an accurate-enough default (bf16's accuracy):
+    float32 eigenvectors of the squared matrix blur tiny singular values, yet it stays
+    20x and more closer to the float64 iteration than standard bf16 (torch.optim.Muon's
+    arithmetic). Measured: 48 x 128 at most 1.3e-2 (polar_express, condition 1e6; bf16
+    0.33), 320 x 640 and larger at most 8e-4 (bf16 0.09-1.7); Gaussian inputs 4e-6."""
+    gen = torch.Generator().manual_seed(2)
+    for coefficients in ("keller", "polar_express"):
+        s = resolve(coefficients, 5)
+        for name, g in _spectral_cases(m, n, gen).items():
+            ref = newton_schulz_batched(g[None], s, dtype=torch.float64, method="standard")[0]
+
+            def err(**kw):
+                out = newton_schulz_batched(g[None].float(), s, **kw)[0].double()
+                return ((out - ref).norm() / ref.norm()).item()
+
+            spec, bf16 = err(dtype=torch.float32, method="spectral"), err(dtype=torch.bfloat16, method="standard")
+            assert spec < bound and 20 * spec < bf16, (coefficients, name, spec, bf16)
+            if name == "gaussian":
+                assert spec < 2e-5, (coefficients, spec)
+
+
+def test_the_spectral_form_keeps_zero_matrices_and_marks_non_finite_ones():
+    """A zero matrix gives zero (as the iterations); a matrix with a non-finite entry gives
+    NaN in that matrix only, where LAPACK alone would refuse the whole batch."""
+    gen = torch.Generator().manual_seed(4)
+    g = torch.randn(4, 24, 40, generator=gen)
+    g[1] = 0
+    g[2, 3, 5] = float("nan")
+    g[3, 0, 0] = float("inf")
+    s = resolve("keller", 5)
+    out = newton_schulz_batched(g, s, dtype=torch.float32, method="spectral")
+    assert torch.equal(out[1], torch.zeros(24, 40))
+    assert out[2].isnan().all() and out[3].isnan().all()
+    assert torch.equal(out[0], newton_schulz_batched(g[:1], s, dtype=torch.float32, method="spectral")[0])
+    std = newton_schulz_batched(g, s, dtype=torch.float32, method="standard")
+    assert std[2].isnan().all() and std[3].isnan().all()  # the iterations do the same
+
+
+def test_auto_method_rule():
+    big, wide, square = (SPECTRAL_MIN_DIM, 2 * SPECTRAL_MIN_DIM), (128, 512), (64, 64)
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert [auto_method(*s, f32, "bf16") for s in (big, wide, square)] == ["spectral", "gram", "standard"]
+    assert auto_method(*big[::-1], f32, "bf16") == "spectral"  # tall: its smaller side counts
+    assert auto_method(SPECTRAL_MIN_DIM - 1, 4 * SPECTRAL_MIN_DIM, f32, "bf16") == "gram"
+    assert auto_method(*big, f32, "bf16", device="cuda") == "gram"  # the CPU's LAPACK only
+    assert [auto_method(*s, bf16) for s in (big, wide, square)] == ["gram", "gram", "standard"]
+    assert [auto_method(*big, d) for d in (f32, torch.float64)] == ["standard", "standard"]
+    assert auto_method(*big, torch.float64, "bf16") == "standard"
+    with pytest.raises(ValueError, match="method 'eig'.*'spectral'"):
+        newton_schulz_batched(torch.randn(1, 4, 8), resolve("keller", 5), method="eig")
+    with pytest.raises(ValueError, match="newton_schulz: unknown method 'eig'.*'spectral'"):
+        mfx.newton_schulz(method="eig")
+
+
+def test_the_default_takes_the_spectral_form_on_large_matrices_where_float32_is_the_default(cpu_default):
+    """Where float32 is the device's default (emulated bf16), "auto" computes the spectral
+    form on matrices whose smaller side is at least SPECTRAL_MIN_DIM; with native bf16 it
+    stays the bf16 Gram iteration; a float32 asked for keeps the standard form."""
+    gen = torch.Generator().manual_seed(6)
+    g = TensorDict({"big": torch.randn(2 * SPECTRAL_MIN_DIM, SPECTRAL_MIN_DIM, generator=gen)}, [])
+    tx = mfx.newton_schulz()
+    got = tx.update(g, tx.init(g))[0]["big"]
+    want = "spectral" if cpu_default == torch.float32 else "gram"
+    assert torch.equal(got, _batched(g["big"], dtype=cpu_default, method=want))
+    asked = mfx.newton_schulz(dtype=torch.float32)
+    assert torch.equal(asked.update(g, None)[0]["big"], _batched(g["big"], dtype=torch.float32, method="standard"))

@@ -174,10 +174,17 @@ def run_info(args) -> int:
     print(f"ns dtype    CPU {str(choice.dtype).replace('torch.', '')} ({choice.reason})"
           + ("; CUDA bfloat16" if torch.cuda.is_available() else "")
           + (f"; MUONFX_NS_DTYPE={os.environ['MUONFX_NS_DTYPE']} overrides it" if os.environ.get("MUONFX_NS_DTYPE") else ""))
-    gram = ("bf16, restarting every 3 steps, where n > 1.5 m" if choice.dtype == torch.bfloat16 else
-            "float32, this CPU's default: bf16's accuracy kept, no restarts; where n > 1.2 m")
-    print(f"ns method   auto: the Gram iteration on rectangular m x n matrices ({gram}); the standard one "
-          "on the others and wherever float32 is asked for (ns_dtype=, MUONFX_NS_DTYPE)")
+    from ..linalg import SPECTRAL_MIN_DIM
+
+    if choice.dtype == torch.bfloat16:
+        rule = ("the Gram iteration on rectangular m x n matrices (bf16, restarting every 3 steps, where "
+                "n > 1.5 m)")
+    else:
+        rule = (f"float32, this CPU's default: bf16's accuracy kept; the spectral form (eigh of X X^T) on "
+                f"matrices whose smaller side is at least {SPECTRAL_MIN_DIM}, the Gram iteration on smaller "
+                "rectangular m x n ones (no restarts, where n > 1.2 m)")
+    print(f"ns method   auto: {rule}; the standard one on the others and wherever float32 is asked for "
+          "(ns_dtype=, MUONFX_NS_DTYPE)")
     if args.no_bf16_check:
         print("bf16        not checked (--no-bf16-check)")
     else:

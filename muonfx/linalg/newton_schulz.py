@@ -24,10 +24,21 @@ from . import triton_ns
 from .precision import ns_dtype_for
 
 __all__ = ["newton_schulz_batched", "default_compute_dtype", "gram_pays_off", "gram_flops", "standard_flops",
-           "default_restart", "auto_takes_gram", "ACCURACIES", "NewtonSchulz"]
+           "default_restart", "auto_takes_gram", "auto_method", "spectral_pays_off", "ACCURACIES", "METHODS",
+           "SPECTRAL_MIN_DIM", "NewtonSchulz"]
 
 #: what ``accuracy=`` of :func:`newton_schulz_batched` accepts (see there)
 ACCURACIES = ("dtype", "bf16")
+
+#: what ``method=`` of :func:`newton_schulz_batched` accepts (see there)
+METHODS = ("auto", "standard", "gram", "spectral")
+
+#: the smaller matrix side from which ``"auto"`` takes the spectral form on the CPU (in
+#: float32 at bf16's accuracy): there LAPACK's eigendecomposition of the ``m x m`` Gram
+#: matrix costs less than the iteration's products (measured on the project's 2-core
+#: machines: on par at m = 256, 0.67x the faster iteration at 384 x 768, 0.45-0.57x at
+#: 512 and 768; ``benchmarks/newton_schulz.py --only spectral``)
+SPECTRAL_MIN_DIM = 320
 
 
 def default_compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -75,6 +86,73 @@ def _gram(x: "torch.Tensor | list[torch.Tensor]", steps, restart: int | None) ->
                 r = torch.bmm(p, torch.bmm(r, p))
         x = torch.bmm(q, x)
     return x
+
+
+def _spectral(x: "torch.Tensor | list[torch.Tensor]", steps) -> torch.Tensor:
+    """The iteration's result computed from the eigendecomposition of ``R = X X^T``.
+
+    Every step maps a singular value ``s`` of ``X`` to ``p(s^2) s`` with
+    ``p(l) = a + b l + c l^2``, the singular vectors unchanged. So with
+    ``R = V diag(l) V^T`` the K steps give ``X_K = V diag(h) V^T X`` where, per
+    eigenvalue, ``h = p_1(l_1) ... p_K(l_K)`` and ``l_{k+1} = l_k p_k(l_k)^2``: the same
+    function as the iteration, evaluated exactly on the spectrum (float32 eigenvectors
+    of the squared matrix lose some accuracy on tiny singular values: within ~1e-3 of
+    the exact iteration on matrices of 256 and more, ~1e-2 on a 48 x 128 matrix of
+    condition 1e6, where bf16 is 0.1-1.7 away). The eigendecomposition runs in float32
+    (float64 for float64 input). A matrix with a non-finite entry gives NaN, as the
+    iterations do (LAPACK would refuse it).
+    """
+    x = x.pop() if isinstance(x, list) else x  # as in _standard
+    r = torch.bmm(x, x.mT)
+    finite = torch.isfinite(r).all(dim=-1).all(dim=-1)
+    edtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    lam, v = torch.linalg.eigh(torch.where(finite[:, None, None], r, 0).to(edtype))
+    del r
+    lam = lam.clamp_min(0)  # rounding makes the smallest eigenvalues slightly negative
+    h = torch.ones_like(lam)
+    for a, b, c in steps:
+        p = a + lam * (b + c * lam)
+        h = h * p
+        lam = lam * p * p
+    h = torch.where(finite[:, None], h, float("nan"))
+    q = torch.bmm(v * h.unsqueeze(-2), v.mT).to(x.dtype)
+    return torch.bmm(q, x)
+
+
+def spectral_pays_off(m: int, n: int, device: "torch.device | str" = "cpu") -> bool:
+    """True where the spectral form is faster than the iterations: on the CPU, for
+    matrices whose smaller side is at least :data:`SPECTRAL_MIN_DIM` (elsewhere the
+    eigendecomposition is the slower part: GPUs run it far below their matmul speed)."""
+    return torch.device(device).type == "cpu" and min(m, n) >= SPECTRAL_MIN_DIM
+
+
+def auto_method(m: int, n: int, dtype: torch.dtype, accuracy: str = "dtype", device: "torch.device | str" = "cpu",
+                steps: int = 5) -> str:
+    """What ``method="auto"`` computes for an ``m x n`` matrix in ``dtype`` on ``device``:
+    ``"spectral"``, ``"gram"`` or ``"standard"``.
+
+    * ``accuracy="bf16"`` with float32 (the device's default on CPUs that emulate bf16):
+      the spectral form where it pays off (:func:`spectral_pays_off`), else the Gram
+      form where it needs fewer flops (:func:`gram_pays_off`, no restarts);
+    * bf16/fp16: the Gram form where it needs fewer flops counting its restarts;
+    * otherwise (float32 asked for, float64): the standard form.
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx.linalg import auto_method
+        >>> auto_method(512, 1024, torch.float32, "bf16"), auto_method(128, 512, torch.float32, "bf16")
+        ('spectral', 'gram')
+        >>> auto_method(512, 1024, torch.bfloat16), auto_method(512, 1024, torch.float32)
+        ('gram', 'standard')
+    """
+    if dtype == torch.float32 and accuracy == "bf16":
+        if spectral_pays_off(m, n, device):
+            return "spectral"
+        return "gram" if gram_pays_off(m, n, steps, None) else "standard"
+    if dtype in (torch.bfloat16, torch.float16):
+        return "gram" if gram_pays_off(m, n, steps, default_restart(dtype)) else "standard"
+    return "standard"
 
 
 def standard_flops(m: int, n: int, steps: int) -> int:
@@ -153,21 +231,26 @@ def newton_schulz_batched(
     matmul, float32 elsewhere, float64 for float64 input).
 
     ``method``: ``"standard"`` (the iteration above), ``"gram"`` (iterate on the
-    ``m x m`` Gram matrix, mathematically the same function), or ``"auto"`` (default:
-    in 16-bit dtypes the Gram form where it needs fewer flops counting its restarts,
-    see :func:`gram_pays_off`, i.e. rectangular matrices with ``n > 1.5 m``; there it is
-    within 2.5x of the standard form's rounding error. In float32 and float64 the
-    standard form, unless ``accuracy="bf16"``: there Gram's error (up to ~1e-3 relative
-    to the exact iteration; standard float32 ~1e-5) is far above the dtype's own).
+    ``m x m`` Gram matrix, mathematically the same function), ``"spectral"`` (the same
+    function evaluated on the eigendecomposition of the Gram matrix, see
+    :func:`_spectral`; float32 or float64 eigenvectors whatever the compute dtype), or
+    ``"auto"`` (default, :func:`auto_method`: in 16-bit dtypes the Gram form where it
+    needs fewer flops counting its restarts, see :func:`gram_pays_off`, i.e. rectangular
+    matrices with ``n > 1.5 m``; there it is within 2.5x of the standard form's rounding
+    error. In float32 and float64 the standard form, unless ``accuracy="bf16"``: there
+    the Gram and spectral forms' errors (up to ~1e-3 relative to the exact iteration;
+    standard float32 ~1e-5) are far above the dtype's own).
 
     ``accuracy``: the accuracy ``"auto"`` must keep. ``"dtype"`` (default): that of the
     compute dtype, as above. ``"bf16"``: bfloat16's, what ``torch.optim.Muon`` computes:
-    ``"auto"`` then takes the Gram form where it pays off in float32 too (without
-    restarts; up to ~1e-3 from the exact iteration on ill-conditioned and low-rank
-    inputs, where bf16 is 1e-2..1, ``docs/performance.md``). The
-    :func:`muonfx.newton_schulz` transform asks for it when its dtype is the device's
-    default (none given, none pinned): float32 on CPUs that emulate bf16, where it is
-    the fastest accurate-enough configuration. See :func:`auto_takes_gram`. ``restart`` (Gram
+    in float32 ``"auto"`` then takes the spectral form on CPU matrices of at least
+    :data:`SPECTRAL_MIN_DIM` (1.5-2.5x faster than the iterations there) and the Gram
+    form where it pays off on smaller ones (without restarts); both stay 20-100x closer
+    to the exact iteration than bf16 on ill-conditioned and low-rank inputs
+    (``docs/performance.md``). The :func:`muonfx.newton_schulz` transform asks for it
+    when its dtype is the device's default (none given, none pinned): float32 on CPUs
+    that emulate bf16, where it is the fastest accurate-enough configuration. See
+    :func:`auto_method`. ``restart`` (Gram
     only) re-forms ``X`` every that many steps; ``None`` means
     :func:`default_restart`: never in float32/float64 and every 3 steps in 16-bit
     dtypes. The whole batch is one call: how many matrices a
@@ -200,8 +283,8 @@ class NewtonSchulz:
 
     def __init__(self, schedule: Schedule, eps: float = 1e-7, dtype: torch.dtype | None = None,
                  method: str = "auto", restart: int | None = None, accuracy: str = "dtype") -> None:
-        if method not in ("standard", "gram", "auto"):
-            raise ValueError(f"unknown Newton-Schulz method {method!r}; use 'standard', 'gram' or 'auto'")
+        if method not in METHODS:
+            raise ValueError(f"unknown Newton-Schulz method {method!r}; use 'standard', 'gram', 'spectral' or 'auto'")
         if accuracy not in ACCURACIES:
             raise ValueError(f"unknown Newton-Schulz accuracy {accuracy!r}; use 'dtype' or 'bf16'")
         self.schedule, self.eps, self.method, self.restart, self.accuracy = schedule, eps, method, restart, accuracy
@@ -215,15 +298,23 @@ class NewtonSchulz:
         low = cdtype in (torch.bfloat16, torch.float16)
         if restart is None and low:  # default_restart(cdtype), inline: this runs once per batch
             restart = 3
-        use_gram = self.method == "gram" or (
-            # auto_takes_gram(cdtype, accuracy), inline: this runs once per batch
-            self.method == "auto" and (low or (cdtype == torch.float32 and self.accuracy == "bf16"))
-            and gram_pays_off(g.shape[-2], g.shape[-1], len(schedule.steps), restart))
+        method = self.method
+        if method == "auto":
+            # auto_method(m, n, cdtype, accuracy, device), inline: this runs once per batch
+            m, n = g.shape[-2], g.shape[-1]
+            if cdtype == torch.float32 and self.accuracy == "bf16":
+                method = "spectral" if g.device.type == "cpu" and min(m, n) >= SPECTRAL_MIN_DIM else (
+                    "gram" if gram_pays_off(m, n, len(schedule.steps), restart) else "standard")
+            else:
+                method = "gram" if low and gram_pays_off(m, n, len(schedule.steps), restart) else "standard"
+        use_gram = method == "gram"
         # one batched call; the normalised input is handed over in a list (see _standard), so
         # the iteration holds the only reference and frees it with its first new iterate
         tall = g.shape[-2] > g.shape[-1]
         x = None
-        if low and triton_ns.available(g):
+        if method == "spectral":
+            x = _spectral([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps)
+        elif low and triton_ns.available(g):
             # the same iteration with symmetric Triton products (CUDA); None: use torch's
             x = triton_ns.orthogonalize([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps, restart,
                                         use_gram)

@@ -8,6 +8,7 @@ from .. import seam
 from ..base import EmptyState, GradientTransformation, LeafwiseTransformation, build, leaves
 from ..hyperparams import check, check_float_dtype
 from ..linalg import CoefficientSpec, NewtonSchulz, resolve
+from ..linalg.newton_schulz import METHODS
 from ..linalg.precision import device_ns_dtype, pinned_ns_dtype
 from ._matrix import as_stacks
 
@@ -60,21 +61,25 @@ def newton_schulz(
             apply to transforms built later). The output keeps the update's dtype.
         safety: normalisation safety factor; ``None`` uses the preset's (1.02 for
             polar_express, else 1).
-        method: ``"auto"`` (default), ``"standard"`` or ``"gram"``. ``"auto"`` takes
-            the Gram-matrix iteration (the same function, iterated on the small
-            ``m x m`` Gram matrix) wherever it needs fewer flops counting its restarts,
-            in the precision that allows it, and the standard iteration otherwise:
+        method: ``"auto"`` (default), ``"standard"``, ``"gram"`` or ``"spectral"``.
+            ``"gram"`` iterates on the small ``m x m`` Gram matrix; ``"spectral"``
+            evaluates the same function on the Gram matrix's eigendecomposition (each
+            eigenvalue goes through the schedule's polynomials, then one product
+            applies the result). ``"auto"`` (:func:`muonfx.linalg.auto_method`) takes
+            the fastest of them that keeps the accuracy of the precision it runs in:
 
             * bf16/fp16 (given or the device's default): rectangular matrices with
               ``n > 1.5 m`` (restarting every 3 steps). It differs from the exact
               iteration by ~2e-2 against standard bf16's ~1e-2, both 5-20x below the
               5-step schedule's own distance to the exact polar factor (0.09-0.45).
             * float32 as the device's default (``dtype=None`` and no process-wide pin,
-              on a CPU that emulates bf16): rectangular matrices with ``n > 1.2 m``
-              (no restarts). The default promises bf16's accuracy, what
-              torch.optim.Muon computes; float32 Gram is within ~1e-3 of the exact
-              iteration, 100x closer than bf16, and 1.2-1.9x faster than standard
-              float32 on 1:2 to 1:4 matrices (``docs/performance.md``).
+              on a CPU that emulates bf16): the spectral form on matrices whose
+              smaller side is at least 320 (:data:`muonfx.linalg.SPECTRAL_MIN_DIM`;
+              1.5-2.5x faster than the iterations there, CPU only), the Gram form on
+              smaller rectangular ones with ``n > 1.2 m`` (no restarts). The default
+              promises bf16's accuracy, what torch.optim.Muon computes; both are
+              within ~1e-3 of the exact iteration on matrices of that size, 20-100x
+              closer than bf16 (``docs/performance.md``).
             * float32 given (``dtype=torch.float32``, ``set_default_ns_dtype`` or
               ``MUONFX_NS_DTYPE``) and float64: always standard; there the Gram form's
               error (~1e-4..1e-3) would be far above the dtype's own (~1e-6), and it
@@ -83,7 +88,7 @@ def newton_schulz(
 
             ``"standard"`` computes what torch.optim.Muon computes. See
             :func:`muonfx.linalg.newton_schulz_batched` and
-            :func:`muonfx.linalg.auto_takes_gram`.
+            :func:`muonfx.linalg.auto_method`.
 
     A matrix whose float32 (or bfloat16) norm overflows (entries of ~1e19 and more) is
     scaled by ``2**-100`` before it is normalised, so it gets the update of the same
@@ -109,8 +114,8 @@ def newton_schulz(
     eps = check("eps", eps)
     check_float_dtype("dtype", dtype)
     schedule = resolve(coefficients, steps, safety)
-    if method not in ("auto", "standard", "gram"):
-        raise ValueError(f"newton_schulz: unknown method {method!r}; use 'auto', 'standard' or 'gram'")
+    if method not in METHODS:
+        raise ValueError(f"newton_schulz: unknown method {method!r}; use 'auto', 'standard', 'gram' or 'spectral'")
     # a process-wide override (set_default_ns_dtype, MUONFX_NS_DTYPE) is read now, once:
     # the transform computes the same thing at every step whatever the setting later says
     pinned = pinned_ns_dtype() if dtype is None else None
