@@ -92,6 +92,8 @@ def test_info_prints_versions_devices_backends(env):
             f"auto: float32, this CPU's default: bf16's accuracy kept; the spectral form (eigh of X X^T) on "
             f"matrices whose smaller side is at least {muonfx.linalg.SPECTRAL_MIN_DIM}")
     assert f"ns method   {rule}" in out, out
+    side, blocks = muonfx.linalg.blocked.BLOCK_ROWS[choice.itemsize]
+    assert f"ns products CPU: symmetric products by {blocks} block rows from m = {side}" in out, out
 
 
 def test_bf16_check_explains_the_sigill_workaround(monkeypatch):

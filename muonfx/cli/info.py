@@ -185,6 +185,11 @@ def run_info(args) -> int:
                 "rectangular m x n ones (no restarts, where n > 1.2 m)")
     print(f"ns method   auto: {rule}; the standard one on the others and wherever float32 is asked for "
           "(ns_dtype=, MUONFX_NS_DTYPE)")
+    from ..linalg.blocked import BLOCK_ROWS
+
+    side, blocks = BLOCK_ROWS[choice.dtype.itemsize]
+    print(f"ns products CPU: symmetric products by {blocks} block rows from m = {side} "
+          f"({str(choice.dtype).replace('torch.', '')}; linalg.blocked), plain below")
     if args.no_bf16_check:
         print("bf16        not checked (--no-bf16-check)")
     else:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .coefficients import Schedule
-from . import triton_ns
+from . import blocked, triton_ns
 from .precision import ns_dtype_for
 
 __all__ = ["newton_schulz_batched", "default_compute_dtype", "gram_pays_off", "gram_flops", "standard_flops",
@@ -36,9 +36,9 @@ METHODS = ("auto", "standard", "gram", "spectral")
 #: the smaller matrix side from which ``"auto"`` takes the spectral form on the CPU (in
 #: float32 at bf16's accuracy): there LAPACK's eigendecomposition of the ``m x m`` Gram
 #: matrix costs less than the iteration's products (measured on the project's 2-core
-#: machines: on par at m = 256, 0.67x the faster iteration at 384 x 768, 0.45-0.57x at
-#: 512 and 768; ``benchmarks/newton_schulz.py --only spectral``)
-SPECTRAL_MIN_DIM = 320
+#: machines, time against the faster iteration: 1.07-1.24x at m = 128, 0.83-1.0x at 256,
+#: 0.61-0.75x at 320, 0.5-0.7x at 384 to 768; ``benchmarks/newton_schulz.py --only spectral``)
+SPECTRAL_MIN_DIM = 256
 
 
 def default_compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -244,7 +244,7 @@ def newton_schulz_batched(
     ``accuracy``: the accuracy ``"auto"`` must keep. ``"dtype"`` (default): that of the
     compute dtype, as above. ``"bf16"``: bfloat16's, what ``torch.optim.Muon`` computes:
     in float32 ``"auto"`` then takes the spectral form on CPU matrices of at least
-    :data:`SPECTRAL_MIN_DIM` (1.5-2.5x faster than the iterations there) and the Gram
+    :data:`SPECTRAL_MIN_DIM` (1.2-2x faster than the iterations from 320 on) and the Gram
     form where it pays off on smaller ones (without restarts); both stay 20-100x closer
     to the exact iteration than bf16 on ill-conditioned and low-rank inputs
     (``docs/performance.md``). The :func:`muonfx.newton_schulz` transform asks for it
@@ -319,7 +319,13 @@ class NewtonSchulz:
             x = triton_ns.orthogonalize([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps, restart,
                                         use_gram)
         if x is None:
-            if use_gram:
+            # blocked.block_count(min(m, n), device, cdtype), inline (hot path)
+            side, blocks = blocked.BLOCK_ROWS.get(cdtype.itemsize, blocked.BLOCK_ROWS[4])
+            if g.device.type == "cpu" and min(g.shape[-2], g.shape[-1]) >= side:
+                # large CPU matrices: the symmetric products by block rows, up to the diagonal
+                x = blocked.orthogonalize([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps,
+                                          restart, use_gram, blocks)
+            elif use_gram:
                 x = _gram([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps, restart)
             else:
                 x = _standard([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps)

@@ -1,11 +1,7 @@
 """Newton-Schulz with symmetric Triton products (CUDA; the interpreter runs it on a CPU).
 
-Every ``m x m`` product of the Newton-Schulz iterations is symmetric:
-
-* standard: ``A = X X^T`` and ``b A + c A A`` (``A A = A A^T``, ``A`` symmetric);
-* Gram form: ``R = X X^T``, ``p(R) = b R + c R R``, ``Q <- p Q`` and ``R <- p (R p)`` (all
-  polynomials in the same ``R``, so they commute and every product is symmetric).
-
+Every ``m x m`` product of the Newton-Schulz iterations is symmetric
+(:mod:`muonfx.linalg.symmetric`, which writes the iterations for any symmetric product).
 One kernel computes ``C = alpha * X Y^T + beta * C0`` for such a symmetric result: each
 program computes one tile on or above the diagonal (a ``BLOCK x BLOCK`` block of rows
 ``i`` and columns ``j >= i``), accumulating in float32, and stores its entries on and above
@@ -34,6 +30,8 @@ import logging
 import os
 
 import torch
+
+from . import symmetric
 
 __all__ = ["available", "orthogonalize", "sym_product", "standard_sym", "gram_sym", "interpreting"]
 
@@ -150,32 +148,13 @@ def sym_product(x: torch.Tensor, y: torch.Tensor | None = None, alpha: float = 1
 def standard_sym(x: "torch.Tensor | list[torch.Tensor]", steps) -> torch.Tensor:
     """The standard iteration (``_standard`` of :mod:`.newton_schulz`) with symmetric
     products; ``x`` handed over in a list is taken out of it (as there)."""
-    x = x.pop() if isinstance(x, list) else x
-    for a, b, c in steps:
-        gram = sym_product(x)
-        poly = sym_product(gram, gram, alpha=c, beta=b, c0=gram)
-        x = torch.baddbmm(x, poly, x, beta=a)
-    return x
+    return symmetric.standard(x, steps, sym_product)
 
 
 def gram_sym(x: "torch.Tensor | list[torch.Tensor]", steps, restart: int | None) -> torch.Tensor:
     """The Gram iteration (``_gram`` of :mod:`.newton_schulz`) with symmetric products;
     ``x`` handed over in a list is taken out of it."""
-    x = x.pop() if isinstance(x, list) else x
-    steps = list(steps)
-    seg = len(steps) if not restart else restart
-    for start in range(0, len(steps), seg):
-        part = steps[start:start + seg]
-        r = sym_product(x)
-        q = None
-        for i, (a, b, c) in enumerate(part):
-            p = sym_product(r, r, alpha=c, beta=b, c0=r)
-            p.diagonal(dim1=-2, dim2=-1).add_(a)
-            q = p if q is None else sym_product(p, q)          # p q = p q^T (q symmetric)
-            if i < len(part) - 1:
-                r = sym_product(p, sym_product(r, p))           # r p and p (r p): symmetric
-        x = torch.bmm(q, x)
-    return x
+    return symmetric.gram(x, steps, restart, sym_product)
 
 
 _failed = False
