@@ -1,6 +1,6 @@
 """The default Newton-Schulz dtype of each device (muonfx.linalg.precision) and the default
 method ("auto": Gram on rectangular matrices in bf16; where float32 is the device's default
-rather than a dtype asked for, the spectral form on CPU matrices of 256 and more and Gram
+rather than a dtype asked for, the spectral form on CPU matrices of 320 and more and Gram
 on smaller rectangular ones), and the spectral form itself.
 
 conftest.py pins ``MUONFX_NS_DTYPE=float32`` for the rest of the suite; the tests here lift
@@ -289,7 +289,7 @@ def test_float32_spectral_is_far_closer_to_the_exact_iteration_than_bf16(m, n, b
     float32 eigenvectors of the squared matrix blur tiny singular values, yet it stays
     20x and more closer to the float64 iteration than standard bf16 (torch.optim.Muon's
     arithmetic). Measured: 48 x 128 at most 1.3e-2 (polar_express, condition 1e6; bf16
-    0.33), 256 x 512 and larger at most 8e-4 (bf16 0.09-1.7); Gaussian inputs 4e-6."""
+    0.33), 320 x 640 and larger at most 8e-4 (bf16 0.09-1.7); Gaussian inputs 4e-6."""
     gen = torch.Generator().manual_seed(2)
     for coefficients in ("keller", "polar_express"):
         s = resolve(coefficients, 5)

@@ -36,9 +36,10 @@ METHODS = ("auto", "standard", "gram", "spectral")
 #: the smaller matrix side from which ``"auto"`` takes the spectral form on the CPU (in
 #: float32 at bf16's accuracy): there LAPACK's eigendecomposition of the ``m x m`` Gram
 #: matrix costs less than the iteration's products (measured on the project's 2-core
-#: machines, time against the faster iteration: 1.07-1.24x at m = 128, 0.83-1.0x at 256,
-#: 0.61-0.75x at 320, 0.5-0.7x at 384 to 768; ``benchmarks/newton_schulz.py --only spectral``)
-SPECTRAL_MIN_DIM = 256
+#: machines, time against the faster iteration, three runs: 1.07-1.45x at m = 128,
+#: 0.83-1.12x at 256 (on par: the iterations, more accurate, keep it), 0.61-1.03x at 320,
+#: 0.5-0.87x at 384 to 768; ``benchmarks/newton_schulz.py --only spectral``)
+SPECTRAL_MIN_DIM = 320
 
 
 def default_compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -244,7 +245,7 @@ def newton_schulz_batched(
     ``accuracy``: the accuracy ``"auto"`` must keep. ``"dtype"`` (default): that of the
     compute dtype, as above. ``"bf16"``: bfloat16's, what ``torch.optim.Muon`` computes:
     in float32 ``"auto"`` then takes the spectral form on CPU matrices of at least
-    :data:`SPECTRAL_MIN_DIM` (1.2-2x faster than the iterations from 320 on) and the Gram
+    :data:`SPECTRAL_MIN_DIM` (up to 2x faster than the iterations there) and the Gram
     form where it pays off on smaller ones (without restarts); both stay 20-100x closer
     to the exact iteration than bf16 on ill-conditioned and low-rank inputs
     (``docs/performance.md``). The :func:`muonfx.newton_schulz` transform asks for it

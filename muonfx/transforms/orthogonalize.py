@@ -74,7 +74,7 @@ def newton_schulz(
               5-step schedule's own distance to the exact polar factor (0.09-0.45).
             * float32 as the device's default (``dtype=None`` and no process-wide pin,
               on a CPU that emulates bf16): the spectral form on matrices whose
-              smaller side is at least 256 (:data:`muonfx.linalg.SPECTRAL_MIN_DIM`;
+              smaller side is at least 320 (:data:`muonfx.linalg.SPECTRAL_MIN_DIM`;
               up to 2x faster than the iterations there, CPU only), the Gram form on
               smaller rectangular ones with ``n > 1.2 m`` (no restarts). The default
               promises bf16's accuracy, what torch.optim.Muon computes; both are
