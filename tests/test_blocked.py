@@ -112,3 +112,34 @@ def test_the_compiled_iteration_is_one_opaque_operator():
     torch.testing.assert_close(got, run(x), rtol=0, atol=0)
     inductor = torch.compile(run, fullgraph=True)(x)  # the real backend (C++ on the CPU)
     torch.testing.assert_close(inductor, run(x), rtol=1e-6, atol=1e-6)
+
+
+def test_the_spectral_form_takes_the_block_rows_for_its_two_symmetric_products():
+    """float32 spectral form on 512 x 600 (as "auto" computes it where float32 is the
+    default): R = X X^T and V diag(h) V^T by block rows, to float32 rounding of the plain
+    products; inside torch.compile each is torch.ops.muonfx.block_product."""
+    from muonfx.linalg.newton_schulz import _spectral
+
+    gen = torch.Generator().manual_seed(13)
+    g = torch.randn(2, 512, 600, generator=gen)
+    x = _normalized(g, SCHEDULE, 1e-7, torch.float32, False)
+    got = NewtonSchulz(SCHEDULE, dtype=torch.float32, method="spectral")(g)
+    assert torch.equal(got, _spectral(x, SCHEDULE.steps, blocked.block_count(512)))
+    plain = _spectral(x, SCHEDULE.steps, 1)
+    assert ((got - plain).norm() / plain.norm()).item() < 1e-5
+    y = torch.randn(3, 7, 5, dtype=torch.float64)
+    torch.library.opcheck(torch.ops.muonfx.block_product.default, (y, y, 2))
+
+    small = _normalized(torch.randn(2, 24, 40, generator=gen), SCHEDULE, 1e-7, torch.float32, False)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(lambda t: _spectral([t * 1.0], SCHEDULE.steps, 3), backend=backend, fullgraph=True)(small)
+    targets = [n.target for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    op = torch.ops.muonfx.block_product
+    assert sum(t in (op, op.default) for t in targets) == 2, targets
+    torch.testing.assert_close(out, _spectral(small, SCHEDULE.steps, 3), rtol=0, atol=0)

@@ -351,3 +351,22 @@ def test_the_default_takes_the_spectral_form_on_large_matrices_where_float32_is_
     assert torch.equal(got, _batched(g["big"], dtype=cpu_default, method=want))
     asked = mfx.newton_schulz(dtype=torch.float32)
     assert torch.equal(asked.update(g, None)[0]["big"], _batched(g["big"], dtype=torch.float32, method="standard"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_spectral_form_asked_for_in_16_bit_runs_its_eigendecomposition_in_float32(dtype):
+    """``method="spectral"`` with a 16-bit compute dtype: the products in that dtype, the
+    eigendecomposition in float32 (LAPACK has no 16-bit one); at least as close to the
+    float64 iteration as the standard iteration in that dtype (measured: 6e-3 vs 1.6e-2
+    in bf16, 7e-4 vs 2e-3 in fp16)."""
+    gen = torch.Generator().manual_seed(12)
+    g = torch.randn(2, 40, 90, generator=gen)
+    s = resolve("keller", 5)
+    ref = newton_schulz_batched(g.double(), s, dtype=torch.float64, method="standard")
+
+    def err(method):
+        out = newton_schulz_batched(g, s, dtype=dtype, method=method)
+        assert out.dtype == g.dtype and out.shape == g.shape
+        return ((out.double() - ref).norm() / ref.norm()).item()
+
+    assert err("spectral") <= err("standard"), (err("spectral"), err("standard"))

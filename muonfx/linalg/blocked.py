@@ -29,7 +29,7 @@ import torch
 
 from . import symmetric
 
-__all__ = ["block_count", "block_product", "orthogonalize", "BLOCK_ROWS"]
+__all__ = ["block_count", "block_product", "product", "orthogonalize", "BLOCK_ROWS"]
 
 #: by the compute dtype's size in bytes: ``(smallest side, blocks)``; smaller matrices
 #: take the plain products
@@ -94,6 +94,28 @@ def block_product(x: torch.Tensor, y: torch.Tensor | None = None, alpha: float =
         r0, r1 = edges[i], edges[i + 1]
         out[:, r0:r1, r1:] = out[:, r1:, r0:r1].mT
     return out
+
+
+def product(x: torch.Tensor, y: torch.Tensor, blocks: int) -> torch.Tensor:
+    """``X Y^T`` for a result known to be symmetric, by ``blocks`` block rows where
+    ``blocks > 1`` (a plain ``bmm`` otherwise); inside ``torch.compile`` one opaque
+    operator, ``torch.ops.muonfx.block_product``. The spectral form's two symmetric
+    products (``X X^T`` and ``V diag(h) V^T``) go through here."""
+    if blocks <= 1:
+        return torch.bmm(x, y.mT)
+    if torch.compiler.is_compiling():
+        return torch.ops.muonfx.block_product(x, y, int(blocks))
+    return block_product(x, y, blocks=blocks)
+
+
+@torch.library.custom_op("muonfx::block_product", mutates_args=())
+def _block_product_op(x: torch.Tensor, y: torch.Tensor, blocks: int) -> torch.Tensor:
+    return block_product(x, y, blocks=blocks)
+
+
+@_block_product_op.register_fake
+def _(x: torch.Tensor, y: torch.Tensor, blocks: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], x.shape[1], y.shape[1])
 
 
 def orthogonalize(x: "torch.Tensor | list[torch.Tensor]", steps, restart: int | None, gram: bool,

@@ -89,7 +89,7 @@ def _gram(x: "torch.Tensor | list[torch.Tensor]", steps, restart: int | None) ->
     return x
 
 
-def _spectral(x: "torch.Tensor | list[torch.Tensor]", steps) -> torch.Tensor:
+def _spectral(x: "torch.Tensor | list[torch.Tensor]", steps, blocks: int = 1) -> torch.Tensor:
     """The iteration's result computed from the eigendecomposition of ``R = X X^T``.
 
     Every step maps a singular value ``s`` of ``X`` to ``p(s^2) s`` with
@@ -98,13 +98,14 @@ def _spectral(x: "torch.Tensor | list[torch.Tensor]", steps) -> torch.Tensor:
     eigenvalue, ``h = p_1(l_1) ... p_K(l_K)`` and ``l_{k+1} = l_k p_k(l_k)^2``: the same
     function as the iteration, evaluated exactly on the spectrum (float32 eigenvectors
     of the squared matrix lose some accuracy on tiny singular values: within ~1e-3 of
-    the exact iteration on matrices of 256 and more, ~1e-2 on a 48 x 128 matrix of
+    the exact iteration on matrices of 320 and more, ~1e-2 on a 48 x 128 matrix of
     condition 1e6, where bf16 is 0.1-1.7 away). The eigendecomposition runs in float32
     (float64 for float64 input). A matrix with a non-finite entry gives NaN, as the
-    iterations do (LAPACK would refuse it).
+    iterations do (LAPACK would refuse it). ``blocks > 1``: the two symmetric products
+    (``R`` and ``V diag(h) V^T``) by block rows (:mod:`muonfx.linalg.blocked`).
     """
     x = x.pop() if isinstance(x, list) else x  # as in _standard
-    r = torch.bmm(x, x.mT)
+    r = blocked.product(x, x, blocks)
     finite = torch.isfinite(r).all(dim=-1).all(dim=-1)
     edtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     lam, v = torch.linalg.eigh(torch.where(finite[:, None, None], r, 0).to(edtype))
@@ -116,7 +117,7 @@ def _spectral(x: "torch.Tensor | list[torch.Tensor]", steps) -> torch.Tensor:
         h = h * p
         lam = lam * p * p
     h = torch.where(finite[:, None], h, float("nan"))
-    q = torch.bmm(v * h.unsqueeze(-2), v.mT).to(x.dtype)
+    q = blocked.product(v * h.unsqueeze(-2), v, blocks).to(x.dtype)
     return torch.bmm(q, x)
 
 
@@ -314,7 +315,11 @@ class NewtonSchulz:
         tall = g.shape[-2] > g.shape[-1]
         x = None
         if method == "spectral":
-            x = _spectral([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps)
+            # blocked.block_count(min(m, n), device, float32): its products are float32 (or
+            # float64) ones, inline (hot path)
+            side, blocks = blocked.BLOCK_ROWS[8 if cdtype == torch.float64 else 4]
+            blocks = blocks if g.device.type == "cpu" and min(g.shape[-2], g.shape[-1]) >= side else 1
+            x = _spectral([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps, blocks)
         elif low and triton_ns.available(g):
             # the same iteration with symmetric Triton products (CUDA); None: use torch's
             x = triton_ns.orthogonalize([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps, restart,
