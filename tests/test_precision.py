@@ -370,3 +370,17 @@ def test_the_spectral_form_asked_for_in_16_bit_runs_its_eigendecomposition_in_fl
         return ((out.double() - ref).norm() / ref.norm()).item()
 
     assert err("spectral") <= err("standard"), (err("spectral"), err("standard"))
+
+
+@pytest.mark.parametrize("dtype, accuracy", [(torch.float32, "bf16"), (torch.float32, "dtype"),
+                                             (torch.bfloat16, "dtype"), (torch.float64, "bf16")])
+def test_auto_computes_what_auto_method_names(dtype, accuracy):
+    """The rule NewtonSchulz applies inline is auto_method's, shape by shape (square, wide,
+    tall, below and at the spectral threshold)."""
+    gen = torch.Generator().manual_seed(14)
+    s = resolve("keller", 5)
+    for m, n in ((24, 24), (16, 64), (64, 16), (SPECTRAL_MIN_DIM, SPECTRAL_MIN_DIM + 8), (SPECTRAL_MIN_DIM - 8, 400)):
+        g = torch.randn(1, m, n, generator=gen)
+        named = auto_method(m, n, dtype, accuracy)
+        got = newton_schulz_batched(g, s, dtype=dtype, accuracy=accuracy)
+        assert torch.equal(got, newton_schulz_batched(g, s, dtype=dtype, method=named)), (m, n, named)
