@@ -10,7 +10,7 @@ then needs about ``3 m^2 n + 1.5 m^3`` flops (two blocks) instead of ``4 m^2 n +
 Smaller products run below the matmul's peak, so the blocks pay off only on large
 matrices: :func:`block_count` is the rule (measured on the project's 2-core machines,
 ``benchmarks/newton_schulz.py --only blocks``): four blocks from 512 in float32 (a whole
-iteration in 0.72-0.86x the plain one's time), three from 640 in bf16 (0.84-0.94x; at
+iteration in 0.70-0.93x the plain one's time), three from 640 in bf16 (0.87-0.96x; at
 512 they gain nothing there). It is 1 (the plain batched products of
 :mod:`muonfx.linalg.newton_schulz`) below those sizes and on every device but the CPU.
 
