@@ -176,13 +176,15 @@ def spectral(repeats: int, sides=(128, 256, 320, 384, 512, 768), ratios=(1, 2, 4
                       "relF: to the float64 iteration, on a matrix of condition 1e6"])
 
 
-def blocks(repeats: int) -> str:
+BLOCK_SHAPES = ((4, 512, 1024), (1, 640, 1280), (3, 768, 768), (1, 768, 2304), (1, 768, 3072), (2, 1024, 2048))
+
+
+def blocks(repeats: int, shapes=BLOCK_SHAPES) -> str:
     """Block-row symmetric products against the plain ones (CPU), per size and dtype."""
     sched = resolve("keller", 5)
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
-        for count, m, n in ((4, 512, 1024), (1, 640, 1280), (3, 768, 768), (1, 768, 2304), (1, 768, 3072),
-                            (2, 1024, 2048)):
+        for count, m, n in shapes:
             restart = 3 if dtype == torch.bfloat16 else None
             gram = gram_pays_off(m, n, 5, restart)
             x = _normalized(torch.randn(count, m, n), sched, 1e-7, dtype, False)

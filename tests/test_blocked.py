@@ -143,3 +143,25 @@ def test_the_spectral_form_takes_the_block_rows_for_its_two_symmetric_products()
     op = torch.ops.muonfx.block_product
     assert sum(t in (op, op.default) for t in targets) == 2, targets
     torch.testing.assert_close(out, _spectral(small, SCHEDULE.steps, 3), rtol=0, atol=0)
+
+
+def test_the_benchmark_tables_of_the_spectral_form_and_the_block_rows(monkeypatch):
+    """``benchmarks/newton_schulz.py``'s spectral and blocks tables, on small shapes: a row
+    per size, the rule's choice in its column, ratios that parse."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = importlib.import_module("newton_schulz")
+    try:
+        spectral = bench.spectral(1, sides=(8, 16), ratios=(1, 2))
+        rows = [r for r in spectral.splitlines() if r.startswith("|") and "x" in r.split("|")[1]]
+        assert len(rows) == 4 and all(r.split("|")[6].strip() == "no" for r in rows), spectral
+        assert all(float(r.split("|")[5]) > 0 for r in rows)
+        table = bench.blocks(1, shapes=((2, 16, 24), (1, 12, 12)))
+        rows = [r for r in table.splitlines() if r.startswith("|") and r.split("|")[1].strip() in ("bfloat16", "float32")]
+        assert len(rows) == 4 and all(r.split("|")[-2].strip() == "1" for r in rows), table
+        assert all(float(c) > 0 for r in rows for c in r.split("|")[5:8])
+    finally:
+        sys.modules.pop("newton_schulz", None)
