@@ -165,3 +165,18 @@ def test_the_benchmark_tables_of_the_spectral_form_and_the_block_rows(monkeypatc
         assert all(float(c) > 0 for r in rows for c in r.split("|")[5:8])
     finally:
         sys.modules.pop("newton_schulz", None)
+
+
+def test_newton_schulz_takes_the_blocks_in_bf16_from_640_only():
+    """bf16 (the native-bf16 CPU default): the Gram form at 640 x 1280 runs on three block
+    rows, bit for bit what blocked.orthogonalize computes; at 512 x 1024, where they gain
+    nothing, the plain products."""
+    gen = torch.Generator().manual_seed(15)
+    ns = NewtonSchulz(SCHEDULE, dtype=torch.bfloat16)
+    for m, blocks in ((640, 3), (512, 1)):
+        g = torch.randn(1, m, 2 * m, generator=gen)
+        assert blocked.block_count(m, dtype=torch.bfloat16) == blocks
+        x = _normalized(g, SCHEDULE, 1e-7, torch.bfloat16, False)
+        want = (blocked.orthogonalize(x, SCHEDULE.steps, 3, True, blocks) if blocks > 1
+                else _gram(x, SCHEDULE.steps, 3))
+        assert torch.equal(ns(g), want.float()), m

@@ -84,15 +84,15 @@ def block_product(x: torch.Tensor, y: torch.Tensor | None = None, alpha: float =
             oj[r0:r1, :r1] = torch.mm(xj[r0:r1], yt[:, :r1])
         # the last block row spans every column: its rows are contiguous, written in place
         torch.mm(xj[last:], yt, out=oj[last:])
+    for i in range(blocks - 1):
+        r0, r1 = edges[i], edges[i + 1]
+        out[:, r0:r1, r1:] = out[:, r1:, r0:r1].mT
     # scaled and added afterwards, in one pass over the batch (oneDNN's bf16 addmm with a
-    # beta runs slower than mm and an add)
+    # beta runs slower than mm and an add); c0 is symmetric, so the mirrored blocks stay so
     if alpha != 1.0:
         out.mul_(alpha)
     if c0 is not None and beta != 0.0:
         out.add_(c0, alpha=beta)
-    for i in range(blocks - 1):
-        r0, r1 = edges[i], edges[i + 1]
-        out[:, r0:r1, r1:] = out[:, r1:, r0:r1].mT
     return out
 
 

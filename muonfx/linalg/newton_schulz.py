@@ -313,21 +313,20 @@ class NewtonSchulz:
         # one batched call; the normalised input is handed over in a list (see _standard), so
         # the iteration holds the only reference and frees it with its first new iterate
         tall = g.shape[-2] > g.shape[-1]
+        # blocked.block_count(min(m, n), device, cdtype), inline (hot path): how many block
+        # rows the symmetric products take (1: the plain batched products)
+        side, blocks = blocked.BLOCK_ROWS.get(cdtype.itemsize, blocked.BLOCK_ROWS[4])
+        if g.device.type != "cpu" or min(g.shape[-2], g.shape[-1]) < side:
+            blocks = 1
         x = None
         if method == "spectral":
-            # blocked.block_count(min(m, n), device, float32): its products are float32 (or
-            # float64) ones, inline (hot path)
-            side, blocks = blocked.BLOCK_ROWS[8 if cdtype == torch.float64 else 4]
-            blocks = blocks if g.device.type == "cpu" and min(g.shape[-2], g.shape[-1]) >= side else 1
             x = _spectral([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps, blocks)
         elif low and triton_ns.available(g):
             # the same iteration with symmetric Triton products (CUDA); None: use torch's
             x = triton_ns.orthogonalize([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps, restart,
                                         use_gram)
         if x is None:
-            # blocked.block_count(min(m, n), device, cdtype), inline (hot path)
-            side, blocks = blocked.BLOCK_ROWS.get(cdtype.itemsize, blocked.BLOCK_ROWS[4])
-            if g.device.type == "cpu" and min(g.shape[-2], g.shape[-1]) >= side:
+            if blocks > 1:
                 # large CPU matrices: the symmetric products by block rows, up to the diagonal
                 x = blocked.orthogonalize([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps,
                                           restart, use_gram, blocks)
