@@ -62,6 +62,27 @@ def _td_keys(td: TensorDictBase) -> list[Key]:
     return [k if isinstance(k, tuple) else (k,) for k in td.keys(include_nested=True, leaves_only=True)]
 
 
+def _owner(key: Key, params: "set[Key] | dict[Key, Any]") -> Key | None:
+    """The parameter a state entry keyed ``key`` belongs to: ``key`` itself or its longest
+    prefix among ``params`` (:func:`muonfx.blockwise` keys its blocks' state
+    ``(*key, "block<i>")``); None for an entry of no parameter in ``params``."""
+    for i in range(len(key), 0, -1):
+        if key[:i] in params:
+            return key[:i]
+    return None
+
+
+def _entry_name(path: str, key: Key, owner: Key) -> str:
+    """The flat name of a TensorDict entry at ``path`` keyed ``key`` in its owner's dict:
+    ``path`` for the owner's own entry, ``path.block0`` for an entry keyed under it."""
+    return _join(path, ".".join(str(p) for p in key[len(owner):]))
+
+
+def _owners(scope: set, params: "set[Key] | dict[Key, Any]") -> set:
+    """The parameters of a scalar's scope (the entry keys of its subtree)."""
+    return {o for o in (_owner(k, params) for k in scope) if o is not None}
+
+
 def _scan(node: Any, path: str, out_td: list, out_scalar: list, elide: bool = True) -> set:
     """Collect (path, td) and (path, value, scope) entries; return the subtree's keys."""
     if isinstance(node, TensorDictBase):
@@ -103,15 +124,18 @@ def flatten_per_param(state: Any, keys: list[Key]) -> dict[Key, dict[str, Any]]:
     """``{param key: {flat name: tensor or scalar}}`` for every key in ``keys``."""
     tds, scalars, _ = _collect(state)
     out: dict[Key, dict[str, Any]] = {k: {} for k in keys}
-    everyone = set(keys)
     for path, td in tds:
         for k in _td_keys(td):
-            if k in out:
-                out[k][path] = td.get(k)
+            o = _owner(k, out)
+            if o is not None:
+                name = _entry_name(path, k, o)
+                if name in out[o]:
+                    raise ValueError(f"state entries of parameter {key_str(o)!r} have the same flat name {name!r}; "
+                                     "give the parts distinct names with mfx.named_chain")
+                out[o][name] = td.get(k)
     for path, value, scope in scalars:
-        for k in (scope if scope is not None else everyone):
-            if k in out:
-                out[k][path] = value
+        for k in (_owners(scope, out) if scope is not None else keys):
+            out[k][path] = value
     return out
 
 
@@ -130,11 +154,9 @@ def scalars_per_param(state: Any, keys: list[Key]) -> dict[Key, dict[str, Any]]:
     """
     _, scalars, _ = _collect(state)
     out: dict[Key, dict[str, Any]] = {k: {} for k in keys}
-    everyone = set(keys)
     for path, value, scope in scalars:
-        for k in (scope if scope is not None else everyone):
-            if k in out:
-                out[k][path] = value
+        for k in (_owners(scope, out) if scope is not None else keys):
+            out[k][path] = value
     return out
 
 
@@ -232,13 +254,25 @@ def unflatten_per_param(template: Any, keys: list[Key], flat: dict[Key, dict[str
             )
     _, scalars, elide = _collect(template)
     scopes = {path: scope for path, _, scope in scalars}
+    params = set(keys)
+
+    def entry(path: str, node: TensorDictBase, k: Key) -> Any:
+        o = _owner(k, params)
+        if o is None:
+            raise ValueError(
+                f"state entry {path!r} keyed {key_str(k)!r} belongs to no parameter: the per-parameter "
+                "checkpoint format (torch.optim's) cannot hold it; key such state by parameter or keep it "
+                "as a scalar")
+        name = _entry_name(path, k, o)
+        return _cast_like(node.get(k), flat[o][name], f"state {name!r} of {names[o]!r}")
 
     def fn(path: str, node: Any) -> Any:
         if isinstance(node, TensorDictBase):
             tks = _td_keys(node)
-            return build(tks, [_cast_like(node.get(k), flat[k][path], f"state {path!r} of {names[k]!r}") for k in tks])
+            return build(tks, [entry(path, node, k) for k in tks])
         scope = scopes.get(path)
-        holders = [k for k in keys if scope is None or k in scope]
+        owners = _owners(scope, params) if scope is not None else params
+        holders = [k for k in keys if k in owners]
         if not holders:
             return node
         return _cast_like(node, flat[holders[0]][path], f"state {path!r}")

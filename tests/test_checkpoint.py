@@ -16,6 +16,7 @@ refusal of mismatched state dicts, and torch.distributed.checkpoint's helpers.
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 import math
 
@@ -79,7 +80,17 @@ def hybrid_opt(model: nn.Module) -> mfx.TransformOptimizer:
     return mfx.create_hybrid_optimizer(model, muon_lr=0.02, adamw_lr=3e-3, muon_weight_decay=0.01)
 
 
-BUILDERS = {"muon_adamw": muon_adamw_opt, "hybrid": hybrid_opt}
+def blockwise_opt(model: nn.Module) -> mfx.TransformOptimizer:
+    """State kept per block (``(*key, "block<i>")``): Adam's moments and its counter
+    inside :func:`muonfx.blockwise`, momentum outside it."""
+    per_block = mfx.blockwise(mfx.chain(mfx.scale_by_adam(), mfx.newton_schulz()), 8)
+    tx = mfx.chain(mfx.partition({"blocks": mfx.chain(mfx.momentum(0.9), per_block), "rest": mfx.scale_by_adam()},
+                                 lambda key, t: "blocks" if t.ndim == 2 and t.shape[0] % 8 == 0 else "rest"),
+                   mfx.scale_by_learning_rate(0.02))
+    return mfx.TransformOptimizer(model.named_parameters(), tx)
+
+
+BUILDERS = {"muon_adamw": muon_adamw_opt, "hybrid": hybrid_opt, "blockwise": blockwise_opt}
 N, M = 5, 5
 
 
@@ -185,6 +196,30 @@ def test_resume_then_save_again_is_stable():
 # ---------------------------------------------------------------------------
 # format
 # ---------------------------------------------------------------------------
+
+
+def test_blockwise_state_is_saved_under_its_parameter():
+    """Every block's entries (and the counter of the transform inside ``blockwise``) are in
+    the parameter's own entry, named by the block; a checkpoint that lacks one is refused
+    by name."""
+    model = make_model(0)
+    opt = blockwise_opt(model)
+    sched = cosine(opt)
+    train(model, opt, sched, range(2))
+    sd = opt.state_dict()
+    fc1 = list(dict(model.named_parameters())).index("fc1.weight")  # 32 x 16: four blocks of 8 rows
+    names = sorted(sd["state"][fc1])
+    blocks = [n for n in names if re.fullmatch(r"block\d", n.rsplit(".", 1)[-1])]
+    assert len(blocks) == 8 and {n.rsplit(".", 1)[1] for n in blocks} == {f"block{i}" for i in range(4)}, names
+    assert all(sd["state"][fc1][n].shape == (8, 16) for n in blocks)
+    counters = [n for n in names if n.endswith("count") and sd["state"][fc1][n] == 2]
+    assert counters, names  # the inner Adam's step counter, not only the adapter's
+    broken = snapshot(opt)
+    del broken["state"][fc1][blocks[0]]
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=r"fc1\.weight.*" + blocks[0].replace(".", r"\.")):
+        opt.load_state_dict(broken)
+    assert_same_state_dict(opt.state_dict(), before)
 
 
 def test_state_dict_format_hybrid():

@@ -281,6 +281,30 @@ def test_blockwise_errors_name_the_key():
         mfx.split_newton_schulz(2).update(td(b=torch.randn(4)), mfx.EmptyState())
 
 
+def test_blockwise_counters_follow_their_parameter_under_the_adapter():
+    """Adam inside blockwise on row blocks computes what Adam on the whole matrix does,
+    also when a parameter gets no gradient in a step: its blocks' counter stays where the
+    parameter's is (the adapter keeps per-parameter counters; a block's key is the
+    parameter's key with a "block<i>" appended)."""
+    def run_adapter(tx):
+        gen = torch.Generator().manual_seed(0)
+        a = torch.nn.Parameter(torch.randn(8, 4, generator=gen))
+        b = torch.nn.Parameter(torch.randn(8, 4, generator=gen))
+        opt = mfx.TransformOptimizer([("a", a), ("b", b)], tx)
+        for step in range(4):
+            a.grad = torch.randn(8, 4, generator=gen)
+            b.grad = None if step == 1 else torch.randn(8, 4, generator=gen)
+            opt.step()
+        return a.detach(), b.detach(), opt.state_dict()["state"]
+
+    lr = mfx.scale_by_learning_rate(0.1)
+    a, b, state = run_adapter(mfx.chain(mfx.blockwise(mfx.scale_by_adam(), 4), lr))
+    ref_a, ref_b, ref_state = run_adapter(mfx.chain(mfx.scale_by_adam(), lr))
+    torch.testing.assert_close(a, ref_a, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(b, ref_b, rtol=1e-6, atol=1e-7)
+    assert [s["0.count"] for s in state.values()] == [s["0.count"] for s in ref_state.values()] == [4, 3]
+
+
 # ---------------------------------------------------------------------------
 # 6. MoE expert stacks
 # ---------------------------------------------------------------------------
