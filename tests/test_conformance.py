@@ -82,6 +82,9 @@ PUBLIC: dict[str, tuple[str, Callable[[], mfx.GradientTransformation], dict[str,
     "muon_with_momentum_warmup": (MATRIX, lambda: mfx.muon_with_momentum_warmup(warmup_steps=3), {}),
     # 2-D and 3-D only: see test_blockwise_on_4d_leaves below
     "blockwise": (MATRIX, lambda: mfx.blockwise(mfx.scale_by_shape("match_rms_adamw"), 1), MATRICES_2D_3D),
+    # state kept per block (keyed under the parameter's key): the checkpoint law saves it
+    "blockwise_stateful": (MATRIX, lambda: mfx.blockwise(mfx.chain(mfx.scale_by_adam(), mfx.momentum(0.9)), 1),
+                           MATRICES_2D_3D),
     "split_newton_schulz": (MATRIX, lambda: mfx.split_newton_schulz(1, dim=1), MATRICES_2D_3D),
     "muon_per_head": (MATRIX, lambda: mfx.muon_per_head(1, qkv_pattern=r"^[a-m]"), MATRICES_2D_3D),
 }
