@@ -56,6 +56,24 @@ def test_sym_product_is_the_full_product_and_exactly_symmetric(interpreter, shap
     torch.testing.assert_close(triton_ns.sym_product(xt), torch.bmm(x, x.mT), rtol=1e-5, atol=1e-5)
 
 
+def test_sym_product_launches_sub_batches_below_32_bit_offsets(interpreter, monkeypatch):
+    """The kernel's offsets are 32-bit: a batch spanning more elements is launched in
+    sub-batches (here the limit is lowered to two 20 x 40 matrices), with the same result."""
+    x = torch.randn(5, 20, 40, generator=torch.Generator().manual_seed(3))
+    whole = triton_ns.sym_product(x)
+    a = whole / whole.norm()
+    whole_epilogue = triton_ns.sym_product(a, a, alpha=-1.3, beta=0.7, c0=a)
+    launches = []
+    launch = triton_ns._launch
+    monkeypatch.setattr(triton_ns, "_launch", lambda x, *rest: (launches.append(x.shape[0]), launch(x, *rest)))
+    monkeypatch.setattr(triton_ns, "_MAX_OFFSET", 20 * 40 + 20 * 40 - 1)  # the last entry of the second 20 x 40
+    assert torch.equal(triton_ns.sym_product(x), whole)
+    assert launches == [2, 2, 1]
+    launches.clear()
+    assert torch.equal(triton_ns.sym_product(a, a, alpha=-1.3, beta=0.7, c0=a), whole_epilogue)
+    assert launches == [4, 1]  # 20 x 20 factors: four fit
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_bf16_sym_product_rounds_once_like_bmm(interpreter, shape):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(2)).bfloat16()

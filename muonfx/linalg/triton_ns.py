@@ -127,6 +127,33 @@ def sym_product(x: torch.Tensor, y: torch.Tensor | None = None, alpha: float = 1
     y = x if y is None else y
     bsz, m, k = x.shape
     out = torch.empty(bsz, m, m, dtype=x.dtype, device=x.device)
+    # the kernel's offsets (batch index times batch stride) are 32-bit: launch sub-batches
+    # whose tensors each span fewer than 2**31 elements (a batch budget raised far above
+    # the default, set_batch_bytes, makes such batches)
+    per = min(_fits(t) for t in (x, y, out, c0))
+    for b0 in range(0, bsz, per):
+        part = slice(b0, b0 + per)
+        _launch(x[part], y[part], alpha, beta, None if c0 is None else c0[part], out[part])
+    return out
+
+
+#: the largest element offset the kernel computes in 32 bits
+_MAX_OFFSET = 2 ** 31 - 1
+
+
+def _fits(t: torch.Tensor | None) -> int:
+    """How many matrices of the batch ``t`` one launch may take: the largest offset,
+    ``(count - 1) * stride(0)`` plus the last entry's within its matrix, stays at most
+    :data:`_MAX_OFFSET` (at least 1; any count for None or a batch stride of 0)."""
+    if t is None or t.stride(0) == 0:
+        return 1 << 62
+    within = sum((size - 1) * abs(st) for size, st in zip(t.shape[1:], t.stride()[1:]))
+    return max(1, (_MAX_OFFSET - within) // abs(t.stride(0)) + 1)
+
+
+def _launch(x: torch.Tensor, y: torch.Tensor, alpha: float, beta: float, c0: torch.Tensor | None,
+            out: torch.Tensor) -> None:
+    bsz, m, k = x.shape
     plain, tuned, triton = _kernels()
     c = c0 if c0 is not None else out  # a valid pointer; unread when HAS_C0 is False
     args = (x, y, c, out, m, k, float(alpha), float(beta),
@@ -142,7 +169,6 @@ def sym_product(x: torch.Tensor, y: torch.Tensor | None = None, alpha: float = 1
             tiles = triton.cdiv(m, meta["BLOCK"])
             return (tiles * (tiles + 1) // 2, bsz)
         tuned[grid](*args, HAS_C0=c0 is not None, UPCAST=False, ROUND_BF16=False)
-    return out
 
 
 def standard_sym(x: "torch.Tensor | list[torch.Tensor]", steps) -> torch.Tensor:
