@@ -90,10 +90,8 @@ def speed(device: torch.device, repeats: int) -> str:
                     "cpu", torch.float32, "torch") else ("standard", "gram")
                 for m in forms:
                     def fn(m=m, route=route, g=g):
-                        if route == "torch":
-                            with _torch_products():
-                                return newton_schulz_batched(g, sched, dtype=dtype, method=m)
-                        return newton_schulz_batched(g, sched, dtype=dtype, method=m)
+                        with _products(route == "triton"):
+                            return newton_schulz_batched(g, sched, dtype=dtype, method=m)
                     fns[(route, m)] = fn
             t = _common.interleaved(fns, repeats, 1, device)
             fns.clear()  # the closures hold the batch
@@ -106,15 +104,19 @@ def speed(device: torch.device, repeats: int) -> str:
                       _common.table(["dtype", "batch", "form", "products", "ms", "GFLOP/s", "of peak"], rows)])
 
 
-class _torch_products:
-    """Within: the torch products even where the symmetric Triton kernels would run."""
+class _products:
+    """Within: the symmetric Triton products (``triton=True``) or torch's, whatever the
+    measured choice per shape (``triton_ns.set_enabled``) would take."""
+
+    def __init__(self, triton: bool) -> None:
+        self.triton = triton
 
     def __enter__(self):
-        self._saved = triton_ns.available
-        triton_ns.available = lambda t: False
+        self._saved = triton_ns._switch
+        triton_ns.set_enabled(self.triton)
 
     def __exit__(self, *exc):
-        triton_ns.available = self._saved
+        triton_ns.set_enabled(self._saved)
 
 
 def _polar(x: torch.Tensor) -> torch.Tensor:

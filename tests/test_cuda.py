@@ -232,6 +232,7 @@ def test_symmetric_triton_newton_schulz_on_cuda(shape, monkeypatch):
     for name in ("standard_sym", "gram_sym"):
         real = getattr(triton_ns, name)
         monkeypatch.setattr(triton_ns, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    monkeypatch.setattr(triton_ns, "_switch", True)  # the kernels, whatever the measured choice
     for method in ("standard", "gram"):
         ours = newton_schulz_batched(g, sched, dtype=torch.bfloat16, method=method)
         with monkeypatch.context() as m:
@@ -243,6 +244,31 @@ def test_symmetric_triton_newton_schulz_on_cuda(shape, monkeypatch):
         e_torch = ((theirs.double() - truth[method]).norm() / truth[method].norm()).item()
         assert e_ours <= 1.5 * e_torch + 2e-3, (method, e_ours, e_torch)
     assert calls == ["standard_sym", "gram_sym"] and not triton_ns._failed
+
+
+@cuda
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_the_triton_route_is_measured_per_shape_on_cuda(monkeypatch, caplog):
+    """By default the first batch of a shape times the kernels against torch's products
+    (logged), later batches take the faster: their result is that route's, bit for bit."""
+    import logging
+
+    from muonfx.linalg import newton_schulz_batched, resolve, triton_ns
+
+    monkeypatch.setattr(triton_ns, "_choices", {})
+    monkeypatch.setattr(triton_ns, "_switch", None)
+    monkeypatch.delenv("MUONFX_TRITON_NS", raising=False)
+    sched = resolve("keller", 5)
+    g = torch.randn(4, 1024, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with caplog.at_level(logging.INFO, logger="muonfx"):
+        newton_schulz_batched(g, sched, dtype=torch.bfloat16)
+    (key, faster), = triton_ns.choices().items()
+    assert key[1:] == (torch.bfloat16, 1024, 2048, True, 3)
+    print(f"measured choice for 4 x 1024 x 2048 bf16 Gram: {'Triton' if faster else 'torch'}",
+          [r.getMessage() for r in caplog.records if "Newton-Schulz of" in r.getMessage()])
+    chosen = newton_schulz_batched(g, sched, dtype=torch.bfloat16)
+    monkeypatch.setattr(triton_ns, "_switch", faster)
+    assert torch.equal(chosen, newton_schulz_batched(g, sched, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("where", ["examples/fsdp_muon.py", "benchmarks/_common.py"])

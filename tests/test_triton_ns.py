@@ -25,8 +25,11 @@ SHAPES = [(2, 32, 32), (1, 20, 70), (3, 45, 17), (1, 33, 33), (2, 16, 48)]
 @pytest.fixture
 def interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("MUONFX_TRITON_NS", raising=False)
     monkeypatch.setattr(triton_ns, "_failed", False)
     monkeypatch.setattr(triton_ns, "_verified", False)
+    monkeypatch.setattr(triton_ns, "_choices", {})
+    monkeypatch.setattr(triton_ns, "_switch", None)
     yield
 
 
@@ -200,3 +203,88 @@ def test_inside_torch_compile_the_kernels_are_one_operator(interpreter, monkeypa
     torch.library.opcheck(torch.ops.muonfx.symmetric_newton_schulz.default, (view, flat, 0, False))
     torch.library.opcheck(torch.ops.muonfx.symmetric_newton_schulz.default, (view, flat, 3, True))
     torch._dynamo.reset()
+
+
+def _spy(monkeypatch) -> list:
+    calls = []
+    for name in ("standard_sym", "gram_sym"):
+        real = getattr(triton_ns, name)
+        monkeypatch.setattr(triton_ns, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    return calls
+
+
+def test_the_first_batch_of_a_shape_measures_the_kernels_against_torch(interpreter, monkeypatch, caplog):
+    """Where the choice is measured (on a GPU; here the interpreter stands in, with a fake
+    clock), the first batch of a shape runs both and returns the kernels' result; later
+    batches of that shape take the faster, other shapes are measured on their own."""
+    monkeypatch.setattr(triton_ns, "_measures", lambda t: True)
+    speed = {}
+    timed = []
+
+    def fake_timed(fn, device):
+        fn()
+        timed.append(fn.__name__)
+        return speed[fn.__name__]
+
+    monkeypatch.setattr(triton_ns, "_timed", fake_timed)
+    calls = _spy(monkeypatch)
+    sched = resolve("keller", 5)
+    square = torch.randn(2, 24, 24, generator=torch.Generator().manual_seed(10))
+    wide = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(11))
+    with monkeypatch.context() as m:  # what each route computes
+        m.setattr(triton_ns, "_switch", True)
+        kernels = {k: newton_schulz_batched(g, sched, dtype=torch.bfloat16) for k, g in (("sq", square), ("w", wide))}
+        m.setattr(triton_ns, "_switch", False)
+        torch_ = {k: newton_schulz_batched(g, sched, dtype=torch.bfloat16) for k, g in (("sq", square), ("w", wide))}
+    calls.clear()
+
+    speed.update(triton_run=2.0, torch_run=1.0)  # torch's products faster for the square shape
+    with caplog.at_level(logging.INFO, logger="muonfx"):
+        first = newton_schulz_batched(square, sched, dtype=torch.bfloat16)
+    assert torch.equal(first, kernels["sq"]) and timed == ["triton_run", "torch_run"] * triton_ns._ROUNDS
+    assert triton_ns.choices() == {("cpu", torch.bfloat16, 24, 24, False, None): False}
+    assert any("24 x 24" in r.getMessage() and "torch's from now on" in r.getMessage() for r in caplog.records)
+    calls.clear(), timed.clear()
+    assert torch.equal(newton_schulz_batched(square, sched, dtype=torch.bfloat16), torch_["sq"])
+    assert calls == [] and timed == []
+    assert not triton_ns.takes(square, torch.bfloat16, 3, False)
+
+    speed.update(triton_run=1.0, torch_run=2.0)  # the kernels faster for the wide one (Gram form)
+    assert torch.equal(newton_schulz_batched(wide, sched, dtype=torch.bfloat16), kernels["w"])
+    assert triton_ns.choices()[("cpu", torch.bfloat16, 16, 64, True, 3)] is True
+    calls.clear(), timed.clear()
+    assert torch.equal(newton_schulz_batched(wide, sched, dtype=torch.bfloat16), kernels["w"])
+    assert calls == ["gram_sym"] and timed == []
+    # the tall orientation of the same matrices shares the choice
+    assert triton_ns.takes(wide.mT, torch.bfloat16, 3, True)
+
+
+def test_set_enabled_and_the_environment_switch_the_kernels(interpreter, monkeypatch):
+    calls = _spy(monkeypatch)
+    sched = resolve("keller", 5)
+    g = torch.randn(2, 24, 24, generator=torch.Generator().manual_seed(12))
+    triton_ns._choices[("cpu", torch.bfloat16, 24, 24, False, None)] = False  # as if measured slower
+    monkeypatch.setattr(triton_ns, "_measures", lambda t: True)
+    newton_schulz_batched(g, sched, dtype=torch.bfloat16)
+    assert calls == []
+    triton_ns.set_enabled(True)  # on, whatever was measured
+    newton_schulz_batched(g, sched, dtype=torch.bfloat16)
+    assert calls == ["standard_sym"]
+    triton_ns.set_enabled(None)
+    for value, used in (("1", True), ("on", True), ("0", False), ("off", False), ("auto", False)):
+        calls.clear()
+        monkeypatch.setenv("MUONFX_TRITON_NS", value)
+        newton_schulz_batched(g, sched, dtype=torch.bfloat16)
+        assert calls == (["standard_sym"] if used else []), value
+    triton_ns.set_enabled(False)  # overrides the environment
+    monkeypatch.setenv("MUONFX_TRITON_NS", "1")
+    calls.clear()
+    newton_schulz_batched(g, sched, dtype=torch.bfloat16)
+    assert calls == []
+    triton_ns.set_enabled(None)
+    monkeypatch.setenv("MUONFX_TRITON_NS", "sometimes")
+    with pytest.raises(ValueError, match="MUONFX_TRITON_NS='sometimes'"):
+        newton_schulz_batched(g, sched, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="enabled must be True, False or None"):
+        triton_ns.set_enabled("yes")
+    assert triton_ns._switch is None

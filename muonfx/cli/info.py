@@ -7,6 +7,7 @@ instructions, oneDNN's bf16 kernels die with SIGILL (killing the process), unles
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import signal
@@ -190,6 +191,15 @@ def run_info(args) -> int:
     side, blocks = BLOCK_ROWS[choice.dtype.itemsize]
     print(f"ns products CPU: symmetric products by {blocks} block rows from m = {side} "
           f"({str(choice.dtype).replace('torch.', '')}; linalg.blocked), plain below")
+    if not torch.cuda.is_available():
+        cuda_products = "no GPU here"
+    elif importlib.util.find_spec("triton") is None:
+        cuda_products = "torch's (Triton not installed)"
+    else:
+        env = os.environ.get("MUONFX_TRITON_NS", "auto")
+        cuda_products = ("symmetric Triton products or torch's, whichever the first batch of each shape "
+                         f"measures faster (MUONFX_TRITON_NS={env}; 1/0 switch them on/off)")
+    print(f"ns products CUDA: {cuda_products}")
     if args.no_bf16_check:
         print("bf16        not checked (--no-bf16-check)")
     else:

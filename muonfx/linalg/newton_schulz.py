@@ -321,7 +321,7 @@ class NewtonSchulz:
         x = None
         if method == "spectral":
             x = _spectral([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps, blocks)
-        elif low and triton_ns.available(g):
+        elif low and triton_ns.takes(g, cdtype, restart, use_gram):
             # the same iteration with symmetric Triton products (CUDA); None: use torch's
             x = triton_ns.orthogonalize([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps, restart,
                                         use_gram)

@@ -21,9 +21,29 @@ from typing import Callable
 
 import torch
 
-__all__ = ["SymmetricProduct", "standard", "gram"]
+__all__ = ["SymmetricProduct", "plain", "standard", "gram"]
 
 SymmetricProduct = Callable[..., torch.Tensor]
+
+
+def plain(x: torch.Tensor, y: torch.Tensor | None = None, alpha: float = 1.0, beta: float = 0.0,
+          c0: torch.Tensor | None = None) -> torch.Tensor:
+    """The symmetric product computed in full by torch's batched products (``bmm`` /
+    ``baddbmm``): the reference the partial products are measured against.
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx.linalg.symmetric import plain
+        >>> x = torch.randn(2, 3, 5, dtype=torch.float64)
+        >>> torch.allclose(plain(x, alpha=2.0, beta=1.0, c0=x @ x.mT), 3 * (x @ x.mT))
+        True
+    """
+    y = x if y is None else y
+    if c0 is None:
+        out = torch.bmm(x, y.mT)
+        return out if alpha == 1.0 else out.mul_(alpha)
+    return torch.baddbmm(c0, x, y.mT, beta=beta, alpha=alpha)
 
 
 def standard(x: "torch.Tensor | list[torch.Tensor]", steps, product: SymmetricProduct) -> torch.Tensor:

@@ -16,10 +16,19 @@ The functions here compute exactly the iterations of :mod:`muonfx.linalg.newton_
 compare them to it in bf16 on square, wide, tall, ragged and single-matrix batches.
 Triton is optional and imported lazily: :func:`available` says whether this path can run
 for a tensor. The default route (:func:`muonfx.linalg.newton_schulz_batched`) takes it for
-bf16/fp16 on CUDA when Triton is installed (:func:`orthogonalize`), and falls back to the
-torch products for the rest of the process (with one warning on the ``muonfx`` logger) if
-a launch ever fails. Inside ``torch.compile`` (the executor's compiled step) the kernels
-are one opaque operator, ``torch.ops.muonfx.symmetric_newton_schulz``.
+bf16/fp16 on CUDA when Triton is installed and :func:`takes` agrees:
+
+* **measured per shape** (the default): the first batch of every matrix shape (and form)
+  runs the iteration with these kernels and with torch's full products
+  (:func:`muonfx.linalg.symmetric.plain`), timed after a warm-up, and later batches of
+  that shape take the faster (:func:`choices`). The symmetric products save about a
+  quarter of the flops; whether that beats cuBLAS's better use of the GPU depends on the
+  GPU and the shape, so it is measured, not assumed;
+* **switched** with :func:`set_enabled` or ``MUONFX_TRITON_NS=1`` / ``0`` (``auto``: measured).
+
+If a launch ever fails, the torch products are used for the rest of the process (with one
+warning on the ``muonfx`` logger). Inside ``torch.compile`` (the executor's compiled step)
+the kernels are one opaque operator, ``torch.ops.muonfx.symmetric_newton_schulz``.
 """
 
 from __future__ import annotations
@@ -28,12 +37,14 @@ import functools
 import importlib.util
 import logging
 import os
+import time
 
 import torch
 
 from . import symmetric
 
-__all__ = ["available", "orthogonalize", "sym_product", "standard_sym", "gram_sym", "interpreting"]
+__all__ = ["available", "takes", "set_enabled", "choices", "orthogonalize", "sym_product", "standard_sym",
+           "gram_sym", "interpreting"]
 
 log = logging.getLogger("muonfx")
 
@@ -54,6 +65,76 @@ def available(t: torch.Tensor) -> bool:
     if t.device.type == "cuda":
         return True
     return t.device.type == "cpu" and not torch.compiler.is_compiling() and interpreting()
+
+
+#: set_enabled's switch (None: MUONFX_TRITON_NS decides, "auto" by default)
+_switch: bool | None = None
+#: the measured choice per matrix shape and form (True: the Triton products); see choices()
+_choices: dict[tuple, bool] = {}
+_ENV = "MUONFX_TRITON_NS"
+
+
+def set_enabled(enabled: bool | None) -> None:
+    """Switch the symmetric Triton products on (``True``) or off (``False``) for every
+    shape, or back to the measured choice per shape (``None``, the default). Overrides
+    ``MUONFX_TRITON_NS`` (``1``/``on``, ``0``/``off``, ``auto``).
+
+    Example::
+
+        >>> from muonfx.linalg import triton_ns
+        >>> triton_ns.set_enabled(False)   # torch's products everywhere
+        >>> triton_ns.set_enabled(None)    # measured per shape (the default)
+    """
+    global _switch
+    if enabled is not None and not isinstance(enabled, bool):
+        raise ValueError(f"set_enabled: enabled must be True, False or None, got {enabled!r}")
+    _switch = enabled
+
+
+def _mode() -> bool | None:
+    """True/False where switched on/off, None where the choice is measured per shape."""
+    if _switch is not None:
+        return _switch
+    value = os.environ.get(_ENV, "auto").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"{_ENV}={os.environ[_ENV]!r}: use 1 (on), 0 (off) or auto (measured per shape)")
+
+
+def _key(m: int, n: int, dtype: torch.dtype, device: torch.device, restart: int | None, gram: bool) -> tuple:
+    return (str(device), dtype, min(m, n), max(m, n), bool(gram), (restart or None) if gram else None)
+
+
+def _measures(t: torch.Tensor) -> bool:
+    """Whether the choice for ``t``'s shape is measured (real GPUs; the interpreter, a
+    test harness, always takes the kernels unless switched off)."""
+    return t.device.type == "cuda"
+
+
+def takes(t: torch.Tensor, dtype: torch.dtype, restart: int | None, gram: bool) -> bool:
+    """Whether the Newton-Schulz of the batch ``t`` (``[B, m, n]``, either orientation),
+    computed in ``dtype``, runs with the symmetric Triton products: they are
+    :func:`available` for ``t``, not switched off, and, where the choice is measured, not
+    measured slower than torch's products for this shape and form (a shape not measured
+    yet takes them: its first eager call measures)."""
+    if not available(t):
+        return False
+    mode = _mode()
+    if mode is not None:
+        return mode
+    if not _measures(t):
+        return True
+    return _choices.get(_key(t.shape[-2], t.shape[-1], dtype, t.device, restart, gram), True)
+
+
+def choices() -> dict[tuple, bool]:
+    """The measured choices so far: ``{(device, dtype, smaller side, larger side, gram,
+    restart): True where the Triton products were the faster}`` (a copy)."""
+    return dict(_choices)
 
 
 @functools.lru_cache(maxsize=1)
@@ -194,8 +275,10 @@ def orthogonalize(x: "torch.Tensor | list[torch.Tensor]", steps, restart: int | 
     out of it by the iteration, which frees it with its first new iterate (a caller that
     gets None normalises its input again).
 
-    Eagerly, the first failure of a launch is logged once (``muonfx`` logger) and every
-    later call returns None. Inside ``torch.compile`` the kernels run as one opaque
+    Eagerly, the first call for a shape measures the kernels against torch's products
+    where the choice is measured (see the module doc; :func:`takes` then follows it), and
+    the first failure of a launch is logged once (``muonfx`` logger) and every later call
+    returns None. Inside ``torch.compile`` the kernels run as one opaque
     operator (``torch.ops.muonfx.symmetric_newton_schulz``) once an eager call has
     succeeded in this process (the executor's measured choice runs an eager step before
     compiling); until then the graph keeps torch's products, so a kernel that cannot
@@ -210,14 +293,60 @@ def orthogonalize(x: "torch.Tensor | list[torch.Tensor]", steps, restart: int | 
         return torch.ops.muonfx.symmetric_newton_schulz(x, flat, int(restart or 0), bool(gram))
     if _failed:
         return None
+    held = x if isinstance(x, list) else [x]
+    key = _key(held[0].shape[-2], held[0].shape[-1], held[0].dtype, held[0].device, restart, gram)
     try:
-        out = gram_sym(x, steps, restart) if gram else standard_sym(x, steps)
+        if _mode() is None and _measures(held[0]) and key not in _choices:
+            out = _measure(key, held.pop(), steps, restart, gram)  # runs it twice: keeps its input
+        else:  # handed over: the iteration frees the input with its first new iterate
+            out = gram_sym(held, steps, restart) if gram else standard_sym(held, steps)
     except Exception as e:  # noqa: BLE001 - any launch/compile failure: keep training on torch's path
         _failed = True
         log.warning("muonfx: the symmetric Triton Newton-Schulz failed (%s: %s); using torch's "
                     "products from now on", type(e).__name__, e)
         return None
     _verified = True
+    return out
+
+
+def _timed(fn, device: torch.device) -> float:
+    """Seconds ``fn()`` takes on ``device``, queued work included."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda d=None: None)
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+#: timed runs of each side in the measurement (the fastest counts)
+_ROUNDS = 2
+
+
+def _measure(key: tuple, x: torch.Tensor, steps, restart: int | None, gram: bool) -> torch.Tensor:
+    """The iteration on ``x`` with the Triton products (returned), after timing it against
+    torch's full products on the same batch; the faster is recorded for ``key``. The first
+    runs of each (Triton compiling and autotuning its kernel, cuBLAS choosing its) are not
+    timed."""
+    def triton_run() -> torch.Tensor:
+        return gram_sym(x, steps, restart) if gram else standard_sym(x, steps)
+
+    def torch_run() -> torch.Tensor:
+        return symmetric.gram(x, steps, restart, symmetric.plain) if gram else symmetric.standard(x, steps,
+                                                                                                  symmetric.plain)
+
+    out = triton_run()
+    torch_run()
+    t_triton, t_torch = [], []
+    for _ in range(_ROUNDS):
+        t_triton.append(_timed(triton_run, x.device))
+        t_torch.append(_timed(torch_run, x.device))
+    faster = min(t_triton) < min(t_torch)
+    _choices[key] = faster
+    log.info("muonfx: Newton-Schulz of %d x %d %s matrices (batch of %d, %s form): Triton's symmetric products "
+             "%.2f ms, torch's %.2f ms: %s from now on", key[2], key[3], str(x.dtype).removeprefix("torch."),
+             x.shape[0], "Gram" if gram else "standard", 1e3 * min(t_triton), 1e3 * min(t_torch),
+             "Triton's" if faster else "torch's")
     return out
 
 
