@@ -14,6 +14,7 @@ import os
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -126,6 +127,28 @@ def muon_adamw_gram_ns(lr: float = 0.02, weight_decay: float = 0.01, adamw_lr: f
 
 def make_muon_gram(model: nn.Module):
     return mfx.TransformOptimizer(model.named_parameters(), muon_adamw_gram_ns, **MUON_HP)
+
+
+def per_head_adam_ns(lr: float = 0.02, adamw_lr: float = 3e-3) -> mfx.GradientTransformation:
+    """State kept per block: Adam inside ``blockwise`` on the fused qkv weights' 24-row
+    heads (then Newton-Schulz per head), Muon on the other matrices, AdamW elsewhere."""
+    def label(key, t):
+        name = key if isinstance(key, str) else ".".join(key)
+        if "qkv" in name:
+            return "heads"
+        return "adamw" if t.ndim < 2 or name.startswith(("embed", "lm_head")) else "muon"
+
+    heads = mfx.chain(mfx.blockwise(mfx.chain(mfx.scale_by_adam(), mfx.newton_schulz(dtype=torch.float32)), 24),
+                      mfx.scale_by_learning_rate(lr))
+    return mfx.partition({"heads": heads, "muon": mfx.muon(lr, ns_dtype=torch.float32),
+                          "adamw": mfx.adamw(adamw_lr)}, label)
+
+
+def make_per_head(model: nn.Module):
+    return mfx.TransformOptimizer(model.named_parameters(), per_head_adam_ns, lr=0.02)
+
+
+OPTIMIZERS = {"muon": make_muon, "per_head": make_per_head}
 
 
 def make_torch_adamw(model: nn.Module):
@@ -555,21 +578,24 @@ def dump_opt_state(model, opt) -> dict:
             for p, st in opt.state.items() for k, v in st.items()}
 
 
-def task_ckpt_save(rank: int, world: int, path: str, n: int = 3, uninterrupted: bool = False) -> dict:
+def task_ckpt_save(rank: int, world: int, path: str, n: int = 3, uninterrupted: bool = False,
+                   optimizer: str = "muon") -> dict:
     """Train ``n`` steps at this world size and save model + optimizer with DCP. With
-    ``uninterrupted``, also train all CKPT_STEPS in one go (the floor of the comparison)."""
+    ``uninterrupted``, also train all CKPT_STEPS in one go (the floor of the comparison).
+    ``optimizer``: a name of :data:`OPTIMIZERS`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    make = OPTIMIZERS[optimizer]
     model = ckpt_model(world)
-    opt = make_muon(model)
+    opt = make(model)
     train_lm(model, opt, ckpt_batches()[:n], rank, world)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     out = {"params": full_params(model), "state": dump_opt_state(model, opt)}
     if uninterrupted:
         model = ckpt_model(world)
-        train_lm(model, make_muon(model), ckpt_batches(), rank, world)
+        train_lm(model, make(model), ckpt_batches(), rank, world)
         out["uninterrupted"] = full_params(model)
     return out
 
@@ -602,9 +628,9 @@ def describe_opt_state(model, opt) -> dict:
     return out
 
 
-def task_ckpt_resume(rank: int, world: int, path: str, n: int = 3) -> dict:
+def task_ckpt_resume(rank: int, world: int, path: str, n: int = 3, optimizer: str = "muon") -> dict:
     model = ckpt_model(world, seed=123)  # other init: the load must overwrite it
-    opt = make_muon(model)
+    opt = OPTIMIZERS[optimizer](model)
     load_checkpoint(model, opt, path)
     out = {"loaded": full_params(model), "loaded_state": dump_opt_state(model, opt),
            "layout": describe_opt_state(model, opt)}
@@ -620,6 +646,9 @@ def task_ckpt_resume(rank: int, world: int, path: str, n: int = 3) -> dict:
 TASKS = {
     "parity": task_parity, "mixed": task_mixed, "odd": task_odd, "ns": task_ns, "global": task_global,
     "bad": task_bad, "hsdp": task_hsdp, "ckpt_save": task_ckpt_save, "ckpt_resume": task_ckpt_resume,
+    # the same with state kept per block (blockwise): entries keyed (*key, "block<i>")
+    "ckpt_save_per_head": functools.partial(task_ckpt_save, optimizer="per_head"),
+    "ckpt_resume_per_head": functools.partial(task_ckpt_resume, optimizer="per_head"),
 }
 
 

@@ -65,14 +65,16 @@ def ckpt_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world2(ckpt_root):
-    tasks = SHARED_TASKS + [("ckpt_save", {"path": str(ckpt_root / "w2"), "uninterrupted": True})]
+    tasks = SHARED_TASKS + [("ckpt_save", {"path": str(ckpt_root / "w2"), "uninterrupted": True}),
+                            ("ckpt_save_per_head", {"path": str(ckpt_root / "w2_per_head")})]
     return run_world(fw.world_main, 2, tasks, timeout=WORLD_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def world3(world2, ckpt_root):  # needs the W=2 checkpoint
     tasks = SHARED_TASKS + [("ckpt_resume", {"path": str(ckpt_root / "w2")}),
-                            ("ckpt_save", {"path": str(ckpt_root / "w3")})]
+                            ("ckpt_save", {"path": str(ckpt_root / "w3")}),
+                            ("ckpt_resume_per_head", {"path": str(ckpt_root / "w2_per_head")})]
     return run_world(fw.world_main, 3, tasks, timeout=WORLD_TIMEOUT_S)
 
 
@@ -539,3 +541,20 @@ def test_fsdp_muon_honours_ns_coefficients(coefficients):
     a, b = _steps(m1, fsdp), _steps(m2, hybrid)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_checkpoint_of_state_kept_per_block_across_world_sizes(world2, world3):
+    """Adam inside blockwise keeps its moments per 24-row head of the fused qkv weights
+    (entries keyed ``(*key, "block<i>")``): saved with DCP at W=2, they load at W=3 exactly
+    and the resumed run continues as the uninterrupted single-process one does."""
+    saved = world2[0]["ckpt_save_per_head"]
+    heads = sorted(k for k in saved["state"] if k.startswith("blocks.0.qkv.weight:") and ".block" in k)
+    assert heads == sorted(f"blocks.0.qkv.weight:heads.0.0.{m}.block{i}" for m in ("mu", "nu") for i in range(3))
+    assert all(saved["state"][k].shape == (24, 24) for k in heads)
+    for r in range(3):
+        _assert_same_state(world3[r]["ckpt_resume_per_head"]["loaded_state"], saved["state"], "W=2 -> 3 per head")
+    torch.manual_seed(0)
+    ref = fw.Net()
+    fw.train_lm(ref, fw.make_per_head(ref), fw.ckpt_batches())
+    name, err = worst(fw.rel_errors(fw.full_params(ref), world3[0]["ckpt_resume_per_head"]["params"]))
+    assert err < CKPT_TOL, (name, err)
