@@ -288,3 +288,34 @@ def test_set_enabled_and_the_environment_switch_the_kernels(interpreter, monkeyp
     with pytest.raises(ValueError, match="enabled must be True, False or None"):
         triton_ns.set_enabled("yes")
     assert triton_ns._switch is None
+
+
+def test_inside_torch_compile_only_measured_shapes_take_the_kernels(interpreter, monkeypatch):
+    """A graph cannot measure: inside ``torch.compile`` a shape not measured yet keeps
+    torch's products; once an eager call has measured the kernels faster, the graph built
+    after it takes the operator."""
+    import torch._dynamo
+
+    monkeypatch.setattr(triton_ns, "_measures", lambda t: True)
+    monkeypatch.setattr(triton_ns, "available", lambda t: True)  # as on CUDA
+    monkeypatch.setattr(triton_ns, "_timed", lambda fn, device: (fn(), {"triton_run": 1.0, "torch_run": 2.0}[fn.__name__])[1])
+    calls = _spy(monkeypatch)
+    sched = resolve("keller", 5)
+    g = torch.randn(2, 24, 24, generator=torch.Generator().manual_seed(13))
+
+    def step(t):
+        return newton_schulz_batched(t, sched, dtype=torch.bfloat16, method="standard")
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(triton_ns, "_verified", True)  # an eager call of another shape succeeded
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    compiled(g)
+    assert calls == [] and triton_ns.choices() == {}
+    step(g)  # eager: measures (the kernels faster here)
+    assert triton_ns.choices() == {("cpu", torch.bfloat16, 24, 24, False, None): True}
+    torch._dynamo.reset()
+    calls.clear()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    compiled(g)
+    assert calls == ["standard_sym"]
+    torch._dynamo.reset()

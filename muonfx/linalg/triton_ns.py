@@ -119,8 +119,10 @@ def takes(t: torch.Tensor, dtype: torch.dtype, restart: int | None, gram: bool) 
     """Whether the Newton-Schulz of the batch ``t`` (``[B, m, n]``, either orientation),
     computed in ``dtype``, runs with the symmetric Triton products: they are
     :func:`available` for ``t``, not switched off, and, where the choice is measured, not
-    measured slower than torch's products for this shape and form (a shape not measured
-    yet takes them: its first eager call measures)."""
+    measured slower than torch's products for this shape and form. A shape not measured
+    yet takes them eagerly (that call measures) and not inside ``torch.compile`` (a graph
+    cannot measure; the executor's first step of every group is eager, so its compiled
+    steps find every shape measured)."""
     if not available(t):
         return False
     mode = _mode()
@@ -128,7 +130,8 @@ def takes(t: torch.Tensor, dtype: torch.dtype, restart: int | None, gram: bool) 
         return mode
     if not _measures(t):
         return True
-    return _choices.get(_key(t.shape[-2], t.shape[-1], dtype, t.device, restart, gram), True)
+    return _choices.get(_key(t.shape[-2], t.shape[-1], dtype, t.device, restart, gram),
+                        not torch.compiler.is_compiling())
 
 
 def choices() -> dict[tuple, bool]:
