@@ -43,6 +43,7 @@ LAWS: tuple[str, ...] = (
     "inject_hyperparams",
     "state_dict_roundtrip",
     "leafwise",
+    "idle_parameter",
 )
 
 
@@ -590,6 +591,58 @@ def _law_leafwise(tx, params, grads, cfg: _Config) -> None:
                         f"tree's state: {d}. Key per-leaf state by the parameters' keys.")
 
 
+def _law_idle(tx, params, grads, cfg: _Config) -> None:
+    """In the adapter, a leaf without a gradient in the first step (``p.grad is None``)
+    moves and keeps state as it does in an optimizer of its own that skips that step;
+    the other leaves as they do without it (a leafwise transform's parameters are
+    independent)."""
+    from .optim import TransformOptimizer
+
+    leaves = _td_leaves(params)
+    names = list(leaves)
+    if not names:
+        return
+    values = list(leaves.values())
+    seq = [[gl[n] for n in names] for gl in map(_td_leaves, _grad_seq(grads, cfg.steps + 1))]
+
+    def run(idx: list[int], what: str, skip_first: bool, idle_first: int | None = None):
+        ps = [torch.nn.Parameter(values[i].detach().clone(), requires_grad=values[i].is_floating_point())
+              for i in idx]
+        opt = _call(f"TransformOptimizer(named params, tx) ({what})", TransformOptimizer,
+                    [(names[i], p) for i, p in zip(idx, ps)], tx)
+        for t, gs in enumerate(seq):
+            if skip_first and t == 0:
+                continue
+            for i, p in zip(idx, ps):
+                p.grad = None if (t == 0 and i == idle_first) else gs[i].clone()
+            _call(f"{what}: opt.step() {t}", opt.step)
+        entries = opt.state_dict()["state"]
+        return {names[i]: (p.detach(), entries.get(j, {})) for j, (i, p) in enumerate(zip(idx, ps))}
+
+    together = run(list(range(len(names))), f"every leaf, {names[0]!r} without a gradient in step 0",
+                   False, idle_first=0)
+    alone = run([0], f"{names[0]!r} alone, from step 1", True)
+    if len(names) > 1:
+        alone |= run(list(range(1, len(names))), "the other leaves alone", False)
+    for name in names:
+        (p_t, st_t), (p_a, st_a) = together[name], alone[name]
+        idle = name == names[0]
+        # the entries both hold: a scalar of a subtree without parameters (a partition
+        # branch that is empty in one of the optimizers) goes to every parameter there
+        both = [k for k in st_t if k in st_a]
+        d = _tree_diff(p_t, p_a, f"params[{name}]", cfg.mode, cfg.rtol, cfg.atol) or _tree_diff(
+            {k: st_t[k] for k in both}, {k: st_a[k] for k in both}, f"state_dict state of {name!r}",
+            cfg.mode, cfg.rtol, cfg.atol)
+        if d:
+            raise _Fail(
+                (f"the leaf without a gradient in step 0 ended elsewhere than in an optimizer of its own that "
+                 f"skipped that step: {d}" if idle else
+                 f"leaf {name!r} ended elsewhere than in an optimizer without the leaf {names[0]!r}: {d}")
+                + ". The adapter attributes state to a parameter by its key (or a key under it, as "
+                "blockwise's blocks) and keeps a parameter's step counters apart; state it cannot "
+                "attribute moves for a parameter that did not step")
+
+
 def _drop_hyperparams(node: Any) -> Any:
     """``node`` with every ``InjectHyperparamsState.hyperparams`` replaced by ``None``."""
     if isinstance(node, _InjectHyperparamsState):
@@ -614,6 +667,7 @@ _LAW_FNS: dict[str, Callable[..., None]] = {
     "inject_hyperparams": _law_inject,
     "state_dict_roundtrip": _law_state_dict,
     "leafwise": _law_leafwise,
+    "idle_parameter": _law_idle,
 }
 
 
@@ -643,6 +697,10 @@ def _expectation(law: str, cfg: _Config) -> str:
                     f"rest, each with its share of the state, it must compute {ex} what it computes on the "
                     "whole tree: the same updates, and per piece the whole tree's state restricted to it "
                     "(muonfx.state_tree.restrict), scalars included",
+        "idle_parameter": f"tx is declared leafwise: in mfx.TransformOptimizer, a parameter without a gradient "
+                          f"in the first of {cfg.steps + 1} steps must end {ex} where it ends in an optimizer of "
+                          "its own that skips that step (its value and the state_dict entries both hold), and "
+                          "the other parameters where they end without it",
     }[law]
 
 
@@ -765,7 +823,12 @@ def check_transform(
       ``init`` and ``update`` on the first half of the keys and on the rest (each piece
       with its share of the state, :func:`muonfx.state_tree.restrict`, merged back with
       :func:`~muonfx.state_tree.merge` after each step) equal the whole tree's: the same
-      updates, the same per-leaf state and the same scalars (step counters).
+      updates, the same per-leaf state and the same scalars (step counters);
+    * ``idle_parameter`` (only for a transform declared leafwise): in
+      :class:`muonfx.TransformOptimizer`, a parameter whose ``grad`` is None in the first
+      of ``steps + 1`` steps ends (its value and the ``state_dict()`` entries both hold)
+      where it ends in an optimizer of its own that skips that step, and the other
+      parameters where they end without it.
 
     "Equals" compares updates and states over ``steps`` updates with ``torch.equal``
     (NaN equal to NaN), or within ``rtol``/``atol`` when given (for transforms whose
@@ -854,7 +917,7 @@ def check_transform(
                            if law == "inject_hyperparams" and not has_inject and laws is None
                            else "skipped: not requested")
             continue
-        if law == "leafwise" and not is_leafwise(tx):
+        if law in ("leafwise", "idle_parameter") and not is_leafwise(tx):
             report[law] = "skipped: not declared leafwise"
             continue
         failure = _run_law(law, tx, cfg, params, hyp)

@@ -99,7 +99,8 @@ def test_public_transforms_conform(name):
     report = check_transform(tx, **FAST, **extra)
     assert report == {law: "ok" for law in LAWS if law != "inject_hyperparams"} | {
         "inject_hyperparams": "skipped: pass factory= and hyperparams= to check it",
-        "leafwise": "ok" if mfx.is_leafwise(tx) else "skipped: not declared leafwise"}
+        "leafwise": "ok" if mfx.is_leafwise(tx) else "skipped: not declared leafwise",
+        "idle_parameter": "ok" if mfx.is_leafwise(tx) else "skipped: not declared leafwise"}
 
 
 @pytest.mark.parametrize("factory,hyperparams,kind,static_args", [
@@ -438,3 +439,19 @@ def test_report_lists_every_law_in_order():
     report = check_transform(mfx.scale(2.0), laws=["dtype_preservation", "purity"], **FAST)
     assert list(report) == list(LAWS)
     assert report["purity"] == report["dtype_preservation"] == "ok"
+
+
+def test_idle_parameter_law_catches_state_the_adapter_cannot_attribute(monkeypatch):
+    """The law fails where the adapter attributes state to parameters by their exact key
+    only (as before blockwise's per-block state was attributed to its parameter): the
+    counter inside blockwise then advances for a parameter that did not step."""
+    from muonfx import state_tree
+
+    tx = mfx.blockwise(mfx.scale_by_adam(), 1)
+    matrices = params_and_grads(min_ndim=2, max_ndim=2)
+    assert check_transform(tx, params=matrices, laws=["idle_parameter"], **FAST)["idle_parameter"] == "ok"
+    monkeypatch.setattr(state_tree, "_owner", lambda key, params: key if key in params else None)
+    with pytest.raises(ConformanceError) as info:
+        check_transform(tx, params=matrices, laws=["idle_parameter"], **FAST)
+    assert info.value.law == "idle_parameter"
+    assert "the leaf without a gradient in step 0 ended elsewhere than in an optimizer of its own" in str(info.value)
