@@ -8,6 +8,7 @@
 #   scripts/gpu-figures.sh ns        # Newton-Schulz GFLOP/s against the measured bf16 peak, per shape and route
 #   scripts/gpu-figures.sh muon      # Muon step vs torch.optim.Muon: GPT-2 small (12 layers), MoE (8 x 32 experts)
 #   scripts/gpu-figures.sh llama     # the same on the Llama-1B-like set (22 layers)
+#   scripts/gpu-figures.sh rows      # GPT-2 small with every muonfx row (float32, bf16 standard, auto, Gram)
 #   scripts/gpu-figures.sh adamw     # AdamW vs torch fused and foreach, GPT-2 small
 #   scripts/gpu-figures.sh memory    # extra step memory per path, Llama-1B-like and 32-expert MoE
 #
@@ -25,8 +26,8 @@ set -u -o pipefail
 
 part="${1:-}"
 case "$part" in
-    tests|ns|muon|llama|adamw|memory) ;;
-    *) echo "usage: scripts/gpu-figures.sh tests|ns|muon|llama|adamw|memory" >&2; exit 2 ;;
+    tests|ns|muon|llama|rows|adamw|memory) ;;
+    *) echo "usage: scripts/gpu-figures.sh tests|ns|muon|llama|rows|adamw|memory" >&2; exit 2 ;;
 esac
 out="${OUT:-/tmp/muonfx-gpu-figures}"
 mkdir -p "$out"
@@ -49,11 +50,16 @@ case "$part" in
         run python3 benchmarks/newton_schulz.py --only speed --device cuda --repeats 5
         ;;
     muon)
-        run python3 benchmarks/muon_step.py --device cuda --sets gpt2 --layers 12 --repeats 5
-        run python3 benchmarks/muon_step.py --device cuda --sets moe32 --repeats 5
+        # the default row only: every row compiles its own step before it is timed
+        run python3 benchmarks/muon_step.py --device cuda --sets gpt2 --layers 12 --repeats 5 --variants default
+        run python3 benchmarks/muon_step.py --device cuda --sets moe32 --repeats 5 --variants default
         ;;
     llama)
-        run python3 benchmarks/muon_step.py --device cuda --sets llama1b --repeats 5
+        run python3 benchmarks/muon_step.py --device cuda --sets llama1b --repeats 5 --variants default
+        ;;
+    rows)
+        # the other rows (float32, bf16 standard/auto/gram) on GPT-2 small
+        run python3 benchmarks/muon_step.py --device cuda --sets gpt2 --layers 12 --repeats 5
         ;;
     adamw)
         run python3 benchmarks/adamw_step.py --device cuda --layers 12 --repeats 7 --fused --compile

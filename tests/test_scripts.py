@@ -19,7 +19,7 @@ def test_an_unknown_part_prints_the_usage_and_writes_nothing(args, tmp_path):
     res = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out")})
     assert res.returncode == 2
-    assert "usage: scripts/gpu-figures.sh tests|ns|muon|llama|adamw|memory" in res.stderr
+    assert "usage: scripts/gpu-figures.sh tests|ns|muon|llama|rows|adamw|memory" in res.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -32,6 +32,9 @@ def test_every_benchmark_and_flag_it_names_exists():
         source = (ROOT / path).read_text()
         for flag in re.findall(r"(--[\w-]+)", args):
             assert f'"{flag}"' in source, (path, flag)
+        for names in re.findall(r"--variants (\S+)", args):
+            for v in names.split(","):
+                assert f'"muonfx {v}"' in source, (path, v)
         for name in re.findall(r"--sets (\S+)", args):
             for s in name.split(","):
                 assert f'"{s}"' in source or path.endswith("step_memory.py"), (path, s)
