@@ -16,6 +16,10 @@
 # compiled step recompiles when they change and, after dynamo's recompile limit, the
 # executor keeps that step eager. Before this session every compiled step failed to trace
 # on 2.10 (id() of a tensor in the write-back) and ran eagerly.
+# Since issue 11's fifth session the executor detects that recompilation (the first one a
+# changed hyperparameter causes) and steps eagerly from then on: tests/test_compile.py
+# passes whole on torch 2.10.0 and 2.11.0 (14 passed each; TORCH_VERSION=2.11.0 installs
+# the GPU machine's version in a venv of its own).
 # Earlier: torch 2.10.0, 2.9.1 and 2.9.0 (each with tensordict 0.14.3) pass all 83 (the count when measured);
 # torch 2.8.0 does not (DTensor has no sharding rule for aten.clamp_min, used by
 # muonfx/transforms/rows.py; HSDP parity off; no torch.optim.Muon), so 2.9 is the floor.

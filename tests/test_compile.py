@@ -209,6 +209,110 @@ def test_inductor_does_not_recompile_when_lr_momentum_or_weight_decay_change(fac
         if step == 1:
             after_first = counter.frame_count
     assert after_first >= 1
-    assert counter.frame_count == after_first, f"recompiled: {after_first} -> {counter.frame_count} frames"
+    if opt.executor.floats_specialize:
+        # torch 2.10 / 2.11 specialise float hyperparameters: one recompilation, detected,
+        # then the step runs eagerly (tests/test_compile.py::test_a_torch_that_specialises...)
+        assert torch.__version__ < "2.13", "torch 2.13 keeps float hyperparameters symbolic"
+        assert counter.frame_count == after_first + 1, f"recompiled: {after_first} -> {counter.frame_count} frames"
+    else:
+        assert counter.frame_count == after_first, f"recompiled: {after_first} -> {counter.frame_count} frames"
     for (n, a), (_, b) in zip(params(ref), params(named)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def _scheduled_run(opt, named, steps=6, after_step=None):
+    """``steps`` steps with lr and weight decay changing every step (a schedule);
+    ``after_step(step)`` is called after each."""
+    for step in range(steps):
+        _grads(named, step)
+        g = opt.param_groups[0]
+        g["lr"] = 1e-2 * (1 - 0.1 * step)
+        g["weight_decay"] = 0.01 + 0.01 * step
+        opt.step()
+        if after_step is not None:
+            after_step(step)
+    return {n: p.detach().clone() for n, p in named}
+
+
+def test_a_torch_that_specialises_float_hyperparameters_recompiles_once_then_steps_eagerly(monkeypatch, caplog):
+    """On torch 2.10 / 2.11 every new lr recompiles a compiled step (up to dynamo's limit,
+    then eager). The executor notices the first recompilation that a changed numeric
+    hyperparameter caused and runs that step eagerly from then on. Simulated here (torch
+    2.13 does not recompile): every compiled call counts as a new graph."""
+    import itertools
+    import logging
+
+    from muonfx.optim import executor as executor_module
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(executor_module, "_compiled_frames", lambda c=itertools.count(): next(c))
+    named, ref = _named(2), _named(2)
+    opt = mfx.TransformOptimizer(named, mfx.adamw, lr=1e-2).compile(backend="aot_eager")
+    calls = []
+    real = executor_module.Executor._eager_step
+    monkeypatch.setattr(executor_module.Executor, "_eager_step", lambda self, w: calls.append(1) or real(self, w))
+    with caplog.at_level(logging.INFO, logger="muonfx"):
+        got = _scheduled_run(opt, named)
+    want = _scheduled_run(mfx.TransformOptimizer(ref, mfx.adamw, lr=1e-2), ref)
+    assert opt.executor.floats_specialize
+    # step 0 eager (the first step of a group always is), 1 compiled, 2 compiled and
+    # recompiled (lr changed: detected), 3-5 eager, and the eager reference's 6
+    assert len(calls) == 1 + 3 + 6
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-7)
+    said = [r.getMessage() for r in caplog.records if "numeric hyperparameter changed" in r.getMessage()]
+    assert len(said) == 1 and "recompiled" in said[0] and "lr 0.009000000000000001 -> 0.008" in said[0], said
+
+
+def test_once_known_a_changed_hyperparameter_steps_eagerly_without_recompiling(monkeypatch, caplog):
+    """Once the executor knows this torch specialises floats, a graph whose numeric
+    hyperparameters changed is not called at all; with the automatic choice, a trial
+    whose compiled step is let go ends eager, no step skipped."""
+    import logging
+
+    from muonfx.optim import executor as executor_module
+
+    torch._dynamo.reset()
+    for mode in ("compiled", "auto"):
+        named, ref = _named(3), _named(3)
+        opt = mfx.TransformOptimizer(named, mfx.adamw, lr=1e-2)
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        if mode == "compiled":
+            opt.compile(backend=counter)
+        else:
+            opt.executor.auto_min_elements = 0
+            opt.executor.compile_kwargs = None
+            monkeypatch.setattr(executor_module.Executor, "_fused", _counting_fused(counter))
+        opt.executor.floats_specialize = True
+        frames = []
+        with caplog.at_level(logging.INFO, logger="muonfx"):
+            got = _scheduled_run(opt, named, after_step=lambda step: frames.append(counter.frame_count))
+        want = _scheduled_run(mfx.TransformOptimizer(ref, mfx.adamw, lr=1e-2), ref)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-7, msg=lambda m: f"{mode} {n}: {m}")
+        # built at the first compiled step (step 1; with the automatic choice step 2, after
+        # a first timed eager step), never recompiled after it
+        built = next(i for i, f in enumerate(frames) if f)
+        assert built == {"compiled": 1, "auto": 2}[mode] and frames[built:] == [frames[built]] * (6 - built), \
+            (mode, frames)
+        if mode == "auto":
+            assert list(opt.executor.choices.values()) == ["eager"]
+        assert any("would recompile" in r.getMessage() for r in caplog.records), mode
+        caplog.clear()
+        monkeypatch.undo()
+
+
+def _counting_fused(counter):
+    """Executor._fused compiling with ``counter`` (aot_eager) in place of inductor."""
+    from muonfx.optim import executor as executor_module
+
+    real = executor_module.Executor._fused
+
+    def fused(self, work, sub_state=False):
+        saved = self.compile_kwargs
+        self.compile_kwargs = {"dynamic": True, "fullgraph": True, "backend": counter}
+        try:
+            return real(self, work, sub_state)
+        finally:
+            self.compile_kwargs = saved
+    return fused

@@ -17,7 +17,8 @@ Transforms compute; the executor executes. A step is two phases:
 That is the eager step, the reference, correct everywhere. After :meth:`Executor.compile`
 the whole step of every group (compute, write-back, ``p += u``) is one
 ``torch.compile`` graph instead, cached per set of groups and static hyperparameters
-(``dynamic=True``; lr, momentum or weight decay changes recompile nothing), where the
+(``dynamic=True``; lr, momentum or weight decay changes recompile nothing on torch 2.13;
+see :attr:`Executor.floats_specialize` for 2.10 and 2.11), where the
 compiler stores in place and frees intermediates early. Matrix work is batched under a byte budget
 by :mod:`muonfx.linalg.batching`; the same budget bounds the pieces in which a large
 group with a leafwise transform (:func:`muonfx.leafwise`) is run, each piece computed and
@@ -42,7 +43,7 @@ from ..linalg.batching import batch_bytes
 from ..memory import AllocatorPeak
 from ..state_tree import frozen_scalars, merge, restrict, same_scalars, scalars_per_param, split, with_scalars
 from ..wrappers import inject_hyperparams
-from .groups import GroupWork, static_key as _static_key
+from .groups import GroupWork, numeric_values, static_key as _static_key
 
 __all__ = ["Executor", "GroupWork", "write_back"]
 
@@ -133,6 +134,13 @@ def _extra_memory(step: Callable[[], bool], work: list[GroupWork]) -> tuple[bool
     finally:
         counter.__exit__(None, None, None)
     return ran, counter.peak
+
+
+def _compiled_frames() -> int:
+    """How many graphs dynamo has built in this process (recompilations included)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def _mib(n: int | None) -> str:
@@ -248,6 +256,14 @@ class Executor:
     exception) are raised while the function is traced, before the graph runs, so they
     change nothing either. Groups holding DTensors always run eagerly.
 
+    Torch 2.10 and 2.11 specialise a graph to its float hyperparameters' values (their
+    AOTAutograd keeps a float symbolic only through a few aten ops, not through
+    ``-lr`` or ``1 - beta``), so each new lr would recompile it, up to dynamo's limit.
+    Each compiled graph remembers the numeric hyperparameters of its last call; when a
+    call with changed values builds a new graph, :attr:`floats_specialize` is set, the
+    change is logged, and that graph's groups run eagerly from then on; afterwards a
+    graph whose values changed is not called at all. Torch 2.13 recompiles nothing.
+
     **Automatic** (the default): for a set of groups holding at least
     :attr:`auto_min_elements` parameter elements, the executor measures the two paths
     on the machine at hand: one eager step is timed, the compiled step is built (its
@@ -290,6 +306,11 @@ class Executor:
         #: compiled step's measured memory (see :meth:`_compiled_step`)
         self._compiled_mode: dict[Any, str] = {}
         self._bytes: dict[int, int] = {}
+        #: per compiled graph: the numeric hyperparameters of its last call (see _run_fused)
+        self._pins: dict[Any, tuple] = {}
+        #: set once a compiled graph recompiled because a numeric hyperparameter changed:
+        #: this torch specialises them (2.10, 2.11), so a graph runs only with its values
+        self.floats_specialize = False
 
     def compile(self, **kwargs: Any) -> None:
         """Use ``torch.compile`` (``dynamic=True, fullgraph=True`` unless overridden)."""
@@ -541,14 +562,39 @@ class Executor:
         if fused is None:
             self._fell_back = True
             return None
+        key = ("piece",) + self._key(work) if sub_state else self._key(work)
+        pin, last = tuple(numeric_values(w.hp) for w in work), self._pins.get(key)
+        changed = last is not None and last != pin
+        if changed and self.floats_specialize:
+            return self._unpin(key, last, pin, recompiled=False)
+        frames = _compiled_frames()
         try:
-            return fused([w.grads for w in work], [w.params for w in work], states)
+            out = fused([w.grads for w in work], [w.params for w in work], states)
         except _COMPILE_ERRORS:
             # The eager step raises the transform's own error; if it succeeds instead, the
             # compiler cannot trace these groups: they stay eager.
-            self._compiled[("piece",) + self._key(work) if sub_state else self._key(work)] = None
+            self._compiled[key] = None
             self._fell_back = True
             return None
+        self._pins[key] = pin
+        if changed and _compiled_frames() > frames:
+            # the graph ran, recompiled for the new values: the next change would recompile
+            # again (up to dynamo's limit, then eager): from the next step on it is eager
+            self.floats_specialize = True
+            self._unpin(key, last, pin, recompiled=True)
+        return out
+
+    def _unpin(self, key: Any, last: tuple, pin: tuple, recompiled: bool) -> None:
+        """Let the compiled graph ``key`` go (its groups run eagerly from now on), saying
+        why; returns None (nothing ran) for :meth:`_run_fused`."""
+        self._compiled[key] = None
+        self._fell_back = True
+        changes = sorted({f"{n} {a!r} -> {b!r}" for old, new in zip(last, pin) for (n, a), (_, b) in zip(old, new)
+                          if a != b})
+        _log.info("muonfx: torch %s %s the compiled optimizer step when a numeric hyperparameter changed (%s); "
+                  "torch 2.13 and later keep them symbolic. The step runs eagerly from now on.",
+                  torch.__version__, "recompiled" if recompiled else "would recompile", ", ".join(changes))
+        return None
 
     def _timed(self, fn: Callable[[], Any], work: list[GroupWork]) -> float:
         devices = {p.device for w in work for p in w.params if p.device.type == "cuda"}
@@ -594,7 +640,14 @@ class Executor:
             # graph held too much, compile at the next step (untimed too)
             trial["built"] = not (first and self._compiled_mode.get(key) == "pieces")
             return
-        compiled.append(self._timed(lambda: self._compiled_step(work), work))
+        ran: list[bool] = []
+        took = self._timed(lambda: ran.append(self._compiled_step(work)), work)
+        if not ran[0]:  # the graph let go (a hyperparameter change on a torch that specialises it)
+            self._eager_step(work)
+            self.choices[key] = "eager"
+            del self._trials[key]
+            return
+        compiled.append(took)
         if len(compiled) < self.auto_rounds:
             return
         # the fastest of each: noise (another process, a first touch of fresh memory)

@@ -111,6 +111,26 @@ def static_key(hp: dict[str, Any]) -> tuple:
     return tuple(out)
 
 
+def numeric_values(hp: dict[str, Any]) -> tuple:
+    """The numbers (and tuples of numbers, such as ``betas``) among the hyperparameters
+    ``hp``: what :func:`static_key` leaves to the injected state, and the values a
+    compiled step is pinned to on a torch that specialises them (see
+    :class:`muonfx.optim.executor.Executor`).
+
+    Example::
+
+        >>> numeric_values({"lr": 0.1, "betas": (0.9, 0.99), "adjust_lr": "original"})
+        (('lr', 0.1), ('betas', (0.9, 0.99)))
+    """
+    out = []
+    for n, v in hp.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out.append((n, v))
+        elif isinstance(v, (tuple, list)) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+            out.append((n, tuple(v)))
+    return tuple(out)
+
+
 def _reuse_last(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
     """``factory``, returning its last transform again when called with equal arguments.
 
