@@ -380,7 +380,11 @@ def _traced_foreach(op: str, lists: Sequence[Any], kwargs: dict[str, Any]) -> li
     for i in range(n):
         a = args[0][i]
         rest = [x[i] for x in args[1:]]
-        if base == "lerp":
+        if base == "neg_mul":
+            # the scalar reaches the graph as a multiplication's operand, negated after:
+            # ``-s`` would be Python arithmetic on it, which torch 2.10 / 2.11 specialise
+            r = torch.mul(a, rest[0]).neg()
+        elif base == "lerp":
             b, w = rest
             r = torch.lerp(a, b, w) if isinstance(w, torch.Tensor) else a + (b - a) * w
         elif base == "add" and "alpha" in kwargs:
@@ -411,6 +415,9 @@ def foreach(op: str, *lists: Sequence[Any], **kwargs: Any) -> list[torch.Tensor]
     is all it needs, and no DTensor sharding rule (which differ between torch
     versions) is involved. Lists mixing DTensors and plain tensors are split by kind.
 
+    ``op="neg_mul"`` with a scalar ``s`` gives ``-s * u`` (eagerly one multiplication
+    by ``-s``; traced, ``s`` itself reaches the graph, see :func:`_traced_foreach`).
+
     Example::
 
         >>> import torch
@@ -424,6 +431,8 @@ def foreach(op: str, *lists: Sequence[Any], **kwargs: Any) -> list[torch.Tensor]
         return []
     if torch.compiler.is_compiling():
         return _traced_foreach(op, lists, kwargs)
+    if op == "neg_mul":  # -s * u: one multiplication by -s eagerly
+        op, lists = "mul", (first, -lists[1])
     fn = getattr(torch, "_foreach_" + op)
     inplace = op.endswith("_")
     dt = [type(t).__name__ == "DTensor" for t in first]  # duck-typed: no torch.distributed import

@@ -316,3 +316,30 @@ def _counting_fused(counter):
         finally:
             self.compile_kwargs = saved
     return fused
+
+
+@pytest.mark.parametrize("factory", [mfx.adamw, mfx.muon, mfx.muon_adamw], ids=["adamw", "muon", "muon_adamw"])
+def test_a_learning_rate_schedule_recompiles_nothing_on_every_torch(factory):
+    """lr reaches the compiled graph only as a multiplication's operand (``neg_mul``), so a
+    schedule of lr alone (the usual one) recompiles nothing on torch 2.10 and 2.11 too,
+    whose AOTAutograd specialises a float that goes through Python arithmetic (tested
+    there with scripts/test-oldest-torch.sh)."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    named, ref = _named(4), _named(4)
+    kw = {"ns_dtype": torch.float32} if factory is not mfx.adamw else {}
+    pick = (lambda n: [(k, p) for k, p in n if p.ndim >= 2]) if factory is mfx.muon else (lambda n: n)
+    opt = mfx.TransformOptimizer(pick(named), factory, lr=1e-2, weight_decay=0.1, **kw).compile(backend=counter)
+    eager = mfx.TransformOptimizer(pick(ref), factory, lr=1e-2, weight_decay=0.1, **kw)
+    frames = []
+    for step in range(6):
+        _grads(named, step)
+        _grads(ref, step)
+        for o in (opt, eager):
+            o.param_groups[0]["lr"] = 1e-2 * (1 - 0.1 * step)
+            o.step()
+        frames.append(counter.frame_count)
+    assert frames[1] >= 1 and frames[1:] == [frames[1]] * 5, frames
+    assert not opt.executor.floats_specialize
+    for (n, a), (_, b) in zip(pick(ref), pick(named)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")

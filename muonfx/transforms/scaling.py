@@ -64,9 +64,16 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
         >>> out, s = tx.update(u, s); out["w"].item()
         -0.8999999761581421
     """
+    # "neg_mul": -lr * u, with lr reaching a compiled graph as it is (not negated in
+    # Python first: torch 2.10 / 2.11 would then recompile the graph for every new lr)
     if not callable(lr):
         value = evaluate("lr", lr, 0)
-        return scale(-value)
+
+        def constant_fn(updates, state, params=None):
+            keys, us = leaves(updates)
+            return build(keys, foreach("neg_mul", us, value)), state
+
+        return LeafwiseTransformation(lambda params: EmptyState(), constant_fn)
 
     def init_fn(params):
         return ScaleByScheduleState(count=0)
@@ -74,7 +81,7 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     def update_fn(updates, state, params=None):
         value = evaluate("lr", lr, state.count)
         keys, us = leaves(updates)
-        return build(keys, foreach("mul", us, -value)), ScaleByScheduleState(state.count + 1)
+        return build(keys, foreach("neg_mul", us, value)), ScaleByScheduleState(state.count + 1)
 
     return LeafwiseTransformation(init_fn, update_fn)
 
