@@ -343,3 +343,49 @@ def test_a_learning_rate_schedule_recompiles_nothing_on_every_torch(factory):
     assert not opt.executor.floats_specialize
     for (n, a), (_, b) in zip(pick(ref), pick(named)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_a_compiler_failure_while_tracing_steps_eagerly(caplog):
+    """Torch 2.11 and 2.13 raise a bare AssertionError ("sympy expression is NaN") while
+    tracing a cosine schedule evaluated on the step counter inside the graph. Raised
+    while compiling, before the graph ran, it sends the step eagerly, with a log line,
+    in place of failing every step; the training is the eager one."""
+    import logging
+
+    torch._dynamo.reset()
+    make = lambda: mfx.chain(mfx.scale_by_adam(), mfx.scale_by_learning_rate(  # noqa: E731
+        mfx.schedules.cosine_decay(1e-2, 20)))
+    named, ref = _named(5), _named(5)
+    opt = mfx.TransformOptimizer(named, make()).compile(backend="aot_eager")
+    eager = mfx.TransformOptimizer(ref, make())
+    with caplog.at_level(logging.INFO, logger="muonfx"):
+        for step in range(4):
+            _grads(named, step)
+            _grads(ref, step)
+            opt.step()
+            eager.step()
+    for (n, a), (_, b) in zip(ref, named):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=lambda m: f"{n}: {m}")
+    if opt.executor._fell_back:  # (a torch that traces it compiles it instead)
+        assert any("torch.compile failed on the optimizer step" in r.getMessage() for r in caplog.records)
+
+
+def test_only_errors_raised_while_compiling_count_as_the_compilers():
+    """The rule: dynamo's own errors, and other errors raised from dynamo's frame
+    compilation, are the compiler's; the transforms' ValueError / TypeError, and errors
+    of a running graph, are raised as they are."""
+    from muonfx.optim.executor import _compiler_failed
+
+    def raised(exc, filename):
+        code = compile("raise exc", filename, "exec")
+        try:
+            exec(code, {"exc": exc})
+        except BaseException as e:  # noqa: BLE001
+            return e
+
+    site = torch._dynamo.__file__.rsplit("/", 1)[0]
+    assert _compiler_failed(raised(AssertionError("sympy expression is NaN"), f"{site}/convert_frame.py"))
+    assert _compiler_failed(torch._dynamo.exc.Unsupported("no"))
+    assert not _compiler_failed(raised(ValueError("hyperparameter 'lr' is nan"), f"{site}/convert_frame.py"))
+    assert not _compiler_failed(raised(RuntimeError("out of memory"), "/tmp/compiled_graph.py"))
+    assert not _compiler_failed(raised(KeyboardInterrupt(), f"{site}/convert_frame.py"))

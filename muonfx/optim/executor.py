@@ -152,6 +152,27 @@ _COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException,
                    getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", torch._dynamo.exc.TorchDynamoException))
 
 
+def _compiler_failed(e: BaseException) -> bool:
+    """Whether ``e`` is the compiler's failure, raised before the graph ran (nothing
+    written): one of dynamo's own errors, or any other error but the transforms' own
+    (``ValueError``, ``TypeError``: a bad hyperparameter, a parameter a transform
+    refuses, raised while tracing, which the eager step raises again) that was raised
+    while dynamo compiled the frame. Torch 2.11 and 2.13 let an ``AssertionError``
+    ("sympy expression is NaN") out of tracing a cosine schedule evaluated on the step
+    counter (``mfx.schedules.cosine_decay``); errors of the running graph (out of memory)
+    come from the compiled code, not from the compiler's frames, and are raised as they are."""
+    if isinstance(e, _COMPILE_ERRORS):
+        return True
+    if isinstance(e, (ValueError, TypeError)) or not isinstance(e, Exception):
+        return False
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith("torch/_dynamo/convert_frame.py"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _write(old: Any, new: Any, params: list[torch.Tensor], updates: list[torch.Tensor]) -> Any:
     """Write the state ``new`` into ``old``'s buffers (:func:`write_back`) and add the
     updates to the parameters; return the state holding ``old``'s buffers. An update
@@ -572,9 +593,14 @@ class Executor:
         frames = _compiled_frames()
         try:
             out = fused([w.grads for w in work], [w.params for w in work], states)
-        except _COMPILE_ERRORS:
+        except Exception as e:
+            if not _compiler_failed(e):
+                raise
             # The eager step raises the transform's own error; if it succeeds instead, the
             # compiler cannot trace these groups: they stay eager.
+            if not isinstance(e, _COMPILE_ERRORS):
+                _log.info("muonfx: torch.compile failed on the optimizer step (%s: %s); it runs eagerly from now on",
+                          type(e).__name__, e)
             self._compiled[key] = None
             self._fell_back = True
             return None
