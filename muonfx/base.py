@@ -380,7 +380,12 @@ def _traced_foreach(op: str, lists: Sequence[Any], kwargs: dict[str, Any]) -> li
     for i in range(n):
         a = args[0][i]
         rest = [x[i] for x in args[1:]]
-        if base == "neg_mul":
+        if base == "ema":
+            # beta * m + (1 - beta) * g as g + (m - g) * beta: ``1 - beta`` would be Python
+            # arithmetic on the scalar, which torch 2.10 / 2.11 specialise
+            b, beta = rest
+            r = b + (a - b) * beta
+        elif base == "neg_mul":
             # the scalar reaches the graph as a multiplication's operand, negated after:
             # ``-s`` would be Python arithmetic on it, which torch 2.10 / 2.11 specialise
             r = torch.mul(a, rest[0]).neg()
@@ -416,7 +421,10 @@ def foreach(op: str, *lists: Sequence[Any], **kwargs: Any) -> list[torch.Tensor]
     versions) is involved. Lists mixing DTensors and plain tensors are split by kind.
 
     ``op="neg_mul"`` with a scalar ``s`` gives ``-s * u`` (eagerly one multiplication
-    by ``-s``; traced, ``s`` itself reaches the graph, see :func:`_traced_foreach`).
+    by ``-s``); ``op="ema"`` with lists ``m``, ``g`` and a scalar ``beta`` gives
+    ``beta * m + (1 - beta) * g`` (eagerly ``lerp(m, g, 1 - beta)``). Traced, ``s`` and
+    ``beta`` themselves reach the graph (see :func:`_traced_foreach`): arithmetic on them
+    in Python would make torch 2.10 / 2.11 recompile the graph for every new value.
 
     Example::
 
@@ -433,6 +441,8 @@ def foreach(op: str, *lists: Sequence[Any], **kwargs: Any) -> list[torch.Tensor]
         return _traced_foreach(op, lists, kwargs)
     if op == "neg_mul":  # -s * u: one multiplication by -s eagerly
         op, lists = "mul", (first, -lists[1])
+    elif op == "ema":  # beta * m + (1 - beta) * g: lerp(m, g, 1 - beta) eagerly
+        op, lists = "lerp", (first, lists[1], 1.0 - lists[2])
     fn = getattr(torch, "_foreach_" + op)
     inplace = op.endswith("_")
     dt = [type(t).__name__ == "DTensor" for t in first]  # duck-typed: no torch.distributed import

@@ -280,8 +280,8 @@ class Executor:
     Torch 2.10 and 2.11 specialise a graph to the values of float hyperparameters that go
     through Python arithmetic (their AOTAutograd keeps a float symbolic only through a few
     aten ops, not through ``1 - beta``), so each new value would recompile it, up to
-    dynamo's limit; lr reaches the graph as a multiplication's operand and recompiles
-    nothing (see :func:`muonfx.scale_by_learning_rate`).
+    dynamo's limit; lr and momentum reach the graph as operands of tensor arithmetic and
+    recompile nothing (``foreach("neg_mul")``, ``foreach("ema")``).
     Each compiled graph remembers the numeric hyperparameters of its last call; when a
     call with changed values builds a new graph, :attr:`floats_specialize` is set, the
     change is logged, and that graph's groups run eagerly from then on; afterwards a

@@ -165,7 +165,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         new state and the updates only after every group has computed, so a raising
         step changes nothing. Defaults: ``dynamic=True`` (changing lr, momentum or
         weight decay, by hand or by a scheduler, recompiles nothing on torch 2.13, and
-        changing lr nothing on 2.10 and 2.11 either; there a change of the others
+        changing lr or momentum nothing on 2.10 and 2.11 either; there a change of the others
         recompiles once and the step runs eagerly from then on, see
         :class:`~muonfx.optim.executor.Executor`) and
         ``fullgraph=True``. Other keywords go to ``torch.compile`` (e.g. ``backend``,

@@ -56,7 +56,7 @@ def momentum(beta: float = 0.95, nesterov: bool = False, mu_dtype: torch.dtype |
         keys, gs = leaves(updates)
         ms = aligned(state.mu, keys, "momentum state (mu)", like=gs)
         ms_c = [m if m.dtype == g.dtype else m.to(g.dtype) for m, g in zip(ms, gs)]
-        new_m = foreach("lerp", ms_c, gs, 1.0 - beta)
+        new_m = foreach("ema", ms_c, gs, beta)  # lerp(m, g, 1 - beta)
         out = foreach("lerp", gs, new_m, beta) if nesterov else new_m
         stored = [n if n.dtype == m.dtype else n.to(m.dtype) for n, m in zip(new_m, ms)]
         return build(keys, out), MomentumState(build(keys, stored))
