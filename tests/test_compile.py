@@ -320,9 +320,10 @@ def _counting_fused(counter):
 
 @pytest.mark.parametrize("factory", [mfx.adamw, mfx.muon, mfx.muon_adamw], ids=["adamw", "muon", "muon_adamw"])
 def test_a_learning_rate_schedule_recompiles_nothing_on_every_torch(factory):
-    """lr and momentum reach the compiled graph only as operands of tensor arithmetic
-    (``foreach("neg_mul")``, ``foreach("ema")``), so schedules of them (Muon's momentum
-    warm-up by hand or by a callback) recompile nothing on torch 2.10 and 2.11 too, whose
+    """lr, momentum and weight decay reach the compiled graph only as operands of tensor
+    arithmetic (``foreach("neg_mul")``, ``foreach("ema")``, ``foreach("add", alpha=)``),
+    so schedules of them (Muon's momentum warm-up by hand or by a callback) recompile
+    nothing on torch 2.10 and 2.11 too, whose
     AOTAutograd specialises a float that goes through Python arithmetic (tested there
     with scripts/test-oldest-torch.sh)."""
     torch._dynamo.reset()
@@ -338,6 +339,7 @@ def test_a_learning_rate_schedule_recompiles_nothing_on_every_torch(factory):
         _grads(ref, step)
         for o in (opt, eager):
             o.param_groups[0]["lr"] = 1e-2 * (1 - 0.1 * step)
+            o.param_groups[0]["weight_decay"] = 0.1 + 0.01 * step
             if "momentum" in o.param_groups[0]:
                 o.param_groups[0]["momentum"] = 0.85 + 0.02 * step
             o.step()
