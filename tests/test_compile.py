@@ -394,3 +394,36 @@ def test_only_errors_raised_while_compiling_count_as_the_compilers():
     assert not _compiler_failed(raised(ValueError("hyperparameter 'lr' is nan"), f"{site}/convert_frame.py"))
     assert not _compiler_failed(raised(RuntimeError("out of memory"), "/tmp/compiled_graph.py"))
     assert not _compiler_failed(raised(KeyboardInterrupt(), f"{site}/convert_frame.py"))
+
+
+def _public_transforms():
+    from test_conformance import PUBLIC
+
+    return PUBLIC
+
+
+@pytest.mark.parametrize("name", sorted(_public_transforms()))
+def test_every_public_transform_compiled_trains_as_eager_or_steps_eagerly(name):
+    """``opt.compile()`` with every public transform (the conformance list): three steps
+    never raise and end where the eager optimizer ends (float rounding apart); where the
+    compiler cannot take a transform (``apply_if_finite``'s data-dependent choice, a
+    cosine schedule evaluated in the graph) the step runs eagerly."""
+    torch._dynamo.reset()
+    build = _public_transforms()[name][1]
+
+    def run(compiled):
+        gen = torch.Generator().manual_seed(0)
+        named = [("w", torch.nn.Parameter(torch.randn(12, 8, generator=gen))),
+                 ("v", torch.nn.Parameter(torch.randn(8, 8, generator=gen))),
+                 ("e", torch.nn.Parameter(torch.randn(2, 8, 6, generator=gen)))]
+        opt = mfx.TransformOptimizer(named, build())
+        if compiled:
+            opt.compile(backend="aot_eager")
+        for _ in range(3):
+            for _, p in named:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        return [p.detach() for _, p in named]
+
+    for a, b in zip(run(False), run(True)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
