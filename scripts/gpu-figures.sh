@@ -4,7 +4,7 @@
 # them as not measured). Each part writes its log to $OUT (the device tool's output
 # folder) or /tmp/muonfx-gpu-figures, and prints it.
 #
-#   scripts/gpu-figures.sh tests     # muonfx info; the CUDA tests and the Triton kernels' tests
+#   scripts/gpu-figures.sh tests     # muonfx info; the CUDA, Triton-kernel and compile tests
 #   scripts/gpu-figures.sh ns        # Newton-Schulz GFLOP/s against the measured bf16 peak, per shape and route
 #   scripts/gpu-figures.sh muon      # Muon step vs torch.optim.Muon: GPT-2 small (12 layers), MoE (8 x 32 experts)
 #   scripts/gpu-figures.sh llama     # the same on the Llama-1B-like set (22 layers)
@@ -45,6 +45,9 @@ case "$part" in
     tests)
         run python3 -m muonfx info
         run python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_ns.py -rs -s
+        # the GPU machine's torch (2.11) specialises float hyperparameters: the compiled
+        # step's schedule handling, on its own version
+        run python3 -m pytest -q -p no:cacheprovider tests/test_compile.py
         ;;
     ns)
         run python3 benchmarks/newton_schulz.py --only speed --device cuda --repeats 5
