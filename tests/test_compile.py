@@ -427,3 +427,31 @@ def test_every_public_transform_compiled_trains_as_eager_or_steps_eagerly(name):
 
     for a, b in zip(run(False), run(True)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_foreach_neg_mul_and_ema_are_the_eager_ops_and_trace_to_the_same_maths():
+    """``foreach("neg_mul", us, s)`` is ``_foreach_mul(us, -s)`` and ``foreach("ema", m, g,
+    beta)`` is ``_foreach_lerp(m, g, 1 - beta)`` bit for bit eagerly; traced (where the
+    scalars must reach the graph as they are), the same values to float rounding, and a
+    new scalar recompiles nothing."""
+    from muonfx.base import foreach
+
+    gen = torch.Generator().manual_seed(7)
+    us = [torch.randn(5, 3, generator=gen), torch.randn(4, generator=gen)]
+    ms = [torch.randn(5, 3, generator=gen), torch.randn(4, generator=gen)]
+    for got, want in zip(foreach("neg_mul", us, 0.37), torch._foreach_mul(us, -0.37)):
+        assert torch.equal(got, want)
+    for got, want in zip(foreach("ema", ms, us, 0.9), torch._foreach_lerp(ms, us, 1.0 - 0.9)):
+        assert torch.equal(got, want)
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    traced = torch.compile(lambda m, u, s, b: (foreach("neg_mul", u, s), foreach("ema", m, u, b)),
+                           backend=counter, dynamic=True, fullgraph=True)
+    for s, b in ((0.37, 0.9), (0.12, 0.95), (0.5, 0.85)):
+        neg, ema = traced(ms, us, s, b)
+        for got, want in zip(neg, torch._foreach_mul(us, -s)):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        for got, want in zip(ema, torch._foreach_lerp(ms, us, 1.0 - b)):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert counter.frame_count == 1, counter.frame_count
