@@ -41,20 +41,24 @@ Example::
 
 from __future__ import annotations
 
-import math
+import sys
 from typing import Any
 
 import torch
 
 __all__ = ["check", "check_args", "check_group_values", "rule", "check_float_dtype"]
 
-_INF = math.inf
+#: "finite" is written as ``<= the largest float`` (the same for every number), never as
+#: ``< inf``: traced with a symbolic float built from a schedule's own floats (a cosine
+#: in the graph), a comparison with infinity makes torch's value-range analysis raise
+#: "sympy expression is NaN" (2.10-2.13), which sent such compiled steps eagerly
+_MAX = sys.float_info.max
 # (low, low included, high, high included, wording)
-_NON_NEGATIVE = (0.0, True, _INF, False, ">= 0 and finite")
+_NON_NEGATIVE = (0.0, True, _MAX, True, ">= 0 and finite")
 _UNIT_CLOSED = (0.0, True, 1.0, True, "in [0, 1]")
 _UNIT_OPEN = (0.0, True, 1.0, False, "in [0, 1)")
-_POSITIVE = (0.0, False, _INF, False, "> 0 and finite")
-_FINITE = (-_INF, False, _INF, False, "finite")
+_POSITIVE = (0.0, False, _MAX, True, "> 0 and finite")
+_FINITE = (-_MAX, True, _MAX, True, "finite")
 
 
 _RULES: dict[str, tuple] = {}

@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence, Union
@@ -113,7 +112,10 @@ class join:
 
     def __call__(self, count) -> float:
         t = _step(count)
-        i = bisect.bisect_right(list(self.boundaries), t)
+        # bisect_right, written out: torch.compile traces it (it cannot trace bisect)
+        i = 0
+        while i < len(self.boundaries) and self.boundaries[i] <= t:
+            i += 1
         start = 0 if i == 0 else self.boundaries[i - 1]
         return float(self.schedules[i](t - start))
 
