@@ -65,7 +65,10 @@ class linear:
         if self.transition_steps == 0:
             frac = 1.0 if t >= 0 else 0.0
         else:
-            frac = min(max(t / self.transition_steps, 0.0), 1.0)
+            # clipped as an integer, then divided: the same value as clip(t / steps, 0, 1);
+            # traced (a compiled step), torch 2.11's C++ code of min/max on a float cast
+            # it to int64, freezing the schedule at its first value
+            frac = min(max(t, 0), self.transition_steps) / self.transition_steps
         return float(self.init_value + (self.end_value - self.init_value) * frac)
 
 

@@ -420,6 +420,29 @@ def test_every_in_graph_schedule_compiles_into_the_step(name):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_in_graph_schedules_compiled_by_inductor_follow_the_schedule(name):
+    """The real backend (C++ on the CPU): the lr applied at each step is the schedule's
+    value at that step. torch 2.10 and 2.11 printed ``min``/``max`` of a traced float
+    with int64 casts, so ``linear``'s ``clip(t / steps, 0, 1)`` read 0 and the compiled
+    step kept the first lr for good (warm-ups and ``join`` pieces of it too); the
+    schedule clips the integer step now."""
+    torch._dynamo.reset()
+    sched = SCHEDULES[name]()
+    w = torch.nn.Parameter(torch.zeros(4, 3))
+    opt = mfx.TransformOptimizer([("w", w)], mfx.scale_by_learning_rate(sched)).compile()
+    applied = []
+    for _ in range(18):
+        w.grad = torch.ones(4, 3)
+        before = w.detach().clone()
+        opt.step()
+        applied.append((before - w.detach()).mean().item())
+    assert not opt.executor._fell_back
+    want = [sched(step) for step in range(18)]
+    assert applied == pytest.approx(want, rel=1e-5, abs=1e-9), (applied, want)
+    assert len(set(round(v, 8) for v in want)) > 3  # the schedule does change
+
+
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")], ids=["negative", "nan", "inf"])
 def test_a_bad_schedule_value_in_a_compiled_step_is_refused_and_changes_nothing(bad):
     """The check of a schedule's value holds in the compiled step as eagerly: a negative,
