@@ -350,6 +350,20 @@ def test_a_learning_rate_schedule_recompiles_nothing_on_every_torch(factory):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
+def _lockstep(make, seed, steps):
+    """A compiled (aot_eager) and an eager optimizer of ``make()`` stepped side by side
+    on the same gradients: the compiled one, and both parameter lists."""
+    named, ref = _named(seed), _named(seed)
+    opt = mfx.TransformOptimizer(named, make()).compile(backend="aot_eager")
+    eager = mfx.TransformOptimizer(ref, make())
+    for step in range(steps):
+        _grads(named, step)
+        _grads(ref, step)
+        opt.step()
+        eager.step()
+    return opt, named, ref
+
+
 def _bisect_schedule(count):
     """A user's piecewise schedule written with ``bisect``, which dynamo cannot trace."""
     import bisect
@@ -367,14 +381,7 @@ def test_a_compiler_failure_while_tracing_steps_eagerly():
     line of muonfx's (test_only_errors_raised_while_compiling_count_as_the_compilers)."""
     torch._dynamo.reset()
     make = lambda: mfx.chain(mfx.scale_by_adam(), mfx.scale_by_learning_rate(_bisect_schedule))  # noqa: E731
-    named, ref = _named(5), _named(5)
-    opt = mfx.TransformOptimizer(named, make()).compile(backend="aot_eager")
-    eager = mfx.TransformOptimizer(ref, make())
-    for step in range(6):
-        _grads(named, step)
-        _grads(ref, step)
-        opt.step()
-        eager.step()
+    opt, named, ref = _lockstep(make, 5, 6)
     for (n, a), (_, b) in zip(ref, named):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=lambda m: f"{n}: {m}")
     assert opt.executor._fell_back
@@ -405,14 +412,7 @@ def test_every_in_graph_schedule_compiles_into_the_step(name):
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    named, ref = _named(7), _named(7)
-    opt = mfx.TransformOptimizer(named, make()).compile(backend="aot_eager")
-    eager = mfx.TransformOptimizer(ref, make())
-    for step in range(18):
-        _grads(named, step)
-        _grads(ref, step)
-        opt.step()
-        eager.step()
+    opt, named, ref = _lockstep(make, 7, 18)
     assert not opt.executor._fell_back and not opt.executor.floats_specialize
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert 1 <= graphs <= 1 + (2 if name == "join" else 1 if name == "warmup_cosine_decay" else 0), graphs
