@@ -26,7 +26,8 @@ Schedule = Callable[[int], float]
 ScalarOrSchedule = Union[float, Schedule]
 
 __all__ = ["Schedule", "ScalarOrSchedule", "constant", "linear", "cosine_decay",
-           "warmup_cosine_decay", "join", "evaluate"]
+           "warmup_cosine_decay", "join", "evaluate", "traceable", "ScheduleNotTraceable",
+           "FLOAT_MIN_MAX_MISCOMPILED"]
 
 
 def _step(count) -> int:
@@ -137,6 +138,40 @@ def warmup_cosine_decay(
     )
 
 
+#: torch 2.10 and 2.11 (2.12 not measured) compile ``min``/``max`` of a traced float to
+#: C++ that casts it to int64 (2.13 does not): a schedule such as
+#: ``lambda step: min(step / 100, 1.0)``, evaluated in a compiled step on the symbolic step
+#: counter, then reads 0 and stays at its first value. muonfx's schedules clip integers.
+FLOAT_MIN_MAX_MISCOMPILED = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
+
+class ScheduleNotTraceable(RuntimeError):
+    """Raised while ``torch.compile`` traces a schedule that is not one of
+    :mod:`muonfx.schedules` on a torch that miscompiles ``min``/``max`` of traced floats
+    (:data:`FLOAT_MIN_MAX_MISCOMPILED`). The optimizer adapter's executor takes it as the
+    compiler's failure and runs the step eagerly (a warning says why); in a loop compiled
+    by hand dynamo breaks the graph there (the schedule is then evaluated eagerly), or,
+    with ``fullgraph=True``, raises its ``Unsupported`` error chained from this one."""
+
+
+def traceable(value: Schedule) -> bool:
+    """True for muonfx's own schedules (and ``join`` of them): written for the compiler,
+    they clip the integer step and never take ``min``/``max`` of a float, so a compiled
+    step follows them on every torch.
+
+    Example::
+
+        >>> from muonfx import schedules
+        >>> schedules.traceable(schedules.warmup_cosine_decay(0.0, 1.0, 10, 100))
+        True
+        >>> schedules.traceable(lambda step: min(step / 100, 1.0))
+        False
+    """
+    if isinstance(value, (constant, linear, cosine_decay)):
+        return True
+    return isinstance(value, join) and all(traceable(s) for s in value.schedules)
+
+
 def evaluate(name: str, value: ScalarOrSchedule, count) -> float:
     """The value of a hyperparameter at ``count``: ``value(count)`` for schedules.
 
@@ -146,5 +181,11 @@ def evaluate(name: str, value: ScalarOrSchedule, count) -> float:
     infinite or out of ``name``'s range (a negative ``lr``, say).
     """
     if callable(value):
+        if FLOAT_MIN_MAX_MISCOMPILED and torch.compiler.is_compiling() and not traceable(value):
+            raise ScheduleNotTraceable(
+                f"the schedule {value!r} of {name!r} is not one of muonfx.schedules: on torch "
+                f"{torch.__version__} a compiled step could freeze it at its first value (min/max of a "
+                "traced float compile to an integer cast), so it is not compiled; use muonfx.schedules "
+                "or a torch.optim.lr_scheduler to keep the step compiled (torch 2.13 compiles any schedule)")
         return float(check(name, value(count), count, value))
     return float(check(name, value, count))

@@ -443,6 +443,57 @@ def test_in_graph_schedules_compiled_by_inductor_follow_the_schedule(name):
     assert len(set(round(v, 8) for v in want)) > 3  # the schedule does change
 
 
+def _warmup_lambda(step):
+    """The usual warm-up written by hand: ``min`` of a float (miscompiled by torch 2.10/2.11)."""
+    return min(step / 10, 1.0) * 1e-2
+
+
+def _applied_lrs(sched, steps=8):
+    """The lr a compiled (inductor) step applies at each step, and its executor."""
+    torch._dynamo.reset()
+    w = torch.nn.Parameter(torch.zeros(4, 3))
+    opt = mfx.TransformOptimizer([("w", w)], mfx.scale_by_learning_rate(sched)).compile()
+    applied = []
+    for _ in range(steps):
+        w.grad = torch.ones(4, 3)
+        before = w.detach().clone()
+        opt.step()
+        applied.append((before - w.detach()).mean().item())
+    return applied, opt.executor
+
+
+def test_a_schedule_of_your_own_is_followed_by_the_compiled_step_on_every_torch():
+    """``min(step / 10, 1.0)``: on torch 2.10 and 2.11 inductor's C++ casts the traced
+    float to an integer, so the compiled step applied lr 0 for good (no training at
+    all, silently); there the schedule is refused while tracing and the step runs
+    eagerly; torch 2.13 compiles it right. Either way the applied lr is the schedule's."""
+    applied, ex = _applied_lrs(_warmup_lambda)
+    assert applied == pytest.approx([_warmup_lambda(t) for t in range(8)], rel=1e-5, abs=1e-9)
+    assert ex._fell_back == mfx.schedules.FLOAT_MIN_MAX_MISCOMPILED
+
+
+def test_where_torch_miscompiles_min_max_only_muonfxs_schedules_are_traced(monkeypatch, caplog):
+    """With FLOAT_MIN_MAX_MISCOMPILED (set here, as on torch 2.10/2.11): a schedule of
+    one's own sends the step eagerly with a warning that says why and what keeps it
+    compiled, and trains as eagerly; muonfx's schedules (a join of them too) stay
+    compiled."""
+    import logging
+
+    monkeypatch.setattr(mfx.schedules, "FLOAT_MIN_MAX_MISCOMPILED", True)
+    assert mfx.schedules.traceable(mfx.schedules.warmup_cosine_decay(0.0, 1.0, 3, 20))
+    assert mfx.schedules.traceable(mfx.momentum_warmup())
+    assert not mfx.schedules.traceable(_warmup_lambda)
+    assert not mfx.schedules.traceable(mfx.schedules.join([mfx.schedules.constant(1.0), _warmup_lambda], [3]))
+    with caplog.at_level(logging.WARNING, logger="muonfx"):
+        applied, ex = _applied_lrs(_warmup_lambda)
+    assert ex._fell_back and applied == pytest.approx([_warmup_lambda(t) for t in range(8)], rel=1e-5, abs=1e-9)
+    assert any("a schedule of your own" in r.getMessage() and "muonfx.schedules" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    sched = mfx.schedules.linear(1e-2, 0.0, 10)
+    applied, ex = _applied_lrs(sched)
+    assert not ex._fell_back and applied == pytest.approx([sched(t) for t in range(8)], rel=1e-5, abs=1e-9)
+
+
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")], ids=["negative", "nan", "inf"])
 def test_a_bad_schedule_value_in_a_compiled_step_is_refused_and_changes_nothing(bad):
     """The check of a schedule's value holds in the compiled step as eagerly: a negative,

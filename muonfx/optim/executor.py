@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from ..base import Key, build, foreach, is_leafwise, key_str, tree_pairs as _tree_pairs, tree_replace as _rebuild, tree_tensors
 from ..linalg.batching import batch_bytes
 from ..memory import AllocatorPeak
+from ..schedules import ScheduleNotTraceable
 from ..state_tree import frozen_scalars, merge, restrict, same_scalars, scalars_per_param, split, with_scalars
 from ..wrappers import inject_hyperparams
 from .groups import GroupWork, numeric_values, static_key as _static_key
@@ -150,6 +151,19 @@ def _mib(n: int | None) -> str:
 #: raised by torch.compile before a graph runs (nothing written): the step goes eager
 _COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException,
                    getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", torch._dynamo.exc.TorchDynamoException))
+
+
+def _schedule_not_traceable(e: BaseException | None) -> bool:
+    """Whether ``e`` is (or was raised from, or wraps) :class:`muonfx.schedules.ScheduleNotTraceable`:
+    dynamo re-raises a user's exception met while tracing as its own ``Unsupported``
+    ("Observed exception"), the original's class name in the chained one's."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, ScheduleNotTraceable) or "ScheduleNotTraceable" in type(e).__name__:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _compiler_failed(e: BaseException) -> bool:
@@ -598,7 +612,12 @@ class Executor:
                 raise
             # The eager step raises the transform's own error; if it succeeds instead, the
             # compiler cannot trace these groups: they stay eager.
-            if not isinstance(e, _COMPILE_ERRORS):
+            if _schedule_not_traceable(e):
+                _log.warning("muonfx: a schedule of your own is evaluated inside the optimizer step, and torch %s "
+                             "compiles min/max of traced floats wrongly (muonfx.schedules.FLOAT_MIN_MAX_MISCOMPILED): "
+                             "the step runs eagerly from now on; muonfx.schedules or a torch.optim.lr_scheduler "
+                             "keep it compiled", torch.__version__)
+            elif not isinstance(e, _COMPILE_ERRORS):
                 _log.info("muonfx: torch.compile failed on the optimizer step (%s: %s); it runs eagerly from now on",
                           type(e).__name__, e)
             self._compiled[key] = None
