@@ -7,7 +7,8 @@ skipped elsewhere (``tests/conftest.py``), the CPU-only CI included:
   on CUDA matrices (same-shape ones go through the batched Newton-Schulz);
 * the extra memory of a Muon step: the model-size terms of the pure update plus a few
   batches of the byte budget (:func:`muonfx.linalg.batch_bytes`), derived below;
-* ``opt.compile()`` on CUDA: the same training as eager while lr and weight decay change;
+* ``opt.compile()`` on CUDA: the same training as eager while lr and weight decay change,
+  and schedules evaluated inside the compiled step applied step by step;
 * the symmetric Triton Newton-Schulz kernels (:mod:`muonfx.linalg.triton_ns`) against
   torch's bf16 products, on square, wide, tall and ragged shapes.
 
@@ -183,6 +184,34 @@ def test_compiled_muon_step_matches_eager_on_cuda():
     for k in SHAPES:
         assert rel_err(eager[k], params[k]) > 1e-3
     assert max(errs.values()) < CUDA_COMPILE_TOL, errs
+
+
+def _warmup_lambda(step):
+    return min(step / 10, 1.0) * 1e-2
+
+
+@cuda
+@pytest.mark.parametrize("name", ["linear", "warmup_cosine_decay", "join", "own"])
+def test_in_graph_schedules_compiled_on_cuda_follow_the_schedule(name):
+    """A schedule evaluated inside the compiled step on CUDA (Triton code, where the CPU
+    tests see C++): the lr applied at each step is the schedule's. On torch 2.10/2.11 a
+    schedule of one's own (``own``: ``min`` of a float) runs eagerly instead
+    (schedules.FLOAT_MIN_MAX_MISCOMPILED); muonfx's compile everywhere."""
+    sched = {"linear": mfx.schedules.linear(1e-2, 0.0, 20),
+             "warmup_cosine_decay": mfx.schedules.warmup_cosine_decay(0.0, 1e-2, 3, 20),
+             "join": mfx.schedules.join([mfx.schedules.constant(1e-2), mfx.schedules.linear(1e-2, 0.0, 10)], [5]),
+             "own": _warmup_lambda}[name]
+    torch._dynamo.reset()
+    w = torch.nn.Parameter(torch.zeros(64, 32, device="cuda"))
+    opt = mfx.TransformOptimizer([("w", w)], mfx.scale_by_learning_rate(sched)).compile()
+    applied = []
+    for _ in range(14):
+        w.grad = torch.ones_like(w)
+        before = w.detach().clone()
+        opt.step()
+        applied.append((before - w.detach()).mean().item())
+    assert applied == pytest.approx([sched(t) for t in range(14)], rel=1e-5, abs=1e-9), applied
+    assert opt.executor._fell_back == (name == "own" and mfx.schedules.FLOAT_MIN_MAX_MISCOMPILED)
 
 
 # ---------------------------------------------------------------------------
