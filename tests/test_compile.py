@@ -491,6 +491,40 @@ def test_a_compiled_step_writes_every_state_buffer_from_the_old_ones(name):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
+#: public transforms with state of more than one kind (or per-block, per-group, injected):
+#: where a write-back or fusion bug of the compiler shows
+STATEFUL = ["accumulate_2", "adamw", "blockwise_stateful", "inject_hyperparams", "modded_nanogpt_normuon",
+            "momentum_nesterov_bf16_mu", "muon_adamw", "normuon", "partition", "scale_by_adam"]
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+def test_stateful_public_transforms_compiled_by_inductor_train_as_eager(name, monkeypatch):
+    """The real backend, six steps, Newton-Schulz pinned to float32 (bf16 would differ by
+    its own rounding between two fusions): parameters within float32 rounding of eager.
+    The aot_eager sweep above cannot see inductor's own mistakes (the foreach write-back)."""
+    monkeypatch.setenv("MUONFX_NS_DTYPE", "float32")
+    build = _public_transforms()[name][1]
+
+    def run(compiled):
+        torch._dynamo.reset()
+        gen = torch.Generator().manual_seed(0)
+        named = [("w", torch.nn.Parameter(torch.randn(12, 8, generator=gen))),
+                 ("v", torch.nn.Parameter(torch.randn(8, 8, generator=gen))),
+                 ("e", torch.nn.Parameter(torch.randn(2, 8, 6, generator=gen)))]
+        opt = mfx.TransformOptimizer(named, build())
+        if compiled:
+            opt.compile()
+        for _ in range(6):
+            for _, p in named:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        assert not opt.executor._fell_back
+        return [p.detach() for _, p in named]
+
+    for a, b in zip(run(False), run(True)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
 def _warmup_lambda(step):
     """The usual warm-up written by hand: ``min`` of a float (miscompiled by torch 2.10/2.11)."""
     return min(step / 10, 1.0) * 1e-2
