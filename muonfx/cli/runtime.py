@@ -80,11 +80,18 @@ def _amp(amp: str, dev: torch.device) -> bool:
     return amp == "bf16" or (amp == "auto" and dev.type == "cuda")
 
 
-def teardown(rt: Runtime) -> None:
+def teardown(rt: Runtime, completed: bool = False) -> None:
+    """End a run: under FSDP, destroy the process group. Where every rank ``completed``
+    its training, a barrier first: the other ranks used to destroy gloo's group while
+    rank 0 still wrote the summary, and a rank could abort at exit ("terminate called
+    without an active exception", seen once on a loaded CI machine). After an error no
+    barrier (the other ranks may never come; torchrun stops them)."""
     if rt.fsdp:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            if completed:
+                dist.barrier()
             dist.destroy_process_group()
 
 

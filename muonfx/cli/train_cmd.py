@@ -87,6 +87,7 @@ def run_train(args, argv: list[str], prog: str = "muonfx train") -> int:
     args.prog = prog  # the command the messages name (examples/train_gpt.py runs this too)
     ckpt = prepare(args)
     rt = setup(args.device, args.fsdp, args.threads, args.amp)
+    completed = False
     try:
         corpus = load_corpus(args.cache_dir, use_cache=not args.no_cache)
         if ckpt is not None and ckpt["corpus_sha256"] != corpus.sha256:
@@ -103,6 +104,7 @@ def run_train(args, argv: list[str], prog: str = "muonfx train") -> int:
         runs = {args.optimizer: train_run(args, args.optimizer, corpus, rt, args.lr, ckpt, then=args.compare)}
         if args.compare:
             runs[args.compare] = train_run(args, args.compare, corpus, rt, None)
+        completed = True  # every rank trained; what follows is rank 0's own writing
         if not rt.is_main:
             return 0
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -145,7 +147,7 @@ def run_train(args, argv: list[str], prog: str = "muonfx train") -> int:
         print("wrote " + ", ".join(str(f) for f in files))
         return 0
     finally:
-        teardown(rt)
+        teardown(rt, completed)
         sys.stdout.flush()
 
 
