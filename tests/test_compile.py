@@ -491,6 +491,25 @@ def test_a_compiled_step_writes_every_state_buffer_from_the_old_ones(name):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
+def _train_public(build, backend, steps):
+    """Three small parameters (a matrix, a square, a 3-D stack) trained ``steps`` steps by
+    ``build()`` through TransformOptimizer, compiled with ``backend`` (None: eager); the
+    final parameters and the optimizer."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    named = [("w", torch.nn.Parameter(torch.randn(12, 8, generator=gen))),
+             ("v", torch.nn.Parameter(torch.randn(8, 8, generator=gen))),
+             ("e", torch.nn.Parameter(torch.randn(2, 8, 6, generator=gen)))]
+    opt = mfx.TransformOptimizer(named, build())
+    if backend is not None:
+        opt.compile(backend=backend)
+    for _ in range(steps):
+        for _, p in named:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return [p.detach() for _, p in named], opt
+
+
 #: public transforms with state of more than one kind (or per-block, per-group, injected):
 #: where a write-back or fusion bug of the compiler shows
 STATEFUL = ["accumulate_2", "adamw", "blockwise_stateful", "inject_hyperparams", "modded_nanogpt_normuon",
@@ -504,24 +523,10 @@ def test_stateful_public_transforms_compiled_by_inductor_train_as_eager(name, mo
     The aot_eager sweep above cannot see inductor's own mistakes (the foreach write-back)."""
     monkeypatch.setenv("MUONFX_NS_DTYPE", "float32")
     build = _public_transforms()[name][1]
-
-    def run(compiled):
-        torch._dynamo.reset()
-        gen = torch.Generator().manual_seed(0)
-        named = [("w", torch.nn.Parameter(torch.randn(12, 8, generator=gen))),
-                 ("v", torch.nn.Parameter(torch.randn(8, 8, generator=gen))),
-                 ("e", torch.nn.Parameter(torch.randn(2, 8, 6, generator=gen)))]
-        opt = mfx.TransformOptimizer(named, build())
-        if compiled:
-            opt.compile()
-        for _ in range(6):
-            for _, p in named:
-                p.grad = torch.randn(p.shape, generator=gen)
-            opt.step()
-        assert not opt.executor._fell_back
-        return [p.detach() for _, p in named]
-
-    for a, b in zip(run(False), run(True)):
+    eager, _ = _train_public(build, None, 6)
+    compiled, opt = _train_public(build, "inductor", 6)
+    assert not opt.executor._fell_back
+    for a, b in zip(eager, compiled):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
@@ -631,24 +636,10 @@ def test_every_public_transform_compiled_trains_as_eager_or_steps_eagerly(name):
     never raise and end where the eager optimizer ends (float rounding apart); where the
     compiler cannot take a transform (``apply_if_finite``'s data-dependent choice) the
     step runs eagerly."""
-    torch._dynamo.reset()
     build = _public_transforms()[name][1]
-
-    def run(compiled):
-        gen = torch.Generator().manual_seed(0)
-        named = [("w", torch.nn.Parameter(torch.randn(12, 8, generator=gen))),
-                 ("v", torch.nn.Parameter(torch.randn(8, 8, generator=gen))),
-                 ("e", torch.nn.Parameter(torch.randn(2, 8, 6, generator=gen)))]
-        opt = mfx.TransformOptimizer(named, build())
-        if compiled:
-            opt.compile(backend="aot_eager")
-        for _ in range(3):
-            for _, p in named:
-                p.grad = torch.randn(p.shape, generator=gen)
-            opt.step()
-        return [p.detach() for _, p in named]
-
-    for a, b in zip(run(False), run(True)):
+    eager, _ = _train_public(build, None, 3)
+    compiled, _ = _train_public(build, "aot_eager", 3)
+    for a, b in zip(eager, compiled):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
