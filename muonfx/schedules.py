@@ -67,8 +67,8 @@ class linear:
             frac = 1.0 if t >= 0 else 0.0
         else:
             # clipped as an integer, then divided: the same value as clip(t / steps, 0, 1);
-            # traced (a compiled step), torch 2.11's C++ code of min/max on a float cast
-            # it to int64, freezing the schedule at its first value
+            # traced (a compiled step), torch 2.10/2.11's C++ code of min/max on a float
+            # casts it to int64, freezing the schedule at its first value
             frac = min(max(t, 0), self.transition_steps) / self.transition_steps
         return float(self.init_value + (self.end_value - self.init_value) * frac)
 

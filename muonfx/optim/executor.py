@@ -171,10 +171,11 @@ def _compiler_failed(e: BaseException) -> bool:
     written): one of dynamo's own errors, or any other error but the transforms' own
     (``ValueError``, ``TypeError``: a bad hyperparameter, a parameter a transform
     refuses, raised while tracing, which the eager step raises again) that was raised
-    while dynamo compiled the frame. Torch 2.11 and 2.13 let an ``AssertionError``
-    ("sympy expression is NaN") out of tracing a cosine schedule evaluated on the step
-    counter (``mfx.schedules.cosine_decay``); errors of the running graph (out of memory)
-    come from the compiled code, not from the compiler's frames, and are raised as they are."""
+    while dynamo compiled the frame. Torch 2.10-2.13 let a bare ``AssertionError``
+    ("sympy expression is NaN") out of tracing (muonfx's cosine schedules raised it until
+    the hyperparameter check stopped comparing with infinity); errors of the running
+    graph (out of memory) come from the compiled code, not from the compiler's frames,
+    and are raised as they are."""
     if isinstance(e, _COMPILE_ERRORS):
         return True
     if isinstance(e, (ValueError, TypeError)) or not isinstance(e, Exception):
