@@ -24,7 +24,7 @@ from .state_tree import merge as _merge, restrict as _restrict
 from .wrappers import InjectHyperparamsState as _InjectHyperparamsState
 from .wrappers import accumulate as _accumulate, inject_hyperparams as _inject_hyperparams
 
-__all__ = ["LAWS", "ConformanceError", "check_transform"]
+__all__ = ["LAWS", "OPT_IN_LAWS", "COMPILED_RTOL", "ConformanceError", "check_transform"]
 
 
 # ---------------------------------------------------------------------------
@@ -44,7 +44,20 @@ LAWS: tuple[str, ...] = (
     "state_dict_roundtrip",
     "leafwise",
     "idle_parameter",
+    "compiled",
 )
+
+#: The laws checked only when asked for by name (``laws=[..., "compiled"]``): each
+#: example compiles the optimizer step from scratch (seconds with inductor).
+OPT_IN_LAWS: tuple[str, ...] = ("compiled",)
+
+#: The compiled law's default tolerance, relative to how far the eager run moved each
+#: parameter: inductor reorders float sums and fuses roundings away, which moved float32
+#: parameters by less than 1e-5 of their steps with the elementwise public transforms and
+#: by up to 5e-5 with the Muon family (float32 Newton-Schulz amplifies a reordering on an
+#: ill-conditioned matrix; ``docs/testing.md``); the miscompilations the law is there to
+#: catch moved parameters by 5 % to 100 % of their steps.
+COMPILED_RTOL = 1e-4
 
 
 class ConformanceError(AssertionError):
@@ -295,6 +308,10 @@ class _Config(NamedTuple):
     hyperparams: dict
     static_args: tuple
     zero_grad_exact: bool
+    backend: str = "inductor"
+    #: examples of the compiled law that ran eagerly (the compiler could not take them)
+    eager_examples: list | None = None
+    examples: list | None = None
 
     @property
     def mode(self) -> str:
@@ -643,6 +660,100 @@ def _law_idle(tx, params, grads, cfg: _Config) -> None:
                 "attribute moves for a parameter that did not step")
 
 
+def _movement_tol(after: torch.Tensor, moved: torch.Tensor, rtol: float, atol: float) -> torch.Tensor:
+    """Per element: ``atol``, plus ``rtol`` of how far the eager run has moved the
+    parameter (the largest move of the leaf, summed over the steps so far), plus two
+    roundings of the value (a low-precision parameter rounds ``p + u`` at every step)."""
+    return atol + rtol * moved + 2 * torch.finfo(after.dtype).eps * after.double().abs()
+
+
+def _low_precision_rtol(tensors: Iterable[torch.Tensor]) -> float:
+    """Four roundings of the narrowest 16-bit floating dtype among ``tensors`` (bf16:
+    0.031, fp16: 0.0039); 0 without one. Eager PyTorch rounds every intermediate to the
+    tensor's dtype where inductor computes a fused chain in float32 and rounds once, and
+    a reduction over the leaves (a global norm) carries that into every other leaf."""
+    eps = [torch.finfo(t.dtype).eps for t in tensors if t.is_floating_point() and torch.finfo(t.dtype).bits <= 16]
+    return 4 * max(eps) if eps else 0.0
+
+
+def _law_compiled(tx, params, grads, cfg: _Config) -> None:
+    """``steps + 2`` steps of mfx.TransformOptimizer compiled by ``cfg.backend`` (the first
+    step of a compiled optimizer is always eager) end where the eager optimizer ends."""
+    from .optim import TransformOptimizer
+
+    names = list(_td_leaves(params))
+    start = [t.detach().clone() for t in _td_leaves(params).values()]
+    seq = [[gl[n] for n in names] for gl in map(_td_leaves, _grad_seq(grads, cfg.steps + 2))]
+
+    def run(backend: str | None) -> tuple[list[list[torch.Tensor]], Any]:
+        what = "eager run" if backend is None else f"compiled run (backend={backend!r})"
+        torch._dynamo.reset()  # every example compiles afresh (dynamo's recompile limit)
+        ps = [torch.nn.Parameter(v.clone(), requires_grad=v.is_floating_point()) for v in start]
+        opt = _call(f"{what}: TransformOptimizer(named params, tx)", TransformOptimizer, list(zip(names, ps)), tx)
+        if backend is not None:
+            _call(f"{what}: opt.compile(backend={backend!r})", lambda: opt.compile(backend=backend))
+        out = []
+        for i, gs in enumerate(seq):
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            _call(f"{what}, step {i}: opt.step()", opt.step)
+            out.append([p.detach().clone() for p in ps])
+        return out, opt
+
+    eager, opt_e = run(None)
+    compiled, opt_c = run(cfg.backend)
+    cfg.examples.append(1)
+    if opt_c.executor._fell_back:
+        # the compiler could not take it: the adapter stepped eagerly (correct, and what
+        # the report says); there is no compiled result to compare
+        cfg.eager_examples.append(1)
+        return
+    rtol = max(cfg.rtol or COMPILED_RTOL, _low_precision_rtol(start))
+    moved = [torch.zeros((), dtype=torch.float64) for _ in names]
+    prev = start
+    for i, (e_step, c_step) in enumerate(zip(eager, compiled)):
+        for j, (name, e, c) in enumerate(zip(names, e_step, c_step)):
+            if not e.is_floating_point() or not e.numel():
+                continue
+            moved[j] = moved[j] + (e.double() - prev[j].double()).abs().max()
+            tol = _movement_tol(e, moved[j], rtol, cfg.atol)
+            diff = (c.double() - e.double()).abs()
+            same_nan = e.isnan() == c.isnan()
+            bad = ~same_nan | (diff.nan_to_num(nan=0.0) > tol)
+            if bool(bad.any()):
+                k = int(bad.flatten().nonzero()[0])
+                raise _Fail(
+                    f"step {i} (the first compiled step is step 1): params[{name}] differ between the "
+                    f"compiled and the eager optimizer beyond compile rounding: {int(bad.sum())} of "
+                    f"{e.numel()} values, e.g. {c.flatten()[k].item():.6g} compiled vs "
+                    f"{e.flatten()[k].item():.6g} eager (tolerance {tol.flatten()[k].item():.3g}: "
+                    f"rtol={rtol:g} of the {moved[j].item():.3g} the eager run moved this leaf). "
+                    "Random numbers drawn inside update differ under the compiler; otherwise the "
+                    "compiler computes your update differently from eager PyTorch: compare the two "
+                    "runs step by step, and pass rtol= if the transform computes in a lower "
+                    "precision than its parameters (Newton-Schulz in bf16 on float32 parameters: rtol=0.1)")
+        prev = e_step
+    pe = dict(_tensor_paths(opt_e.transform_state(0), "state"))
+    pc = dict(_tensor_paths(opt_c.transform_state(0), "state"))
+    for path, e in pe.items():
+        c = pc.get(path)
+        if c is None or c.shape != e.shape or c.dtype != e.dtype:
+            raise _Fail(f"after {len(seq)} steps the compiled optimizer's state differs in structure from "
+                        f"the eager one's at {path}: {None if c is None else _tensor_str(c)} vs {_tensor_str(e)}")
+        if not e.is_floating_point() or not e.numel():
+            d = _values_differ(c, e, "exact", 0.0, 0.0)
+        else:
+            scale = float(e.double().abs().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).max())
+            tol = cfg.atol + rtol * scale * len(seq) + 2 * torch.finfo(e.dtype).eps * e.double().abs()
+            diff = (c.double() - e.double()).abs()
+            bad = (e.isnan() != c.isnan()) | (diff.nan_to_num(nan=0.0) > tol)
+            d = f"{int(bad.sum())} of {e.numel()} values differ (largest difference " \
+                f"{diff.nan_to_num(nan=0.0).max().item():.3g})" if bool(bad.any()) else None
+        if d:
+            raise _Fail(f"after {len(seq)} steps the compiled optimizer's state differs from the eager one's "
+                        f"beyond compile rounding: {path}: {d}")
+
+
 def _drop_hyperparams(node: Any) -> Any:
     """``node`` with every ``InjectHyperparamsState.hyperparams`` replaced by ``None``."""
     if isinstance(node, _InjectHyperparamsState):
@@ -668,6 +779,7 @@ _LAW_FNS: dict[str, Callable[..., None]] = {
     "state_dict_roundtrip": _law_state_dict,
     "leafwise": _law_leafwise,
     "idle_parameter": _law_idle,
+    "compiled": _law_compiled,
 }
 
 
@@ -701,6 +813,11 @@ def _expectation(law: str, cfg: _Config) -> str:
                           f"in the first of {cfg.steps + 1} steps must end {ex} where it ends in an optimizer of "
                           "its own that skips that step (its value and the state_dict entries both hold), and "
                           "the other parameters where they end without it",
+        "compiled": f"in mfx.TransformOptimizer compiled with torch.compile (backend={cfg.backend!r}), "
+                    f"{cfg.steps + 2} steps (the first one eager) must end where the eager optimizer "
+                    f"ends, parameters and state, within compile rounding (rtol={cfg.rtol or COMPILED_RTOL:g} "
+                    "of how far each parameter moved, at least four roundings of a 16-bit dtype in the "
+                    "tree, plus two roundings of the value)",
     }[law]
 
 
@@ -791,6 +908,7 @@ def check_transform(
     rtol: float = 0.0,
     atol: float = 0.0,
     derandomize: bool = False,
+    backend: Any = "inductor",
 ) -> dict[str, str]:
     """Check that a transform obeys muonfx's contract; raise :class:`ConformanceError` if not.
 
@@ -824,6 +942,18 @@ def check_transform(
       with its share of the state, :func:`muonfx.state_tree.restrict`, merged back with
       :func:`~muonfx.state_tree.merge` after each step) equal the whole tree's: the same
       updates, the same per-leaf state and the same scalars (step counters);
+    * ``compiled`` (only when asked for, ``laws=[..., "compiled"]``: every example compiles
+      the step, seconds each with inductor): in :class:`muonfx.TransformOptimizer` compiled
+      with ``torch.compile(backend=backend)`` (``opt.compile``; its first step is eager),
+      ``steps + 2`` steps end where the eager optimizer ends: every step's parameters
+      within ``rtol`` (default :data:`COMPILED_RTOL`, 1e-4) of how far the eager run has
+      moved each parameter plus two roundings of its dtype, and the final state within
+      ``rtol`` of each buffer's size per step. This catches a compiler that computes the
+      update differently from eager PyTorch (inductor has: ``min``/``max`` of a traced
+      float on torch 2.10/2.11, a fused state write-back); a transform that computes
+      below its parameters' precision needs ``rtol`` at that precision (``0.1`` for
+      bf16 Newton-Schulz on float32 parameters: measured 1e-2 to 5e-2 of the step). Examples the compiler cannot take step eagerly (correct, not
+      compared) and the report says so. Not shrunk: the first failing example is shown.
     * ``idle_parameter`` (only for a transform declared leafwise): in
       :class:`muonfx.TransformOptimizer`, a parameter whose ``grad`` is None in the first
       of ``steps + 1`` steps ends (its value and the ``state_dict()`` entries both hold)
@@ -850,6 +980,8 @@ def check_transform(
         steps: updates per run.
         max_examples: hypothesis examples per law.
         derandomize: use a fixed hypothesis seed (reproducible, e.g. in CI).
+        backend: the ``torch.compile`` backend of the ``compiled`` law (a name or a
+            callable; default ``"inductor"``, what ``opt.compile()`` uses).
 
     Returns:
         ``{law: "ok" | "skipped: <why>"}`` for every law in :data:`LAWS`, plus
@@ -885,8 +1017,12 @@ def check_transform(
         raise ValueError(f"check_transform: max_examples must be an int >= 1, got {max_examples!r}")
     if rtol < 0 or atol < 0:
         raise ValueError(f"check_transform: rtol and atol must be >= 0, got {rtol}, {atol}")
+    if not (isinstance(backend, str) and backend) and not callable(backend):
+        raise TypeError(f"check_transform: backend must be a torch.compile backend (a name such as "
+                        f"'inductor', or a callable), got {backend!r}")
     if laws is None:
-        selected = [law for law in LAWS if law != "inject_hyperparams" or has_inject]
+        selected = [law for law in LAWS
+                    if (law != "inject_hyperparams" or has_inject) and law not in OPT_IN_LAWS]
     else:
         selected = [laws] if isinstance(laws, str) else list(laws)
         unknown = [law for law in selected if law not in LAWS]
@@ -901,7 +1037,7 @@ def check_transform(
         params = params_and_grads(min_ndim=2) if matrices_only or domain else params_and_grads()
     elif matrices_only:
         raise TypeError("check_transform: pass either params= or matrices_only=True, not both")
-    cfg = _Config(steps, float(rtol), float(atol), factory, hp, tuple(static_args), zero_grad_exact)
+    cfg = _Config(steps, float(rtol), float(atol), factory, hp, tuple(static_args), zero_grad_exact, backend, [], [])
     suppress = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
     if hasattr(HealthCheck, "nested_given"):  # check_transform called from a @given test
         suppress.append(HealthCheck.nested_given)
@@ -910,19 +1046,24 @@ def check_transform(
     hyp = settings(max_examples=max_examples, deadline=None, derandomize=derandomize, database=None,
                    suppress_health_check=suppress, report_multiple_bugs=False, print_blob=False,
                    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])
+    # the compiled law compiles twice per example: no shrinking (dozens of compilations)
+    hyp_compiled = settings(hyp, phases=[Phase.explicit, Phase.reuse, Phase.generate])
     report: dict[str, str] = {}
     for law in LAWS:
         if law not in selected:
-            report[law] = ("skipped: pass factory= and hyperparams= to check it"
-                           if law == "inject_hyperparams" and not has_inject and laws is None
-                           else "skipped: not requested")
+            if law == "inject_hyperparams" and not has_inject and laws is None:
+                report[law] = "skipped: pass factory= and hyperparams= to check it"
+            elif law in OPT_IN_LAWS and laws is None:
+                report[law] = f"skipped: not requested (it compiles every example: laws=[..., {law!r}])"
+            else:
+                report[law] = "skipped: not requested"
             continue
         if law in ("leafwise", "idle_parameter") and not is_leafwise(tx):
             report[law] = "skipped: not declared leafwise"
             continue
-        failure = _run_law(law, tx, cfg, params, hyp)
+        failure = _run_law(law, tx, cfg, params, hyp_compiled if law == "compiled" else hyp)
         if failure is None:
-            report[law] = "ok"
+            report[law] = "ok" if law != "compiled" else _compiled_report(cfg)
             continue
         fail, note = failure
         report[law] = "FAILED"
@@ -944,6 +1085,17 @@ def check_transform(
     if domain:
         report["domain"] = domain
     return report
+
+
+def _compiled_report(cfg: _Config) -> str:
+    """The compiled law's report entry: ``"ok"``, or how many examples stepped eagerly."""
+    n, eager = len(cfg.examples), len(cfg.eager_examples)
+    if n and eager == n:
+        return (f"skipped: torch.compile could not take this transform in any of the {n} examples; "
+                "mfx.TransformOptimizer steps it eagerly (see the muonfx log for why)")
+    if eager:
+        return f"ok ({eager} of {n} examples stepped eagerly: torch.compile could not take them)"
+    return "ok"
 
 
 def _matrix_domain(tx: GradientTransformation) -> str | None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 from ._strategies import (DEFAULT_DTYPES, as_dtensors, key_paths, keys, matrices, param_tensordicts,
                           params_and_grads, random_tensor, seeds, shapes, sharded_params_and_grads,
                           singular_values)
-from .conformance import LAWS, ConformanceError, check_transform
+from .conformance import COMPILED_RTOL, LAWS, OPT_IN_LAWS, ConformanceError, check_transform
 
 __all__ = [
     "DEFAULT_DTYPES",
@@ -52,6 +52,8 @@ __all__ = [
     "as_dtensors",
     "sharded_params_and_grads",
     "LAWS",
+    "OPT_IN_LAWS",
+    "COMPILED_RTOL",
     "ConformanceError",
     "check_transform",
 ]

@@ -1,0 +1,130 @@
+"""The conformance kit's ``compiled`` law: a transform compiled by inductor inside
+``TransformOptimizer`` must train as the eager optimizer does.
+
+Every example compiles (inductor's C++ on the CPU, seconds each), so the checks here draw
+few examples. The law must catch the compiler mistakes it exists for: the fused state
+write-back that inductor got wrong (``torch._foreach_copy_``, fixed in the executor in
+the sixth session on issue 11) is put back here and the law must see it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import muonfx as mfx
+import muonfx.optim.executor as executor_mod
+from muonfx.base import GradientTransformation, tree_pairs, tree_replace
+from muonfx.testing import COMPILED_RTOL, LAWS, OPT_IN_LAWS, ConformanceError, check_transform, params_and_grads
+
+from helpers import one_intra_op_thread  # noqa: F401  (autouse: one thread in this module)
+
+FEW = dict(max_examples=2, derandomize=True, laws=["compiled"])
+FLOAT32 = dict(params=params_and_grads(dtypes=(torch.float32,), max_leaves=3))
+
+
+def test_the_compiled_law_is_checked_only_when_asked_for():
+    report = check_transform(mfx.scale(2.0), max_examples=2, derandomize=True)
+    assert "compiled" in LAWS and OPT_IN_LAWS == ("compiled",)
+    assert report["compiled"] == "skipped: not requested (it compiles every example: laws=[..., 'compiled'])"
+    assert report["purity"] == "ok"
+
+
+@pytest.mark.parametrize("build", [lambda: mfx.accumulate(mfx.momentum(0.9), 2), mfx.adamw],
+                         ids=["accumulate_momentum", "adamw"])
+def test_stateful_transforms_compiled_by_inductor_conform(build):
+    """Every dtype the strategies draw (float32, float64, bf16 parameters), default tolerance."""
+    assert check_transform(build(), **FEW)["compiled"] == "ok"
+
+
+def _foreach_store(old, new):
+    """The executor's state write-back as it was before the sixth session on issue 11:
+    one ``torch._foreach_copy_`` of every new buffer into its old one, which inductor
+    (2.10 to 2.13) fuses into one loop that writes a buffer before it computes another
+    buffer's new value from it."""
+    pairs = tree_pairs(old, new)
+    dst, src, kept = [], [], []
+    for o, n in pairs:
+        if n is not o and isinstance(o, torch.Tensor) and o.shape == n.shape and o.dtype == n.dtype:
+            dst.append(o)
+            src.append(n)
+            kept.append(o)
+        else:
+            kept.append(n)
+    if dst:
+        torch._foreach_copy_(dst, src)
+    it = iter(kept)
+    return tree_replace(new, fn=lambda _: next(it))
+
+
+def test_the_law_catches_the_fused_write_back_inductor_got_wrong(monkeypatch):
+    """``accumulate(momentum(0.9), 2)`` with the old write-back: the momentum took the
+    zeroed sum in the compiled steps. The law fails and names the parameter and step."""
+    monkeypatch.setattr(executor_mod, "_store", _foreach_store)
+    with pytest.raises(ConformanceError) as info:
+        check_transform(mfx.accumulate(mfx.momentum(0.9), 2), **FEW, **FLOAT32)
+    err = info.value
+    assert err.law == "compiled" and err.report["compiled"] == "FAILED"
+    assert "differ between the compiled and the eager optimizer" in err.detail, err.detail
+    assert "params[" in err.detail and "step " in err.detail
+    assert "minimal failing example" in str(err) and err.example is not None
+
+
+def noisy_sign(scale: float = 0.1) -> GradientTransformation:
+    """Sign descent with a little noise drawn inside update: random numbers, which the
+    compiled step draws differently from eager PyTorch."""
+
+    def init_fn(params):
+        return ()
+
+    def update_fn(updates, state, params=None):
+        return updates.apply(lambda g: -scale * (torch.sign(g) + 0.5 * torch.rand_like(g))), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def test_random_numbers_inside_update_break_the_law_and_the_error_says_so():
+    with pytest.raises(ConformanceError) as info:
+        check_transform(noisy_sign(), **FEW, **FLOAT32)
+    assert info.value.law == "compiled"
+    assert "Random numbers drawn inside update differ under the compiler" in info.value.detail
+
+
+def test_a_transform_the_compiler_cannot_take_is_reported_as_stepped_eagerly():
+    """``apply_if_finite`` chooses on a tensor's value (data-dependent): the adapter steps
+    it eagerly, which is correct; the law says nothing was compared."""
+    report = check_transform(mfx.apply_if_finite(mfx.momentum(0.9)), **FEW, **FLOAT32)
+    assert report["compiled"].startswith("skipped: torch.compile could not take this transform in any of the 2 "
+                                         "examples"), report["compiled"]
+
+
+def test_low_precision_inside_a_float32_transform_needs_its_own_tolerance():
+    """Newton-Schulz in bf16 on float32 parameters differs between two fusions by 1e-2 to
+    5e-2 of the step (measured on ten examples): beyond the default tolerance (a float32
+    transform's reorderings stay below 1e-5 of the step), within ``rtol=0.1``; with
+    float32 Newton-Schulz the default passes."""
+    assert COMPILED_RTOL == 1e-4
+    args = dict(max_examples=3, derandomize=True, laws=["compiled"],
+                params=params_and_grads(dtypes=(torch.float32,), min_ndim=2, max_ndim=2, min_leaves=2, max_leaves=2))
+    assert check_transform(mfx.muon(ns_dtype=torch.float32), **args)["compiled"] == "ok"
+    assert check_transform(mfx.muon(ns_dtype=torch.bfloat16), rtol=0.1, **args)["compiled"] == "ok"
+    with pytest.raises(ConformanceError, match="pass rtol= if the transform computes in a lower precision"):
+        check_transform(mfx.muon(ns_dtype=torch.bfloat16), **args)
+
+
+def test_the_backend_is_checked_before_anything_runs():
+    with pytest.raises(TypeError, match="backend"):
+        check_transform(mfx.scale(2.0), laws=["compiled"], backend=3)
+    with pytest.raises(TypeError, match="backend"):
+        check_transform(mfx.scale(2.0), laws=["compiled"], backend="")
+
+
+def test_another_backend_is_used_when_given():
+    calls = []
+
+    def counting(gm, example_inputs):
+        calls.append(1)
+        return gm.forward
+
+    assert check_transform(mfx.momentum(0.9), backend=counting, **FEW, **FLOAT32)["compiled"] == "ok"
+    assert calls, "the law did not compile with the backend it was given"
