@@ -19,6 +19,7 @@ from tensordict import TensorDictBase
 from .base import GradientTransformation, apply_updates as _apply_updates, build as _build, identity as _identity, key_str
 from .base import is_leafwise
 from .combine import chain as _chain, masked as _masked
+from .linalg import batching as _batching
 from ._strategies import params_and_grads
 from .state_tree import merge as _merge, restrict as _restrict
 from .wrappers import InjectHyperparamsState as _InjectHyperparamsState
@@ -701,7 +702,18 @@ def _law_compiled(tx, params, grads, cfg: _Config) -> None:
         return out, opt
 
     eager, opt_e = run(None)
-    compiled, opt_c = run(cfg.backend)
+    # the compiled run with a batch budget of one byte: its first compiled step is one
+    # graph, the later ones run a leafwise transform in pieces (one graph per parameter),
+    # as a model larger than the budget does (``Executor.pieces``)
+    kinds = {t.device.type for t in start} or {"cpu"}
+    saved = {k: _batching._overrides.get(k) for k in kinds}
+    try:
+        for k in kinds:
+            _batching.set_batch_bytes(1, k)
+        compiled, opt_c = run(cfg.backend)
+    finally:
+        for k, v in saved.items():
+            _batching.set_batch_bytes(v, k)
     cfg.examples.append(1)
     if opt_c.executor._fell_back:
         # the compiler could not take it: the adapter stepped eagerly (correct, and what
@@ -944,8 +956,11 @@ def check_transform(
       updates, the same per-leaf state and the same scalars (step counters);
     * ``compiled`` (only when asked for, ``laws=[..., "compiled"]``: every example compiles
       the step, seconds each with inductor): in :class:`muonfx.TransformOptimizer` compiled
-      with ``torch.compile(backend=backend)`` (``opt.compile``; its first step is eager),
-      ``steps + 2`` steps end where the eager optimizer ends: every step's parameters
+      with ``torch.compile(backend=backend)`` (``opt.compile``; its first step is eager)
+      and a batch budget of one byte (its first compiled step is one graph, the later
+      ones run a leafwise transform in pieces, one graph per parameter, as on a model
+      larger than :func:`muonfx.linalg.batch_bytes`), ``steps + 2`` steps end where the
+      eager optimizer ends: every step's parameters
       within ``rtol`` (default :data:`COMPILED_RTOL`, 1e-4) of how far the eager run has
       moved each parameter plus two roundings of its dtype, and the final state within
       ``rtol`` of each buffer's size per step. This catches a compiler that computes the

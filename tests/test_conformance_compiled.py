@@ -128,3 +128,30 @@ def test_another_backend_is_used_when_given():
 
     assert check_transform(mfx.momentum(0.9), backend=counting, **FEW, **FLOAT32)["compiled"] == "ok"
     assert calls, "the law did not compile with the backend it was given"
+
+
+def test_the_compiled_run_covers_one_graph_and_pieces(monkeypatch):
+    """A model larger than the batch budget runs a leafwise transform's compiled step in
+    pieces, one graph each: the law's compiled run takes that path too (a one-byte
+    budget), after one whole-graph step; the budget is restored afterwards."""
+    from muonfx.optim.executor import Executor
+
+    calls = {"whole": 0, "pieces": 0}
+    whole, pieces = Executor._compiled_whole, Executor._compiled_pieces
+
+    def count_whole(self, *a, **k):
+        calls["whole"] += 1
+        return whole(self, *a, **k)
+
+    def count_pieces(self, *a, **k):
+        calls["pieces"] += 1
+        return pieces(self, *a, **k)
+
+    monkeypatch.setattr(Executor, "_compiled_whole", count_whole)
+    monkeypatch.setattr(Executor, "_compiled_pieces", count_pieces)
+    before = mfx.linalg.batch_bytes("cpu")
+    two = params_and_grads(dtypes=(torch.float32,), min_leaves=2, max_leaves=2, nested=False)
+    assert check_transform(mfx.chain(mfx.momentum(0.9), mfx.scale_by_adam()), max_examples=1,
+                           derandomize=True, laws=["compiled"], params=two)["compiled"] == "ok"
+    assert calls["whole"] >= 1 and calls["pieces"] >= 1, calls
+    assert mfx.linalg.batch_bytes("cpu") == before
