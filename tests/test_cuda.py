@@ -8,7 +8,8 @@ skipped elsewhere (``tests/conftest.py``), the CPU-only CI included:
 * the extra memory of a Muon step: the model-size terms of the pure update plus a few
   batches of the byte budget (:func:`muonfx.linalg.batch_bytes`), derived below;
 * ``opt.compile()`` on CUDA: the same training as eager while lr and weight decay change,
-  and schedules evaluated inside the compiled step applied step by step;
+  schedules evaluated inside the compiled step applied step by step, and the conformance
+  kit's ``compiled`` law on stateful transforms;
 * the symmetric Triton Newton-Schulz kernels (:mod:`muonfx.linalg.triton_ns`) against
   torch's bf16 products, on square, wide, tall and ragged shapes.
 
@@ -184,6 +185,37 @@ def test_compiled_muon_step_matches_eager_on_cuda():
     for k in SHAPES:
         assert rel_err(eager[k], params[k]) > 1e-3
     assert max(errs.values()) < CUDA_COMPILE_TOL, errs
+
+
+#: stateful transforms for the compiled law on CUDA (inductor writes Triton there, not the
+#: CPU's C++: its own fusions, its own chances to get one wrong)
+CUDA_COMPILED_LAW = {
+    "accumulate_momentum": lambda: mfx.accumulate(mfx.momentum(0.9), 2),
+    "adamw": mfx.adamw,
+    "muon_float32_ns": lambda: mfx.muon(weight_decay=0.1, ns_dtype=torch.float32),
+}
+
+
+def on_device(device: str, min_ndim: int = 0):
+    """float32 ``(params, grads)`` examples moved to ``device``."""
+    from muonfx.testing import params_and_grads
+
+    return params_and_grads(dtypes=(torch.float32,), min_ndim=min_ndim, max_leaves=3).map(
+        lambda pg: (pg[0].to(device), pg[1].to(device)))
+
+
+@cuda
+@pytest.mark.parametrize("name", sorted(CUDA_COMPILED_LAW))
+def test_the_compiled_law_holds_on_cuda(name):
+    """``check_transform(laws=["compiled"])`` with CUDA parameters: the compiled optimizer
+    (one graph, then pieces) trains as the eager one within the law's default tolerance
+    (on the CPU: below 1e-5 of the step for these, 5e-5 for Muon with float32 NS)."""
+    from muonfx.testing import check_transform
+
+    tx = CUDA_COMPILED_LAW[name]()
+    report = check_transform(tx, laws=["compiled"], max_examples=2, derandomize=True,
+                             params=on_device("cuda", min_ndim=2 if name.startswith("muon") else 0))
+    assert report["compiled"] == "ok", report
 
 
 def _warmup_lambda(step):
