@@ -19,7 +19,7 @@ from tensordict import TensorDictBase
 from .base import GradientTransformation, apply_updates as _apply_updates, build as _build, identity as _identity, key_str
 from .base import is_leafwise
 from .combine import chain as _chain, masked as _masked
-from .linalg import batching as _batching
+from .linalg.batching import set_batch_bytes
 from ._strategies import params_and_grads
 from .state_tree import merge as _merge, restrict as _restrict
 from .wrappers import InjectHyperparamsState as _InjectHyperparamsState
@@ -705,15 +705,12 @@ def _law_compiled(tx, params, grads, cfg: _Config) -> None:
     # the compiled run with a batch budget of one byte: its first compiled step is one
     # graph, the later ones run a leafwise transform in pieces (one graph per parameter),
     # as a model larger than the budget does (``Executor.pieces``)
-    kinds = {t.device.type for t in start} or {"cpu"}
-    saved = {k: _batching._overrides.get(k) for k in kinds}
+    saved = {k: set_batch_bytes(1, k) for k in {t.device.type for t in start} or {"cpu"}}
     try:
-        for k in kinds:
-            _batching.set_batch_bytes(1, k)
         compiled, opt_c = run(cfg.backend)
     finally:
         for k, v in saved.items():
-            _batching.set_batch_bytes(v, k)
+            set_batch_bytes(v, k)
     cfg.examples.append(1)
     if opt_c.executor._fell_back:
         # the compiler could not take it: the adapter stepped eagerly (correct, and what

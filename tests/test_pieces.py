@@ -315,3 +315,17 @@ def test_the_first_compiled_step_leaves_a_running_profiler_alone(budget):
     assert list(comp.executor._compiled_mode.values()) == ["whole"]
     assert any(e.name == "aten::bmm" for e in prof.events())  # the profile survived
     _same(a, b, comp, ref, exact=False)
+
+
+def test_set_batch_bytes_returns_the_setting_it_replaced_and_refuses_bad_budgets():
+    from muonfx.linalg import batch_bytes, set_batch_bytes
+
+    default = batch_bytes("cpu")
+    assert set_batch_bytes(1 << 20, "cpu") is None          # the default was in force
+    assert set_batch_bytes(1 << 10, "cpu") == 1 << 20
+    assert set_batch_bytes(None, "cpu") == 1 << 10
+    assert batch_bytes("cpu") == default
+    for bad in (0, -1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="nbytes"):
+            set_batch_bytes(bad, "cpu")
+    assert batch_bytes("cpu") == default                     # nothing changed

@@ -39,8 +39,10 @@ def batch_bytes(device: torch.device | str) -> int:
     return DEFAULT_BATCH_BYTES.get(kind, DEFAULT_BATCH_BYTES["*"])
 
 
-def set_batch_bytes(nbytes: int | None, device_type: str = "cuda") -> None:
-    """Set (or with ``None`` reset to the default) the batch budget for a device type.
+def set_batch_bytes(nbytes: int | None, device_type: str = "cuda") -> int | None:
+    """Set (or with ``None`` reset to the default) the batch budget for a device type;
+    returns the setting it replaced (``None``: the default was in force), so that a
+    caller can put it back.
 
     Smaller budgets lower the step's peak memory; larger ones fill a device with more
     matrices per call. The result does not depend on it: matrices are independent.
@@ -50,13 +52,16 @@ def set_batch_bytes(nbytes: int | None, device_type: str = "cuda") -> None:
         >>> import muonfx as mfx
         >>> mfx.linalg.set_batch_bytes(64 << 20, "cuda")     # 64 MiB batches on GPUs
         >>> mfx.linalg.set_batch_bytes(None, "cuda")          # back to the default
+        67108864
     """
+    if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1):
+        raise ValueError(f"set_batch_bytes: nbytes must be a positive int or None, got {nbytes!r}")
+    previous = _overrides.get(device_type)
     if nbytes is None:
         _overrides.pop(device_type, None)
-        return
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
-        raise ValueError(f"set_batch_bytes: nbytes must be a positive int or None, got {nbytes!r}")
-    _overrides[device_type] = nbytes
+    else:
+        _overrides[device_type] = nbytes
+    return previous
 
 
 def plan_batches(counts: Sequence[int], matrix_bytes: int, budget: int) -> list[list[tuple[int, int, int]]]:
