@@ -309,7 +309,7 @@ class _Config(NamedTuple):
     hyperparams: dict
     static_args: tuple
     zero_grad_exact: bool
-    backend: str = "inductor"
+    backend: Any = "inductor"  # a torch.compile backend: a name or a callable
     #: examples of the compiled law that ran eagerly (the compiler could not take them)
     eager_examples: list | None = None
     examples: list | None = None
@@ -951,28 +951,33 @@ def check_transform(
       with its share of the state, :func:`muonfx.state_tree.restrict`, merged back with
       :func:`~muonfx.state_tree.merge` after each step) equal the whole tree's: the same
       updates, the same per-leaf state and the same scalars (step counters);
+    * ``idle_parameter`` (only for a transform declared leafwise): in
+      :class:`muonfx.TransformOptimizer`, a parameter whose ``grad`` is None in the first
+      of ``steps + 1`` steps ends (its value and the ``state_dict()`` entries both hold)
+      where it ends in an optimizer of its own that skips that step, and the other
+      parameters where they end without it.
     * ``compiled`` (only when asked for, ``laws=[..., "compiled"]``: every example compiles
       the step, seconds each with inductor): in :class:`muonfx.TransformOptimizer` compiled
       with ``torch.compile(backend=backend)`` (``opt.compile``; its first step is eager)
       and a batch budget of one byte (its first compiled step is one graph, the later
       ones run a leafwise transform in pieces, one graph per parameter, as on a model
       larger than :func:`muonfx.linalg.batch_bytes`), ``steps + 2`` steps end where the
-      eager optimizer ends: every step's parameters
-      within ``rtol`` (default :data:`COMPILED_RTOL`, 1e-4) of how far the eager run has
-      moved each parameter plus two roundings of its dtype, and the final state within
-      ``rtol`` of each buffer's size per step. This catches a compiler that computes the
-      update differently from eager PyTorch (inductor has: ``min``/``max`` of a traced
-      float on torch 2.10/2.11, a fused state write-back); a transform that computes
-      below its parameters' precision needs ``rtol`` at that precision (``0.1`` for
-      bf16 Newton-Schulz on float32 parameters: measured 1e-2 to 5e-2 of the step). Examples the compiler cannot take step eagerly (correct, not
-      compared) and the report says so. Not shrunk: the first failing example is shown.
-    * ``idle_parameter`` (only for a transform declared leafwise): in
-      :class:`muonfx.TransformOptimizer`, a parameter whose ``grad`` is None in the first
-      of ``steps + 1`` steps ends (its value and the ``state_dict()`` entries both hold)
-      where it ends in an optimizer of its own that skips that step, and the other
-      parameters where they end without it.
+      eager optimizer ends: every step's parameters within ``rtol`` (default
+      :data:`COMPILED_RTOL`, 1e-4; where the example has a 16-bit leaf, at least four
+      roundings of that dtype for every leaf: eager PyTorch rounds every intermediate
+      where inductor rounds a fused chain once, and a global norm carries that into the
+      other leaves) of how far the eager run has moved each parameter, plus two roundings
+      of its value, and the final state within ``rtol`` of each buffer's size per step.
+      This catches a compiler that computes the update differently from eager PyTorch
+      (inductor has: ``min``/``max`` of a traced float on torch 2.10/2.11, a fused state
+      write-back); a transform that computes below its parameters' precision needs
+      ``rtol`` at that precision (``0.1`` for bf16 Newton-Schulz on float32 parameters:
+      measured 1e-2 to 5e-2 of the step). Examples the compiler cannot take step eagerly
+      (correct, not compared) and the report says how many. Not shrunk: the first failing
+      example is shown. Draw float32 parameters for the tightest check.
 
-    "Equals" compares updates and states over ``steps`` updates with ``torch.equal``
+    "Equals" (every law but ``compiled``, which has its own tolerance above) compares
+    updates and states over ``steps`` updates with ``torch.equal``
     (NaN equal to NaN), or within ``rtol``/``atol`` when given (for transforms whose
     reductions are not deterministic).
 
