@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# Every GPU figure issue 11 asks for, in parts that each fit one 10-minute command on a
-# lent H100/H200 (no GPU has been lent to this project yet: docs/performance.md lists
-# them as not measured). Each part writes its log to $OUT (the device tool's output
-# folder) or /tmp/muonfx-gpu-figures, and prints it.
+# Every GPU figure issue 11 asks for, on a lent H100/H200 (none has been lent to this
+# project yet: docs/performance.md lists them as not measured).
 #
+# A session is lent 15 minutes of device time in all, the machine's start (a minute or
+# more) included, and one command may run 10 minutes: so the first call runs `all`, every
+# figure in one command, most wanted first, inside one deadline (FIGURES_BUDGET_S,
+# default 540 s); a step that would outlast the deadline is stopped and those after it
+# are skipped, and the log says so. The single parts below rerun one group with the
+# command to itself, where time is left.
+#
+#   scripts/gpu-figures.sh all       # info; Muon GPT-2/MoE/Llama-1B default rows (extra memory too); AdamW; NS; tests
 #   scripts/gpu-figures.sh tests     # muonfx info; the CUDA, Triton-kernel and compile tests
 #   scripts/gpu-figures.sh ns        # Newton-Schulz GFLOP/s against the measured bf16 peak, per shape and route
 #   scripts/gpu-figures.sh muon      # Muon step vs torch.optim.Muon: GPT-2 small (12 layers), MoE (8 x 32 experts)
@@ -12,22 +18,22 @@
 #   scripts/gpu-figures.sh adamw     # AdamW vs torch fused and foreach, GPT-2 small
 #   scripts/gpu-figures.sh memory    # extra step memory per path, Llama-1B-like and 32-expert MoE
 #
+# Each part writes its log to $OUT (the device tool's output folder) or
+# /tmp/muonfx-gpu-figures as PART.log, and the table rows and test results of it as
+# PART.summary.txt.
+#
 # The GPU machine has torch, Triton and pytest but no tensordict: bring its wheel and
-# pyvers' (the device tool's README, "wheel" section), from this repository's root:
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#       -d .whl tensordict==0.15.3 pyvers==0.2.3
-# and run each part with carry [".whl"] and the command
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && scripts/gpu-figures.sh PART
-# (pyvers is pure Python; if pip finds no tensordict wheel for 3.12 there, `python3 -V`
-# on the device machine tells which --python-version to ask for.)
+# pyvers' once, here, from this repository's root (needs pip's index):
+#   scripts/gpu-wheels.sh
+# and run the part with carry [".whl"] and the command
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && scripts/gpu-figures.sh all
+# with timeout_s 600 (the deadline leaves a minute for the install and the transfers).
 set -u -o pipefail
 
 part="${1:-}"
 case "$part" in
-    tests|ns|muon|llama|rows|adamw|memory) ;;
-    *) echo "usage: scripts/gpu-figures.sh tests|ns|muon|llama|rows|adamw|memory" >&2; exit 2 ;;
+    all|tests|ns|muon|llama|rows|adamw|memory) ;;
+    *) echo "usage: scripts/gpu-figures.sh all|tests|ns|muon|llama|rows|adamw|memory" >&2; exit 2 ;;
 esac
 out="${OUT:-/tmp/muonfx-gpu-figures}"
 mkdir -p "$out"
@@ -40,8 +46,46 @@ run() {
     return "${PIPESTATUS[0]}"
 }
 
+# all: one deadline for every step; a step gets at most CAP seconds and what is left
+budget="${FIGURES_BUDGET_S:-540}"
+min_step="${FIGURES_MIN_STEP_S:-20}"  # no step is started with less than this left
+worst=0  # all's exit status: 1 once a step failed, was stopped or was skipped
+deadline=$(( $(date +%s) + budget ))
+step() {  # step CAP command...
+    local cap=$1 left
+    shift
+    left=$(( deadline - $(date +%s) ))
+    if (( left < min_step )); then
+        echo "skipped, the budget is spent: $*" | tee -a "$log"
+        worst=1
+        return 0
+    fi
+    (( cap > left )) && cap=$left
+    run timeout -k 10 "$cap" "$@"
+    local rc=$?
+    (( rc != 0 )) && worst=1
+    if (( rc == 124 || rc == 137 )); then
+        echo "stopped after ${cap} s (its share of the ${budget} s budget): $*" | tee -a "$log"
+    elif (( rc != 0 )); then
+        echo "exit status $rc: $*" | tee -a "$log"
+    fi
+    return 0
+}
+
 : > "$log"
+export PYTHONUNBUFFERED=1  # a stopped step's output so far reaches the log
 case "$part" in
+    all)
+        step 60 python3 -m muonfx info
+        # the default rows: the targets (<= 0.3x GPT-2 and MoE, <= 0.65x Llama-1B) and the
+        # extra step memory of each (<= 1 GiB)
+        step 150 python3 benchmarks/muon_step.py --device cuda --sets gpt2 --layers 12 --repeats 5 --variants default
+        step 150 python3 benchmarks/muon_step.py --device cuda --sets moe32 --repeats 5 --variants default
+        step 180 python3 benchmarks/muon_step.py --device cuda --sets llama1b --repeats 5 --variants default
+        step 90 python3 benchmarks/adamw_step.py --device cuda --layers 12 --repeats 7 --fused --compile
+        step 120 python3 benchmarks/newton_schulz.py --only speed --device cuda --repeats 5
+        step 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_ns.py -rs
+        ;;
     tests)
         run python3 -m muonfx info
         run python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_ns.py -rs -s
@@ -71,3 +115,9 @@ case "$part" in
         run python3 benchmarks/step_memory.py --device cuda --sets llama1b,moe32 --layers 2
         ;;
 esac
+status=$?
+[[ "$part" == all ]] && status=$worst
+# the tables' rows, the tests' tallies and every stop or skip, for a quick read
+grep -E '^\||^[0-9]+ (passed|failed)|passed|failed|^(FAILED|ERROR)|^skipped, |^stopped after |^exit status |Error' "$log" \
+    > "$out/$part.summary.txt" || true
+exit "$status"
