@@ -7,9 +7,10 @@
 # figure in one command, most wanted first, inside one deadline (FIGURES_BUDGET_S,
 # default 540 s); a step that would outlast the deadline is stopped and those after it
 # are skipped, and the log says so. The single parts below rerun one group with the
-# command to itself, where time is left.
+# command to itself, where time is left (a call right after another finds the machine
+# still warm: no second start).
 #
-#   scripts/gpu-figures.sh all       # info; Muon GPT-2/MoE/Llama-1B default rows (extra memory too); AdamW; NS; tests
+#   scripts/gpu-figures.sh all       # info; CUDA tests; Muon GPT-2/MoE/Llama-1B default rows (extra memory too); AdamW; NS
 #   scripts/gpu-figures.sh tests     # muonfx info; the CUDA, Triton-kernel and compile tests
 #   scripts/gpu-figures.sh ns        # Newton-Schulz GFLOP/s against the measured bf16 peak, per shape and route
 #   scripts/gpu-figures.sh muon      # Muon step vs torch.optim.Muon: GPT-2 small (12 layers), MoE (8 x 32 experts)
@@ -77,6 +78,10 @@ export PYTHONUNBUFFERED=1  # a stopped step's output so far reaches the log
 case "$part" in
     all)
         step 60 python3 -m muonfx info
+        # first whether the CUDA paths compute what they should (no figure is worth
+        # reading before that): the symmetric Triton kernels against torch's products,
+        # the compiled step against eager, parity with torch.optim.Muon on CUDA
+        step 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_ns.py -rs
         # the default rows: the targets (<= 0.3x GPT-2 and MoE, <= 0.65x Llama-1B) and the
         # extra step memory of each (<= 1 GiB)
         step 150 python3 benchmarks/muon_step.py --device cuda --sets gpt2 --layers 12 --repeats 5 --variants default
@@ -84,7 +89,6 @@ case "$part" in
         step 180 python3 benchmarks/muon_step.py --device cuda --sets llama1b --repeats 5 --variants default
         step 90 python3 benchmarks/adamw_step.py --device cuda --layers 12 --repeats 7 --fused --compile
         step 120 python3 benchmarks/newton_schulz.py --only speed --device cuda --repeats 5
-        step 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_ns.py -rs
         ;;
     tests)
         run python3 -m muonfx info

@@ -68,21 +68,21 @@ def _run_all(tmp_path, budget: int, min_step: int, stub: str = STUB):
 
 def test_all_stops_the_step_that_outlasts_the_deadline_and_skips_the_rest(tmp_path):
     res, out, calls, took = _run_all(tmp_path, budget=4, min_step=1)
-    # info, GPT-2, then MoE (stopped at the deadline); nothing after it starts
-    assert [c.split()[:2] for c in calls] == [["-m", "muonfx"], ["benchmarks/muon_step.py", "--device"],
+    # info, the tests, GPT-2, then MoE (stopped at the deadline); nothing after it starts
+    assert [c.split()[:2] for c in calls] == [["-m", "muonfx"], ["-m", "pytest"], ["benchmarks/muon_step.py", "--device"],
                                               ["benchmarks/muon_step.py", "--device"]]
-    assert "--sets gpt2 --layers 12" in calls[1] and "--sets moe32" in calls[2]
+    assert "--sets gpt2 --layers 12" in calls[2] and "--sets moe32" in calls[3]
     assert took < 30
     assert res.returncode == 1, res.stderr
     log = (out / "all.log").read_text()
     assert "stopped after" in log and "moe32" in log.split("stopped after")[1].splitlines()[0]
-    for skipped in ("llama1b", "adamw_step.py", "newton_schulz.py", "pytest"):
+    for skipped in ("llama1b", "adamw_step.py", "newton_schulz.py"):
         assert any(line.startswith("skipped, the budget is spent") and skipped in line for line in log.splitlines()), skipped
     assert "USDT" not in log
     summary = (out / "all.summary.txt").read_text().splitlines()
     assert summary[0].startswith("| gpt2 | 12 layers")
     assert any(line.startswith("stopped after") for line in summary)
-    assert sum(line.startswith("skipped, ") for line in summary) == 4
+    assert sum(line.startswith("skipped, ") for line in summary) == 3
 
 
 def test_all_runs_every_step_in_order_when_time_allows(tmp_path):
@@ -90,11 +90,11 @@ def test_all_runs_every_step_in_order_when_time_allows(tmp_path):
     res, out, calls, took = _run_all(tmp_path, budget=60, min_step=1, stub=stub)
     assert took < 30
     assert res.returncode == 0, res.stdout + res.stderr
-    order = ["muonfx info", "--sets gpt2", "--sets moe32", "--sets llama1b", "adamw_step.py --device cuda",
-             "newton_schulz.py --only speed --device cuda", "pytest"]
+    order = ["muonfx info", "pytest", "--sets gpt2", "--sets moe32", "--sets llama1b", "adamw_step.py --device cuda",
+             "newton_schulz.py --only speed --device cuda"]
     assert len(calls) == len(order)
     for call, want in zip(calls, order):
         assert want in call, (call, want)
-    assert "tests/test_cuda.py tests/test_triton_ns.py" in calls[-1]
+    assert "tests/test_cuda.py tests/test_triton_ns.py" in calls[1]
     summary = (out / "all.summary.txt").read_text()
     assert "| gpt2 |" in summary and "| moe32 |" in summary and "skipped" not in summary
