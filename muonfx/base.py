@@ -36,6 +36,7 @@ __all__ = [
     "leaves",
     "aligned",
     "build",
+    "graph_scalars",
     "check_keys",
     "check_like",
     "foreach",
@@ -391,7 +392,9 @@ def _traced_foreach(op: str, lists: Sequence[Any], kwargs: dict[str, Any]) -> li
             r = torch.mul(a, rest[0]).neg()
         elif base == "lerp":
             b, w = rest
-            r = torch.lerp(a, b, w) if isinstance(w, torch.Tensor) else a + (b - a) * w
+            # a tensor weight of the inputs' shape and dtype as torch.lerp takes it; a 0-d
+            # one (graph_scalars: float64 beside float32 inputs) by the formula
+            r = torch.lerp(a, b, w) if isinstance(w, torch.Tensor) and w.ndim else a + (b - a) * w
         elif base == "add" and "alpha" in kwargs:
             r = a + rest[0] * kwargs["alpha"]
         elif base == "addcmul":
@@ -405,6 +408,34 @@ def _traced_foreach(op: str, lists: Sequence[Any], kwargs: dict[str, Any]) -> li
             r = a
         out.append(r)
     return out
+
+
+def graph_scalars(like: torch.Tensor, *values: Any) -> tuple[Any, ...]:
+    """Hyperparameters in the form a transform's Python arithmetic on them needs:
+    ``values`` unchanged eagerly; inside ``torch.compile`` each a 0-d float64 tensor on
+    ``like``'s device (made by one multiplication, ``ones * value``).
+
+    Torch 2.10 and 2.11 keep a float input of a compiled graph symbolic only while it is
+    an operand of tensor arithmetic; ``1 - b1``, ``b2 ** t`` or ``math.sqrt`` on it
+    specialise the graph to its value, so every new value (a schedule of Adam's betas,
+    of eps) recompiles the step. As a 0-d tensor it takes the same arithmetic in the
+    graph (``1 - b1`` is a tensor) and stays an input. In float64, as Python's floats:
+    ``1 - b2 ** t`` cancels (``b2 = 0.999``: float32 would lose 1e-5 of it at the first
+    step). Eagerly nothing changes, so the eager step keeps torch's own float arithmetic
+    (bit for bit where torch is the reference); a 0-d tensor does not change the dtype
+    of the tensors it scales.
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx.base import graph_scalars
+        >>> graph_scalars(torch.zeros(3), 0.9, 1e-8)
+        (0.9, 1e-08)
+    """
+    if not torch.compiler.is_compiling():
+        return values
+    one = torch.ones((), dtype=torch.float64, device=like.device)
+    return tuple(one * v for v in values)
 
 
 def foreach(op: str, *lists: Sequence[Any], **kwargs: Any) -> list[torch.Tensor]:

@@ -187,7 +187,10 @@ def test_inductor_compiled_adamw_step_matches_eager_and_keeps_buffers():
 def test_inductor_does_not_recompile_when_lr_momentum_or_weight_decay_change(factory):
     """With the real inductor backend a float reaching a ``_foreach_*`` op (or a scalar
     ``alpha``/``value``/lerp weight) is specialised into the graph; traced, muonfx's
-    foreach spells those ops per tensor so the hyperparameters stay symbolic inputs."""
+    foreach spells those ops per tensor so the hyperparameters stay symbolic inputs.
+    Adam's betas and eps go through Python arithmetic (``1 - b1``, ``b2 ** t``), which
+    torch 2.10 / 2.11 specialise: traced they are 0-d tensors (``graph_scalars``), so
+    no torch version recompiles for them either."""
     torch._dynamo.reset()
     named, ref = _named(2), _named(2)
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
@@ -206,18 +209,14 @@ def test_inductor_does_not_recompile_when_lr_momentum_or_weight_decay_change(fac
             if "momentum" in g:
                 g["momentum"] = 0.9 + 0.01 * step
             if "betas" in g:
-                g["betas"] = (0.9 - 0.01 * step, 0.999)
+                g["betas"] = (0.9 - 0.01 * step, 0.999 - 0.001 * step)
+                g["eps"] = 1e-8 * (1 + step)
             o.step()
         if step == 1:
             after_first = counter.frame_count
     assert after_first >= 1
-    if opt.executor.floats_specialize:
-        # torch 2.10 / 2.11 specialise float hyperparameters: one recompilation, detected,
-        # then the step runs eagerly (tests/test_compile.py::test_a_torch_that_specialises...)
-        assert torch.__version__ < "2.13", "torch 2.13 keeps float hyperparameters symbolic"
-        assert counter.frame_count == after_first + 1, f"recompiled: {after_first} -> {counter.frame_count} frames"
-    else:
-        assert counter.frame_count == after_first, f"recompiled: {after_first} -> {counter.frame_count} frames"
+    assert not opt.executor.floats_specialize
+    assert counter.frame_count == after_first, f"recompiled: {after_first} -> {counter.frame_count} frames"
     for (n, a), (_, b) in zip(params(ref), params(named)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
@@ -669,3 +668,32 @@ def test_foreach_neg_mul_and_ema_are_the_eager_ops_and_trace_to_the_same_maths()
         for got, want in zip(ema, torch._foreach_lerp(ms, us, 1.0 - b)):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert counter.frame_count == 1, counter.frame_count
+
+
+def test_one_cycle_lr_cycling_adams_beta1_recompiles_nothing_and_matches_eager():
+    """``OneCycleLR`` (``cycle_momentum=True``, its default) sets ``betas[0]`` and ``lr``
+    at every step of an optimizer whose defaults hold ``betas``: a compiled AdamW step
+    under it builds one graph on every torch (2.10 / 2.11 used to recompile it once and
+    then step eagerly) and trains as the eager one does."""
+    from torch.optim.lr_scheduler import OneCycleLR
+
+    torch._dynamo.reset()
+    named, ref = _named(2), _named(2)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    opt = mfx.TransformOptimizer(named, mfx.adamw, lr=1e-2).compile(backend=counter)
+    eager = mfx.TransformOptimizer(ref, mfx.adamw, lr=1e-2)
+    scheds = [OneCycleLR(o, max_lr=1e-2, total_steps=8) for o in (opt, eager)]
+    seen, frames = set(), []
+    for step in range(7):
+        _grads(named, step)
+        _grads(ref, step)
+        for o, s in zip((opt, eager), scheds):
+            o.step()
+            s.step()
+        seen.add(opt.param_groups[0]["betas"][0])
+        frames.append(counter.frame_count)
+    assert len(seen) >= 6, seen  # beta1 did change at every step
+    assert not opt.executor.floats_specialize
+    assert frames[-1] == frames[1], f"recompiled: {frames}"
+    for (n, a), (_, b) in zip(ref, named):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
