@@ -183,19 +183,20 @@ def test_inductor_compiled_adamw_step_matches_eager_and_keeps_buffers():
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("factory", [mfx.adamw, mfx.muon], ids=["adamw", "muon"])
+@pytest.mark.parametrize("factory", [mfx.adamw, mfx.muon, mfx.normuon], ids=["adamw", "muon", "normuon"])
 def test_inductor_does_not_recompile_when_lr_momentum_or_weight_decay_change(factory):
     """With the real inductor backend a float reaching a ``_foreach_*`` op (or a scalar
     ``alpha``/``value``/lerp weight) is specialised into the graph; traced, muonfx's
     foreach spells those ops per tensor so the hyperparameters stay symbolic inputs.
-    Adam's betas and eps go through Python arithmetic (``1 - b1``, ``b2 ** t``), which
-    torch 2.10 / 2.11 specialise: traced they are 0-d tensors (``graph_scalars``), so
-    no torch version recompiles for them either."""
+    Adam's betas and eps, NorMuon's beta2 go through Python arithmetic (``1 - b1``,
+    ``b2 ** t``), which torch 2.10 / 2.11 specialise: traced they are 0-d tensors
+    (``graph_scalars``), so no torch version recompiles for them either."""
     torch._dynamo.reset()
     named, ref = _named(2), _named(2)
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
-    kw = {"ns_dtype": torch.float32} if factory is mfx.muon else {}
-    params = lambda n: [(k, p) for k, p in n if p.ndim >= 2] if factory is mfx.muon else n  # noqa: E731
+    matrices = factory is not mfx.adamw
+    kw = {"ns_dtype": torch.float32} if matrices else {}
+    params = lambda n: [(k, p) for k, p in n if p.ndim >= 2] if matrices else n  # noqa: E731
     opt = mfx.TransformOptimizer(params(named), factory, lr=1e-2, **kw).compile(backend=counter)
     eager = mfx.TransformOptimizer(params(ref), factory, lr=1e-2, **kw)
     after_first = None
@@ -211,6 +212,8 @@ def test_inductor_does_not_recompile_when_lr_momentum_or_weight_decay_change(fac
             if "betas" in g:
                 g["betas"] = (0.9 - 0.01 * step, 0.999 - 0.001 * step)
                 g["eps"] = 1e-8 * (1 + step)
+            if "beta2" in g:
+                g["beta2"] = 0.95 - 0.01 * step
             o.step()
         if step == 1:
             after_first = counter.frame_count
