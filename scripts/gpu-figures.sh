@@ -81,7 +81,7 @@ case "$part" in
         # first whether the CUDA paths compute what they should (no figure is worth
         # reading before that): the symmetric Triton kernels against torch's products,
         # the compiled step against eager, parity with torch.optim.Muon on CUDA
-        step 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_ns.py -rs
+        step 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_ns.py -rs --durations=8
         # the default rows: the targets (<= 0.3x GPT-2 and MoE, <= 0.65x Llama-1B) and the
         # extra step memory of each (<= 1 GiB)
         step 150 python3 benchmarks/muon_step.py --device cuda --sets gpt2 --layers 12 --repeats 5 --variants default
