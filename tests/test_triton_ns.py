@@ -89,6 +89,24 @@ def test_bf16_sym_product_rounds_once_like_bmm(interpreter, shape):
     assert ((ref.double() - exact).abs() <= ulp).all()
 
 
+@pytest.mark.parametrize("tile", triton_ns.GPU_TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+def test_the_gpu_tiles_compute_the_product_on_ragged_shapes(interpreter, tile):
+    """The tile sizes a GPU autotunes over (128 x 64, 128 x 32, 64 x 64), run by the
+    interpreter on shapes that are not multiples of them: partial tiles on both sides of
+    the diagonal, a partial last step over k, two tiles per side (three programs) and
+    one, a batch of two, and the epilogue; exactly symmetric, rounded once as bmm."""
+    block, block_k = tile[:2]
+    for shape in ((1, 150, 100), (2, 130, 64), (1, 64, 200)):
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(5)).bfloat16()
+        c0 = torch.bmm(x, x.mT)
+        out = torch.empty_like(c0)
+        triton_ns._launch(x, x, -1.3, 0.7, c0, out, tile=(block, block_k))
+        assert torch.equal(out, out.mT)
+        exact = -1.3 * torch.bmm(x.double(), x.double().mT) + 0.7 * c0.double()
+        ulp = exact.abs().clamp_min(exact.abs().max() * 2 ** -8) * 2 ** -7
+        assert ((out.double() - exact).abs() <= ulp).all(), (shape, tile)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_iterations_compute_the_same_function(interpreter, shape):
     """float32: the symmetric standard iteration equals torch's to float32 rounding; bf16

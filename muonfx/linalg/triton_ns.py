@@ -140,6 +140,10 @@ def choices() -> dict[tuple, bool]:
     return dict(_choices)
 
 
+#: the tiles autotuned on a GPU: ``(BLOCK, BLOCK_K, num_warps, num_stages)``
+GPU_TILES = ((128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4))
+
+
 @functools.lru_cache(maxsize=1)
 def _kernels():
     import triton
@@ -193,9 +197,8 @@ def _kernels():
         tl.store(o_base + cols[:, None] * som + rows[None, :] * son, tl.trans(val),
                  mask=(cols[:, None] < m) & (rows[None, :] < cols[:, None]))
 
-    configs = [triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-               triton.Config({"BLOCK": 128, "BLOCK_K": 32}, num_warps=4, num_stages=4),
-               triton.Config({"BLOCK": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4)]
+    configs = [triton.Config({"BLOCK": block, "BLOCK_K": block_k}, num_warps=warps, num_stages=stages)
+               for block, block_k, warps, stages in GPU_TILES]
     tuned = triton.autotune(configs, key=["m", "k"])(sym_kernel)
     return sym_kernel, tuned, triton
 
@@ -236,18 +239,20 @@ def _fits(t: torch.Tensor | None) -> int:
 
 
 def _launch(x: torch.Tensor, y: torch.Tensor, alpha: float, beta: float, c0: torch.Tensor | None,
-            out: torch.Tensor) -> None:
+            out: torch.Tensor, tile: tuple[int, int] | None = None) -> None:
+    """One launch. Under the interpreter the tile is ``tile`` (``(BLOCK, BLOCK_K)``: the
+    tests run the GPU's :data:`GPU_TILES` there too) or a small one; on a GPU autotuned."""
     bsz, m, k = x.shape
     plain, tuned, triton = _kernels()
     c = c0 if c0 is not None else out  # a valid pointer; unread when HAS_C0 is False
     args = (x, y, c, out, m, k, float(alpha), float(beta),
             *x.stride(), *y.stride(), *c.stride(), *out.stride())
     if interpreting():
-        block = 16 if m <= 64 else 32
+        block, block_k = tile or (16 if m <= 64 else 32, 16)
         tiles = triton.cdiv(m, block)
         grid = (tiles * (tiles + 1) // 2, bsz)
         plain[grid](*args, HAS_C0=c0 is not None, UPCAST=True, ROUND_BF16=x.dtype == torch.bfloat16,
-                    BLOCK=block, BLOCK_K=16)
+                    BLOCK=block, BLOCK_K=block_k)
     else:
         def grid(meta):
             tiles = triton.cdiv(m, meta["BLOCK"])
