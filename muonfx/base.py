@@ -416,14 +416,22 @@ def graph_scalars(like: torch.Tensor, *values: Any) -> tuple[Any, ...]:
     ``like``'s device (made by one multiplication, ``ones * value``).
 
     Torch 2.10 and 2.11 keep a float input of a compiled graph symbolic only while it is
-    an operand of tensor arithmetic; ``1 - b1``, ``b2 ** t`` or ``math.sqrt`` on it
-    specialise the graph to its value, so every new value (a schedule of Adam's betas,
-    of eps) recompiles the step. As a 0-d tensor it takes the same arithmetic in the
-    graph (``1 - b1`` is a tensor) and stays an input. In float64, as Python's floats:
-    ``1 - b2 ** t`` cancels (``b2 = 0.999``: float32 would lose 1e-5 of it at the first
-    step). Eagerly nothing changes, so the eager step keeps torch's own float arithmetic
-    (bit for bit where torch is the reference); a 0-d tensor does not change the dtype
-    of the tensors it scales.
+    an operand of tensor arithmetic; ``1 - beta``, ``beta ** t`` or ``math.sqrt`` on it
+    specialise the graph to its value, so every new value (a schedule) recompiles the
+    step. As a 0-d tensor it takes the same arithmetic in the graph (``1 - beta`` is a
+    tensor) and stays an input. In float64, as Python's floats (``1 - 0.999 ** t``
+    cancels: float32 would lose 1e-5 of it). Eagerly nothing changes, so the eager step
+    keeps its float arithmetic bit for bit; a 0-d tensor does not change the dtype of
+    the tensors it scales.
+
+    The price: inductor inlines arithmetic on 0-d tensors into the kernels that use it,
+    so it runs with every element (or vector of them) there, in float64, where the float
+    form ran once on the host. Use it for a few cheap operations on small tensors
+    (``row_normalize``'s ``1 - beta2`` on its per-row statistics); ``scale_by_adam`` does
+    not (its bias corrections are two float64 powers, on every element of every
+    parameter: on the CPU the C++ compiler hoists them out of the loop, on a GPU that is
+    unmeasured), so there a schedule of the betas still recompiles once on 2.10 / 2.11
+    and then steps eagerly.
 
     Example::
 

@@ -188,9 +188,9 @@ def test_inductor_does_not_recompile_when_lr_momentum_or_weight_decay_change(fac
     """With the real inductor backend a float reaching a ``_foreach_*`` op (or a scalar
     ``alpha``/``value``/lerp weight) is specialised into the graph; traced, muonfx's
     foreach spells those ops per tensor so the hyperparameters stay symbolic inputs.
-    Adam's betas and eps, NorMuon's beta2 go through Python arithmetic (``1 - b1``,
-    ``b2 ** t``), which torch 2.10 / 2.11 specialise: traced they are 0-d tensors
-    (``graph_scalars``), so no torch version recompiles for them either."""
+    NorMuon's beta2 reaches the graph as a 0-d tensor (``graph_scalars``). Adam's betas
+    and eps go through host arithmetic (``1 - b1``, ``b2 ** t``), which torch 2.10 /
+    2.11 specialise: there one recompilation, detected, then eager steps."""
     torch._dynamo.reset()
     named, ref = _named(2), _named(2)
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
@@ -218,8 +218,13 @@ def test_inductor_does_not_recompile_when_lr_momentum_or_weight_decay_change(fac
         if step == 1:
             after_first = counter.frame_count
     assert after_first >= 1
-    assert not opt.executor.floats_specialize
-    assert counter.frame_count == after_first, f"recompiled: {after_first} -> {counter.frame_count} frames"
+    if opt.executor.floats_specialize:
+        # torch 2.10 / 2.11 specialise Adam's betas and eps: one recompilation, detected,
+        # then the step runs eagerly (tests/test_compile.py::test_a_torch_that_specialises...)
+        assert factory is mfx.adamw and torch.__version__ < "2.13", "only Adam's betas/eps specialise, on 2.10/2.11"
+        assert counter.frame_count == after_first + 1, f"recompiled: {after_first} -> {counter.frame_count} frames"
+    else:
+        assert counter.frame_count == after_first, f"recompiled: {after_first} -> {counter.frame_count} frames"
     for (n, a), (_, b) in zip(params(ref), params(named)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
@@ -673,11 +678,12 @@ def test_foreach_neg_mul_and_ema_are_the_eager_ops_and_trace_to_the_same_maths()
     assert counter.frame_count == 1, counter.frame_count
 
 
-def test_one_cycle_lr_cycling_adams_beta1_recompiles_nothing_and_matches_eager():
+def test_one_cycle_lr_cycling_adams_beta1_trains_as_eager_compiled():
     """``OneCycleLR`` (``cycle_momentum=True``, its default) sets ``betas[0]`` and ``lr``
-    at every step of an optimizer whose defaults hold ``betas``: a compiled AdamW step
-    under it builds one graph on every torch (2.10 / 2.11 used to recompile it once and
-    then step eagerly) and trains as the eager one does."""
+    at every step of an optimizer whose defaults hold ``betas``. A compiled AdamW step
+    under it trains as the eager one does on every torch: one graph on 2.13; on 2.10 /
+    2.11, which specialise the betas, one recompilation (detected), then eager steps,
+    never one graph per value."""
     from torch.optim.lr_scheduler import OneCycleLR
 
     torch._dynamo.reset()
@@ -696,7 +702,8 @@ def test_one_cycle_lr_cycling_adams_beta1_recompiles_nothing_and_matches_eager()
         seen.add(opt.param_groups[0]["betas"][0])
         frames.append(counter.frame_count)
     assert len(seen) >= 6, seen  # beta1 did change at every step
-    assert not opt.executor.floats_specialize
-    assert frames[-1] == frames[1], f"recompiled: {frames}"
+    assert frames[-1] == frames[1] + int(opt.executor.floats_specialize), f"graphs built: {frames}"
+    if torch.__version__ >= "2.13":
+        assert not opt.executor.floats_specialize
     for (n, a), (_, b) in zip(ref, named):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")

@@ -303,8 +303,8 @@ class Executor:
     through Python arithmetic (their AOTAutograd keeps a float symbolic only through a few
     aten ops, not through ``1 - beta``), so each new value would recompile it, up to
     dynamo's limit; lr and momentum reach the graph as operands of tensor arithmetic and
-    recompile nothing (``foreach("neg_mul")``, ``foreach("ema")``), nor do Adam's betas
-    and eps (0-d tensors in the graph: ``muonfx.base.graph_scalars``).
+    recompile nothing (``foreach("neg_mul")``, ``foreach("ema")``), nor does NorMuon's
+    beta2 (a 0-d tensor in the graph: ``muonfx.base.graph_scalars``).
     Each compiled graph remembers the numeric hyperparameters of its last call; when a
     call with changed values builds a new graph, :attr:`floats_specialize` is set, the
     change is logged, and that graph's groups run eagerly from then on; afterwards a

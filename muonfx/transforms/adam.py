@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 from tensordict import TensorDict
 
-from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, foreach, graph_scalars, leaves
+from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
 from ..hyperparams import check, check_float_dtype
 
 
@@ -72,24 +72,20 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         ms_c = [m if m.dtype == g.dtype else m.to(g.dtype) for m, g in zip(ms, gs)]
         vs_c = [v if v.dtype == g.dtype else v.to(g.dtype) for v, g in zip(vs, gs)]
         t = state.count + 1
-        # traced, the betas, eps and the step as 0-d tensors: the arithmetic below keeps
-        # them inputs of the graph (a schedule of them recompiles nothing on torch 2.10 / 2.11)
-        b1_, b2_, eps_, t_ = graph_scalars(gs[0], b1, b2, eps, t) if gs else (b1, b2, eps, t)
-        new_m = foreach("lerp", ms_c, gs, 1.0 - b1_)
-        new_v = foreach("mul", vs_c, b2_)
-        foreach("addcmul_", new_v, gs, gs, value=1.0 - b2_)  # new_v is this update's own tensor
+        new_m = foreach("lerp", ms_c, gs, 1.0 - b1)
+        new_v = foreach("mul", vs_c, b2)
+        foreach("addcmul_", new_v, gs, gs, value=1.0 - b2)  # new_v is this update's own tensor
         # out = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps) = (sqrt(bc2) / bc1) * m / (sqrt(v) + eps * sqrt(bc2))
-        bc1, bc2 = 1.0 - b1_**t_, 1.0 - b2_**t_
-        sqrt_bc2 = bc2.sqrt() if isinstance(bc2, torch.Tensor) else math.sqrt(bc2)
+        bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
         den = foreach("sqrt", new_v)
-        foreach("add_", den, eps_ if eps_before_bias_correction else eps_ * sqrt_bc2)
+        foreach("add_", den, eps if eps_before_bias_correction else eps * math.sqrt(bc2))
         if nesterov:  # bc1 * m_hat = b1 * m * bc1 / (1 - b1^(t+1)) + (1 - b1) * g
-            num = foreach("mul", new_m, b1_ * bc1 / (1.0 - b1_ ** (t_ + 1)))
-            foreach("add_", num, gs, alpha=1.0 - b1_)
+            num = foreach("mul", new_m, b1 * bc1 / (1.0 - b1 ** (t + 1)))
+            foreach("add_", num, gs, alpha=1.0 - b1)
         else:
             num = new_m
         out = foreach("div", num, den)
-        foreach("mul_", out, sqrt_bc2 / bc1)
+        foreach("mul_", out, math.sqrt(bc2) / bc1)
         store = lambda new, old: [n if n.dtype == o.dtype else n.to(o.dtype) for n, o in zip(new, old)]  # noqa: E731
         return build(keys, out), ScaleByAdamState(t, build(keys, store(new_m, ms)), build(keys, store(new_v, vs)))
 
