@@ -36,7 +36,6 @@ __all__ = [
     "leaves",
     "aligned",
     "build",
-    "graph_scalars",
     "check_keys",
     "check_like",
     "foreach",
@@ -392,9 +391,7 @@ def _traced_foreach(op: str, lists: Sequence[Any], kwargs: dict[str, Any]) -> li
             r = torch.mul(a, rest[0]).neg()
         elif base == "lerp":
             b, w = rest
-            # a tensor weight of the inputs' shape and dtype as torch.lerp takes it; a 0-d
-            # one (graph_scalars: float64 beside float32 inputs) by the formula
-            r = torch.lerp(a, b, w) if isinstance(w, torch.Tensor) and w.ndim else a + (b - a) * w
+            r = torch.lerp(a, b, w) if isinstance(w, torch.Tensor) else a + (b - a) * w
         elif base == "add" and "alpha" in kwargs:
             r = a + rest[0] * kwargs["alpha"]
         elif base == "addcmul":
@@ -408,42 +405,6 @@ def _traced_foreach(op: str, lists: Sequence[Any], kwargs: dict[str, Any]) -> li
             r = a
         out.append(r)
     return out
-
-
-def graph_scalars(like: torch.Tensor, *values: Any) -> tuple[Any, ...]:
-    """Hyperparameters in the form a transform's Python arithmetic on them needs:
-    ``values`` unchanged eagerly; inside ``torch.compile`` each a 0-d float64 tensor on
-    ``like``'s device (made by one multiplication, ``ones * value``).
-
-    Torch 2.10 and 2.11 keep a float input of a compiled graph symbolic only while it is
-    an operand of tensor arithmetic; ``1 - beta``, ``beta ** t`` or ``math.sqrt`` on it
-    specialise the graph to its value, so every new value (a schedule) recompiles the
-    step. As a 0-d tensor it takes the same arithmetic in the graph (``1 - beta`` is a
-    tensor) and stays an input. In float64, as Python's floats (``1 - 0.999 ** t``
-    cancels: float32 would lose 1e-5 of it). Eagerly nothing changes, so the eager step
-    keeps its float arithmetic bit for bit; a 0-d tensor does not change the dtype of
-    the tensors it scales.
-
-    The price: inductor inlines arithmetic on 0-d tensors into the kernels that use it,
-    so it runs with every element (or vector of them) there, in float64, where the float
-    form ran once on the host. Use it for a few cheap operations on small tensors
-    (``row_normalize``'s ``1 - beta2`` on its per-row statistics); ``scale_by_adam`` does
-    not (its bias corrections are two float64 powers, on every element of every
-    parameter: on the CPU the C++ compiler hoists them out of the loop, on a GPU that is
-    unmeasured), so there a schedule of the betas still recompiles once on 2.10 / 2.11
-    and then steps eagerly.
-
-    Example::
-
-        >>> import torch
-        >>> from muonfx.base import graph_scalars
-        >>> graph_scalars(torch.zeros(3), 0.9, 1e-8)
-        (0.9, 1e-08)
-    """
-    if not torch.compiler.is_compiling():
-        return values
-    one = torch.ones((), dtype=torch.float64, device=like.device)
-    return tuple(one * v for v in values)
 
 
 def foreach(op: str, *lists: Sequence[Any], **kwargs: Any) -> list[torch.Tensor]:

@@ -188,7 +188,7 @@ def test_inductor_does_not_recompile_when_lr_momentum_or_weight_decay_change(fac
     """With the real inductor backend a float reaching a ``_foreach_*`` op (or a scalar
     ``alpha``/``value``/lerp weight) is specialised into the graph; traced, muonfx's
     foreach spells those ops per tensor so the hyperparameters stay symbolic inputs.
-    NorMuon's beta2 reaches the graph as a 0-d tensor (``graph_scalars``). Adam's betas
+    NorMuon's beta2 reaches the graph through ``foreach("ema")`` too. Adam's betas
     and eps go through host arithmetic (``1 - b1``, ``b2 ** t``), which torch 2.10 /
     2.11 specialise: there one recompilation, detected, then eager steps."""
     torch._dynamo.reset()

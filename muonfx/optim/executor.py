@@ -304,7 +304,7 @@ class Executor:
     aten ops, not through ``1 - beta``), so each new value would recompile it, up to
     dynamo's limit; lr and momentum reach the graph as operands of tensor arithmetic and
     recompile nothing (``foreach("neg_mul")``, ``foreach("ema")``), nor does NorMuon's
-    beta2 (a 0-d tensor in the graph: ``muonfx.base.graph_scalars``).
+    beta2 (``foreach("ema")`` in ``row_normalize``).
     Each compiled graph remembers the numeric hyperparameters of its last call; when a
     call with changed values builds a new graph, :attr:`floats_specialize` is set, the
     change is logged, and that graph's groups run eagerly from then on; afterwards a

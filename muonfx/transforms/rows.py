@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from .. import seam
-from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, graph_scalars, leaves
+from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
 from ..hyperparams import check
 from ._matrix import matrix_dims
 
@@ -90,12 +90,11 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows")
         # for all leaves (on shards: one collective each at most, none for row shards' rows)
         row_sq = seam.sum_over([o.square() for o in os_], (-1,))
         new_vs, scales, pairs = [], [], []
-        # traced, beta2 as a 0-d tensor (a schedule of it recompiles nothing on torch 2.10 /
-        # 2.11): lerp's formula, since torch.lerp takes a tensor weight of its inputs' dtype only
-        b2 = graph_scalars(us[0], beta2)[0] if us else beta2
-        for o, v, rs in zip(os_, vs, row_sq):
-            v0, mean_sq = v.to(o.dtype), rs.squeeze(-1) / o.shape[-1]
-            nv = v0 + (mean_sq - v0) * (1.0 - b2) if isinstance(b2, torch.Tensor) else torch.lerp(v0, mean_sq, 1.0 - b2)
+        # v <- lerp(v, mean_sq, 1 - beta2) as foreach's "ema": traced, beta2 stays an operand
+        # (a schedule of it recompiles nothing on torch 2.10 / 2.11)
+        nvs = foreach("ema", [v.to(o.dtype) for o, v in zip(os_, vs)],
+                      [rs.squeeze(-1) / o.shape[-1] for o, rs in zip(os_, row_sq)], beta2)
+        for o, v, rs, nv in zip(os_, vs, row_sq, nvs):
             s = (nv.sqrt() + eps).unsqueeze(-1)
             new_vs.append(nv.to(v.dtype))
             scales.append(s)
