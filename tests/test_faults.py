@@ -483,6 +483,41 @@ def test_newton_schulz_is_unchanged_bit_for_bit_where_nothing_overflows():
     assert torch.equal(newton_schulz_batched(g, sched), plain)
 
 
+def test_float16_newton_schulz_of_a_matrix_whose_norm_exceeds_float16s_range():
+    """A float16 norm overflows at 65504 (entries of ~1000 on a 64 x 128 matrix): it is
+    taken in float32, so the result is the one of the matrix 1024 times smaller (a power
+    of two: the same float16 mantissas), bit for bit; it used to be NaN."""
+    from muonfx.linalg import newton_schulz_batched, resolve
+
+    g = torch.randn(2, 64, 128, generator=torch.Generator().manual_seed(2))
+    sched = resolve("keller", 5)
+    big = newton_schulz_batched(g * 1024, sched, dtype=torch.float16)
+    assert torch.isfinite(big).all()
+    assert torch.equal(big, newton_schulz_batched(g, sched, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_normalisation_of_huge_and_plain_matrices_is_the_eager_one(dtype):
+    """Traced (the executor's compiled step, inductor), the overflow guard computes what
+    it does eagerly: for a matrix whose norm overflows (the update of the matrix at a
+    sane scale) and for the others, in one batch."""
+    from muonfx.linalg import newton_schulz_batched, resolve
+
+    torch._dynamo.reset()
+    g = torch.randn(3, 16, 24, generator=torch.Generator().manual_seed(3))
+    huge = g.clone()
+    huge[1] *= 1e25
+    sched = resolve("keller", 5)
+    run = torch.compile(lambda t: newton_schulz_batched(t, sched, dtype=dtype), fullgraph=True)
+    out = run(huge)
+    # bf16: inductor rounds to bf16 where it stores, eager after every op; and the huge
+    # matrix rounds to other bf16 values than the plain one
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, newton_schulz_batched(huge, sched, dtype=dtype), rtol=0, atol=tol)
+    torch.testing.assert_close(out, run(g), rtol=0, atol=tol)
+    assert out.abs().amax(dim=(-2, -1)).min() > 0.1  # no matrix zeroed
+
+
 @pytest.mark.parametrize("scale", [1e19, 1e30])
 def test_clip_by_global_norm_scales_a_huge_gradient_instead_of_zeroing_it(scale):
     g = TensorDict({"w": torch.randn(8, 16, generator=torch.Generator().manual_seed(0)) * scale,

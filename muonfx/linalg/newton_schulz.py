@@ -351,11 +351,15 @@ class NewtonSchulz:
 
 
 def _normalized(g: torch.Tensor, schedule: Schedule, eps: float, cdtype: torch.dtype, tall: bool) -> torch.Tensor:
-    """``g`` in ``cdtype``, wide, divided by ``max(||g||_F * safety, eps)``: a new tensor."""
+    """``g`` in ``cdtype``, wide, divided by ``max(||g||_F * safety, eps)``: a new tensor.
+
+    A float16 batch's norms are taken in float32: float16's range (65504) is too small
+    for a norm (the result was NaN where one exceeded it)."""
     x = g.to(cdtype)
     if tall:
         x = x.mT
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    wide = torch.float32 if x.dtype == torch.float16 else None
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=wide)
     if x.dtype != torch.float64:
         # Entries of ~1e19 and more overflow a float32 (or bfloat16) sum of squares: the
         # norm is inf and the result would be zero. The polar factor does not depend on
@@ -364,7 +368,7 @@ def _normalized(g: torch.Tensor, schedule: Schedule, eps: float, cdtype: torch.d
         # norm did not overflow the scale is 1 and every bit is as before.
         down = torch.where(torch.isinf(norm), 2.0 ** -100, 1.0).to(x.dtype)
         x = x * down  # a new tensor: x may alias g when no cast happened
-        norm = torch.where(down < 1, torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True), norm)
+        norm = torch.where(down < 1, torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=wide), norm)
         den = norm * schedule.safety
         return x.div_(torch.where(down < 1, den, den.clamp_min(eps)))
     # out-of-place division: x may alias g when no cast happened
