@@ -3,8 +3,8 @@
 
 Every example compiles (inductor's C++ on the CPU, seconds each), so the checks here draw
 few examples. The law must catch the compiler mistakes it exists for: the fused state
-write-back that inductor got wrong (``torch._foreach_copy_``, fixed in the executor in
-the sixth session on issue 11) is put back here and the law must see it.
+write-back that inductor got wrong (``torch._foreach_copy_``, since replaced in the
+executor by one ``copy_`` per buffer) is put back here and the law must see it.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_stateful_transforms_compiled_by_inductor_conform(build):
 
 
 def _foreach_store(old, new):
-    """The executor's state write-back as it was before the sixth session on issue 11:
+    """The executor's former state write-back:
     one ``torch._foreach_copy_`` of every new buffer into its old one, which inductor
     (2.10 to 2.13) fuses into one loop that writes a buffer before it computes another
     buffer's new value from it."""

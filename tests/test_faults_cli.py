@@ -1,4 +1,4 @@
-"""Issue 12, command line / checkpoint file / distributed faults: each case refused whole
+"""Faults of the command line, the checkpoint file / distributed faults: each case refused whole
 or resumed exactly.
 
 * Ctrl-C (a real SIGINT) at several moments, one of them inside ``opt.step()``, then

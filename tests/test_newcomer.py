@@ -280,6 +280,6 @@ def test_benchmark_flags_in_the_docs_exist():
     scripts = {p.stem: _flags_of(p) for p in (ROOT / "benchmarks").glob("*.py")}
     missing = [(w, s, f) for w, s, f in adv if s in scripts and f not in scripts[s]]
     assert not missing, f"advertised flags that the scripts do not have: {missing}"
-    # the stale usage line of issue 13 is caught
+    # a stale usage line (a flag the script no longer has) is caught
     stale = _advertised({"x": "    python benchmarks/adamw_step.py --scale 0.25    # fewer layers"})
     assert stale == [("x", "adamw_step", "--scale")] and "--scale" not in scripts["adamw_step"]

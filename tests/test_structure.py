@@ -1,6 +1,6 @@
 """The shape of the package: how its modules import each other.
 
-Each check runs in a fresh interpreter (a subprocess), since the test session has
+Each check runs in a fresh interpreter (a subprocess), since the test process has
 already imported everything.
 """
 
