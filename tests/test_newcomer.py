@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
+import signal
 import struct
+import subprocess
+import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -127,8 +132,14 @@ def test_run_clock_extrapolates_the_measured_steps():
 
 
 def test_warmup_note():
-    assert "--warmup 20 is not shorter than --steps 5" in warmup_note(20, 5)
-    assert warmup_note(5, 5) is not None and warmup_note(4, 5) is None
+    assert "--warmup 20 is longer than --steps 5: the learning rate climbs for the whole run" in warmup_note(20, 5)
+    assert "--warmup 5 is as long as --steps 5" in warmup_note(5, 5) and warmup_note(4, 5) is None
+    # --warmup 1 starts at the peak: it fits any run, and no note recommends the value passed
+    assert warmup_note(1, 1) is None and warmup_note(0, 1) is None
+    for warmup in range(2, 40):
+        for steps in range(1, warmup + 1):
+            note = warmup_note(warmup, steps)
+            assert note is not None and f"pass --warmup {warmup}," not in note, note
 
 
 def test_compare_run_prints_estimates_labelled_rates_and_its_real_folder(cache, tmp_path, monkeypatch, capsys):
@@ -148,7 +159,7 @@ def test_compare_run_prints_estimates_labelled_rates_and_its_real_folder(cache, 
     assert re.search(r"muon_adamw: final val loss .* \(\d+ s of it evaluating\), [\d.]+k? tok/s training "
                      r"\(evaluations excluded\)", out), out
     assert not re.search(r"(?<![\d.])0\.0k", out), out  # a zero rate ("10.0k" is not one)
-    assert "note: --warmup 20 is not shorter than --steps 6" in out
+    assert "note: --warmup 20 is longer than --steps 6" in out
     # the output folder is the one getting-started names
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1 and re.fullmatch(r"\d{8}-\d{6}-muon_adamw-vs-adamw", runs[0].name), runs
@@ -247,6 +258,55 @@ def test_bench_shows_progress_while_a_script_is_silent(tmp_path, monkeypatch, ca
     beats = re.findall(r"\[slow_one\] still running, (\d+) s", cap.err)
     assert len(beats) >= 2, cap.err
     assert "== slow_one: ok in" in cap.out
+
+
+def test_bench_says_how_long_the_rest_takes_and_drops_the_profilers_lines(tmp_path, monkeypatch, capsys):
+    measured = dict(cli_bench.MEASURED_S)
+    d = tmp_path / "benchmarks"
+    d.mkdir()
+    for name in ("one", "two"):  # what torch.profiler prints when a step's memory is measured
+        (d / f"{name}.py").write_text(
+            'import sys\nprint("| table |")\n'
+            'print("USDT:2026-11-26 13:02:14 9080:9080 SyncActivityProfilerHandler.cpp:52] profiler_start")\n'
+            'print("[W1126 13:06:20.164123577 CPUAllocator.cpp:245] Memory block of unknown size was allocated '
+            'before the profiling started, profiler results will not include the deallocation event", '
+            'file=sys.stderr)\nprint("| row |")\n')
+    monkeypatch.setattr(cli_bench, "MEASURED_S", {"one": 60.0, "two": 120.0})
+    assert main(["bench", "--dir", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert ("expected: ~3:00 for one, two (measured on a 2-core CPU with the default arguments; a busy machine "
+            "takes longer)") in out, out
+    assert re.search(r"expected: ~0:0\d more for two \(at this machine's pace so far: 0\.0x", out), out
+    assert out.count("| table |") == 2 and out.count("| row |") == 2
+    assert "USDT" not in out and "CPUAllocator" not in out, out
+    # every script of the repository has a measured time
+    assert set(measured) == {p.stem for p in (ROOT / "benchmarks").glob("*.py")
+                                         if not p.name.startswith("_")}
+
+
+def test_bench_ctrl_c_stops_the_script_in_one_line(tmp_path):
+    d = tmp_path / "benchmarks"
+    d.mkdir()
+    (d / "a_slow.py").write_text('import os, time\nprint("started", os.getpid(), flush=True)\ntime.sleep(60)\n')
+    (d / "b_next.py").write_text('print("never")\n')
+    p = subprocess.Popen([sys.executable, "-m", "muonfx", "bench", "--dir", str(d)], env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = None
+    for line in p.stdout:
+        if line.startswith("started"):
+            child = int(line.split()[1])
+            p.send_signal(signal.SIGINT)
+            break
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, (out, err)
+    assert "Traceback" not in out + err, (out, err)
+    assert err.strip().splitlines()[-1].startswith("muonfx bench: interrupted during a_slow after "), err
+    assert err.strip().endswith("s; not run: b_next"), err
+    assert "never" not in out
+    with pytest.raises(ProcessLookupError):  # the benchmark did not outlive the command
+        for _ in range(50):
+            os.kill(child, 0)
+            time.sleep(0.1)
 
 
 # ---------------------------------------------------------------------------

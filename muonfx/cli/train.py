@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import signal
 import time
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from .checkpoint import restore, save_checkpoint
 from .corpus import Corpus, sample_batch
 from .estimate import RunClock
-from .interrupt import StepInterrupt
+from .interrupt import Interrupted, StepInterrupt
 from .model import GPT, MODELS
 from .optimizers import build_optimizer, describe
 from .progress import Progress, format_rate, format_time
@@ -96,6 +97,7 @@ def _settings(args, name: str) -> dict:
             "steps", "eval_every", "eval_batches", "amp")
     s = {k: getattr(args, k) for k in keys}
     s["optimizer"] = name
+    s["threads"] = torch.get_num_threads()  # the sums' rounding: --resume reuses it
     return s
 
 
@@ -104,17 +106,19 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
     """Train ``--model`` with optimizer ``name`` for ``args.steps`` steps (or to ``--stop-at``);
     ``then`` names the ``--compare`` run that follows (for the time estimate).
 
-    A Ctrl-C from here on stops the run after a whole step (see :mod:`muonfx.cli.interrupt`):
-    with ``--save`` the checkpoint is the state after that step, and ``--resume`` goes on
-    exactly as an uninterrupted run would; then ``KeyboardInterrupt`` is raised."""
+    A Ctrl-C or a SIGTERM from here on stops the run after a whole step (see
+    :mod:`muonfx.cli.interrupt`): with ``--save`` the checkpoint is the state after that
+    step, and ``--resume`` goes on exactly as an uninterrupted run would; then
+    :class:`~muonfx.cli.interrupt.Interrupted` (a ``KeyboardInterrupt``) is raised."""
 
-    def on_ctrl_c() -> None:  # in the signal handler: an unbuffered write (print could re-enter its buffer)
+    def on_signal(signum: int) -> None:  # in the handler: an unbuffered write (print could re-enter its buffer)
         if rt.is_main:
-            os.write(2, (f"\n[{name}] Ctrl-C: finishing the current step{' on all ranks' if rt.fsdp else ''}, then "
+            what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            os.write(2, (f"\n[{name}] {what}: finishing the current step{' on all ranks' if rt.fsdp else ''}, then "
                          f"{'saving to ' + str(args.save) if args.save else 'stopping (no --save: nothing is saved)'}"
-                         f"{'' if rt.fsdp else '; Ctrl-C again quits now without saving'}\n").encode())
+                         f"{'' if rt.fsdp else f'; {what} again quits now without saving'}\n").encode())
 
-    with StepInterrupt(on_ctrl_c, force_on_second=not rt.fsdp) as ctrl_c:
+    with StepInterrupt(on_signal, force_on_second=not rt.fsdp) as ctrl_c:
         return _train(args, name, corpus, rt, lr, checkpoint, then, ctrl_c)
 
 
@@ -227,7 +231,7 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
         say(f"[{name}] interrupted after step {step}" + (
             f"; continue exactly with: {getattr(args, 'prog', 'muonfx train')} --resume {args.save}" if args.save else
             f"; steps {start + 1}-{step} are lost (pass --save PATH to keep them on Ctrl-C)"))
-        raise KeyboardInterrupt
+        raise Interrupted(ctrl_c.signum)
     log.close()
     seconds = time.perf_counter() - t0
     train_seconds = max(seconds - eval_seconds, 1e-9)
