@@ -87,6 +87,7 @@ def test_newton_schulz_takes_the_blocks_on_large_cpu_matrices():
     torch.testing.assert_close(ns(g.mT.contiguous()), want.mT, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_compiled_iteration_is_one_opaque_operator():
     """Inside torch.compile the blocked iteration is torch.ops.muonfx.blocked_newton_schulz
     (one graph node whatever the batch and block count), with a fake that matches."""
@@ -114,6 +115,7 @@ def test_the_compiled_iteration_is_one_opaque_operator():
     torch.testing.assert_close(inductor, run(x), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_spectral_form_takes_the_block_rows_for_its_two_symmetric_products():
     """float32 spectral form on 512 x 600 (as "auto" computes it where float32 is the
     default): R = X X^T and V diag(h) V^T by block rows, to float32 rounding of the plain

@@ -311,6 +311,7 @@ def test_save_then_resume_continues_exactly(env, tmp_path, six_steps, capsys):
     assert "trained with --lr 0.02, not 0.5" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_fsdp_two_ranks_match_one_process(env, tmp_path, six_steps):
     out = tmp_path / "fsdp"
     proc = subprocess.run(

@@ -97,9 +97,9 @@ def one_line_error(capsys, code: int) -> str:
 
 @pytest.mark.parametrize("where, call", [
     ("step", 4),   # inside the 4th opt.step(), as Newton-Schulz starts (momentum already computed)
-    ("batch", 4),  # right after step 2's batch is drawn (calls 1-2: the step-0 evaluation's batches):
-                   # the data generator moved, the step is not done
-    ("eval", 2),   # inside the step-3 evaluation
+    pytest.param("batch", 4, marks=pytest.mark.slow),  # right after step 2's batch is drawn (calls 1-2: the
+                   # step-0 evaluation's batches): the data generator moved, the step is not done
+    pytest.param("eval", 2, marks=pytest.mark.slow),   # inside the step-3 evaluation
 ])
 def test_ctrl_c_then_resume_is_bitwise_the_uninterrupted_run(where, call, env, tmp_path, reference, capsys):
     ck, end = tmp_path / "ck.pt", tmp_path / "end.pt"
@@ -146,6 +146,7 @@ def test_ctrl_c_without_save_says_what_is_lost(env, tmp_path):
     assert "interrupted after step 2; steps 1-2 are lost (pass --save PATH to keep them on Ctrl-C)" in out
 
 
+@pytest.mark.slow
 def test_fsdp_ctrl_c_saves_the_same_step_on_every_rank(env, tmp_path):
     """torchrun, 2 gloo ranks; SIGINT to the whole process group (what a terminal's Ctrl-C
     does; torchrun then forwards a second SIGINT to the ranks). The ranks agree on the
@@ -324,6 +325,7 @@ def test_non_finite_numbers_are_one_line_errors(flag, value, env, tmp_path, caps
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_rank_local_error_raises_on_every_rank_at_once():
     """Rank 1 alone has a bad lr ("abc") and stays alive 4 s after its error. Without the
     agreement rank 0 waited in the all-to-all until rank 1 went away (4 s here; with a rank
@@ -343,6 +345,7 @@ def test_a_rank_local_error_raises_on_every_rank_at_once():
     assert res[0]["unchanged"] and res[1]["unchanged"]
 
 
+@pytest.mark.slow
 def test_row_normalize_on_shards_with_fewer_rows_than_ranks():
     """NorMuon's row statistics on DTensors: a 1-row and a 2-row matrix (fewer rows than
     ranks: empty shards), a tall one, 2 experts over W ranks, a conv weight, a column
@@ -365,6 +368,7 @@ def test_row_normalize_on_shards_with_fewer_rows_than_ranks():
     assert max(res[0]["v_errors"].values()) < 1e-6
 
 
+@pytest.mark.slow
 def test_row_normalize_larger_axis_on_shards():
     """``axis="larger"`` (modded-nanogpt's NorMuon: per-column statistics of wide
     matrices, taken as the rows of their transpose) on the same DTensors: the same

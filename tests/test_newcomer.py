@@ -78,7 +78,10 @@ def test_torch_choice_comes_before_the_install_command(page):
 def test_ci_runs_exactly_the_readme_test_command():
     readme = _shell_lines((ROOT / "README.md").read_text(encoding="utf-8"))
     ci = [c for c in (ROOT / ".ci" / "run").read_text().splitlines() if c.strip() and not c.startswith("#")]
-    assert "python -m pytest -q" in readme and ci[-1] == "python -m pytest -q"
+    assert "python -m pytest -q" in readme and ci[-2:] == ["python -m pytest -q", "python -m pytest -q -m slow"]
+    # the README's command leaves the slow tests out, and the pytest configuration says so
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert "addopts = \"-ra -m 'not slow'\"" in pyproject and '"slow: ' in pyproject
 
 
 def test_readme_states_the_measured_time_of_the_main_job():

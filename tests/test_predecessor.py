@@ -272,6 +272,7 @@ def _distributed_snippets(rank: int, world_size: int, codes: list[tuple[str, str
     return done
 
 
+@pytest.mark.slow
 def test_fsdp_snippets_run_on_two_ranks():
     """README block 1 (fully_shard a TransformerEncoder, FSDPMuonOptimizer, train) and the
     FAQ's FSDP answers (blocks 29-31: fully_shard, FSDPMuonOptimizer(model=model, ...),
@@ -295,6 +296,7 @@ def run(*cmd: str, cwd: Path = ROOT, timeout: int = 120) -> subprocess.Completed
     return subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_pytest_cov_muon_fsdp_names_the_package():
     """``pytest tests/ --cov=muon_fsdp`` (the predecessor's README) stops with the fix
     instead of a bare 'unrecognized arguments'."""
