@@ -158,7 +158,10 @@ def test_compare_run_prints_estimates_labelled_rates_and_its_real_folder(cache, 
     assert re.search(r"\[adamw\] expected: ~\d+:\d\d for this run", out)
     assert out.index("[muon_adamw] expected") < out.index("[muon_adamw] step     6")   # after step 4
     # every rate says what it counts; none is "0.0k"
-    assert re.search(r"step     3 \| .* \| [\d.]+k? tok/s training\n", out), out
+    assert re.search(r"step     3 \| .* \| [\d.]+k? tok/s training \| ~\d+:\d\d left, then adamw ~\d+:\d\d\n", out), out
+    # every evaluation says the time left, at the pace so far; the last one says none is
+    assert re.search(r"\[muon_adamw\] step     6 \| .* \| ~0:00 left, then adamw ~\d+:\d\d\n", out), out
+    assert re.search(r"\[adamw\] step     6 \| .* \| ~0:00 left\n", out), out
     assert re.search(r"muon_adamw: final val loss .* \(\d+ s of it evaluating\), [\d.]+k? tok/s training "
                      r"\(evaluations excluded\)", out), out
     assert not re.search(r"(?<![\d.])0\.0k", out), out  # a zero rate ("10.0k" is not one)
@@ -213,6 +216,13 @@ def test_plot_marks_the_crossing_with_the_step_ratio(tmp_path, monkeypatch):
     assert [t.get_text() for t in ax.texts] == ["1.33x fewer steps"]
     star = [ln for ln in ax.lines if ln.get_marker() == "*"]
     assert len(star) == 1 and list(star[0].get_xdata()) == [75.0] and list(star[0].get_ydata()) == [1.5]
+    # the legend sits below the axes, inside the figure: it covers no curve
+    fig = saved[0]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    box, frame = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+    assert box.y1 <= frame.y0 and box.y0 >= 0 and box.x0 >= 0 and box.x1 <= fig.bbox.x1, (box, frame)
     # no comparison, no marker
     saved.clear()
     plot_losses(RUNS, tmp_path / "plain.png", "t")
@@ -346,3 +356,27 @@ def test_benchmark_flags_in_the_docs_exist():
     # a stale usage line (a flag the script no longer has) is caught
     stale = _advertised({"x": "    python benchmarks/adamw_step.py --scale 0.25    # fewer layers"})
     assert stale == [("x", "adamw_step", "--scale")] and "--scale" not in scripts["adamw_step"]
+
+
+# ---------------------------------------------------------------------------
+# numbers and names the docs repeat agree with their source
+# ---------------------------------------------------------------------------
+
+
+def test_the_docs_name_the_dependency_floors_of_pyproject():
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    floors = dict(re.findall(r'"(torch|tensordict)>=([\d.]+)"', pyproject))
+    assert set(floors) == {"torch", "tensordict"}, floors
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for name, version in re.findall(r"\b(torch|tensordict)>=([\d.]*\d)", page.read_text(encoding="utf-8")):
+            assert version == floors[name], f"{page.name}: {name}>={version}, pyproject.toml: {name}>={floors[name]}"
+
+
+def test_the_benchmark_list_in_the_docs_is_every_benchmark():
+    scripts = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+    assert cli_bench.MEASURED_S.keys() == set(scripts)
+    listed = re.search(r"muonfx bench --list +# (.*)", (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8"))
+    assert listed and listed.group(1).split(", ") == scripts, listed
+    perf = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    assert all(f"python benchmarks/{s}.py" in perf for s in scripts)
+    assert f"muonfx bench                          # all {['one', 'two', 'three', 'four', 'five', 'six'][len(scripts) - 1]}" in perf

@@ -169,6 +169,7 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
     model.train()
     t0 = time.perf_counter()
     eval_seconds = 0.0
+    eval_times = [clock.eval_seconds] if clock.eval_seconds is not None else []  # this process's evaluations
     step = start
     pending: list[torch.Tensor] = []
     sync_every = 1 if rt.device.type == "cpu" else 10
@@ -217,12 +218,14 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
         if step % args.eval_every == 0 or step == args.steps:
             te = time.perf_counter()
             v = evaluate(model, corpus, args.eval_batches, B, T, rt)
-            eval_seconds += time.perf_counter() - te
-            log.exclude(time.perf_counter() - te)
+            eval_times.append(time.perf_counter() - te)
+            eval_seconds += eval_times[-1]
+            log.exclude(eval_times[-1])
             history["val"].append([step, v])
+            pace = (time.perf_counter() - t0 - eval_seconds) / (step - start)  # this run's, so far
             say(f"[{name}] step {step:5d} | train {history['train'][-1][1]:.4f} | val {v:.4f} | "
                 f"lr x{sched.get_last_lr()[0] / opt.param_groups[0]['initial_lr']:.3f} | "
-                f"{format_rate(log.tokens_per_s())} training")
+                f"{format_rate(log.tokens_per_s())} training | {clock.left(step, pace, sum(eval_times) / len(eval_times), then)}")
         if interrupted and step < stop:  # a whole step is done: stop here, as --stop-at would
             break
     if interrupted and step < stop:
