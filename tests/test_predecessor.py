@@ -306,6 +306,19 @@ def test_pytest_cov_muon_fsdp_names_the_package():
     assert "--cov=muon_fsdp: the package is muonfx now; use --cov=muonfx" in proc.stderr + proc.stdout
 
 
+def test_the_predecessors_test_file_names_where_its_tests_went():
+    """``pytest tests/test_optimizer.py -v`` (the predecessor's README): one line naming the
+    files that test the same things, not a bare "file not found"; the migration guide says so."""
+    proc = run(sys.executable, "-m", "pytest", "tests/test_optimizer.py", "-v", "-p", "no:cacheprovider")
+    out = proc.stderr + proc.stdout
+    assert proc.returncode == 4, out  # pytest's usage error
+    assert "tests/test_optimizer.py was muon_fsdp's test file; its subjects are tested in tests/test_parity.py" in out
+    for name in ("tests/test_parity.py", "tests/test_predecessor.py", "tests/test_optim_integrations.py"):
+        assert (ROOT / name).exists() and name in out
+    guide = (ROOT / "docs" / "migration.md").read_text(encoding="utf-8")
+    assert "| `pytest tests/test_optimizer.py -v` |" in guide
+
+
 def test_muon_fsdp_command_points_to_muonfx(capsys):
     """The ``muon-fsdp`` command (pyproject's script) says what it runs now and runs it."""
     from muonfx.cli import legacy
