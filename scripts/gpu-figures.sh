@@ -75,7 +75,7 @@ case "$part" in
         # first whether the CUDA paths compute what they should (no figure is worth
         # reading before that): the symmetric Triton kernels against torch's products,
         # the compiled step against eager, parity with torch.optim.Muon on CUDA
-        step 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_ns.py -rs --durations=8
+        step 150 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_cuda.py tests/test_triton_ns.py -rs --durations=8
         # the default rows: the targets (<= 0.3x GPT-2 and MoE, <= 0.65x Llama-1B) and the
         # extra step memory of each (<= 1 GiB)
         step 150 python3 benchmarks/muon_step.py --device cuda --sets gpt2 --layers 12 --repeats 5 --variants default
@@ -86,10 +86,10 @@ case "$part" in
         ;;
     tests)
         run python3 -m muonfx info
-        run python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_ns.py -rs -s
+        run python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_cuda.py tests/test_triton_ns.py -rs -s
         # the GPU machine's torch (2.11) specialises float hyperparameters: the compiled
         # step's schedule handling, on its own version
-        run python3 -m pytest -q -p no:cacheprovider tests/test_compile.py
+        run python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_compile.py
         ;;
     ns)
         run python3 benchmarks/newton_schulz.py --only speed --device cuda --repeats 5

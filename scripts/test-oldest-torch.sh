@@ -14,7 +14,7 @@
 # float hyperparameters by value, so a compiled step recompiles when lr, momentum or weight
 # decay change; the executor detects that first recompilation and steps eagerly from then
 # on: tests/test_compile.py passes whole on torch 2.10.0 and 2.11.0 (TORCH_VERSION=2.11.0
-# installs the GPU machines' version in a venv of its own). On 2.11.0 (tensordict 0.15.3)
+# installs the version of the H100 figures in docs/performance.md in a venv of its own). On 2.11.0 (tensordict 0.15.3)
 # the TESTS above plus tests/test_triton_ns.py and tests/test_recipes.py passed in 3 min
 # 7 s; TESTS="tests" (the whole suite, 4 min 55 s) failed only the two docs blocks that
 # import lightning, which this script does not install. On 2.10.0 the whole suite

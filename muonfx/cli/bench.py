@@ -67,7 +67,7 @@ def run_script(cmd: list[str], env: dict, cwd: Path, name: str, heartbeat: float
     after 2x, 4x, ... up to 6x that (output from the script starts over). Returns the
     exit status."""
     heartbeat = HEARTBEAT_S if heartbeat is None else heartbeat
-    # its own session: a terminal's Ctrl-C reaches this process only, which stops the script
+    # a process group of its own: a terminal's Ctrl-C reaches this process only, which stops the script
     proc = subprocess.Popen(cmd, env={**env, "PYTHONUNBUFFERED": "1"}, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
     t0 = time.perf_counter()
