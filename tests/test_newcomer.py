@@ -287,8 +287,8 @@ def test_bench_says_how_long_the_rest_takes_and_drops_the_profilers_lines(tmp_pa
     monkeypatch.setattr(cli_bench, "MEASURED_S", {"one": 60.0, "two": 120.0})
     assert main(["bench", "--dir", str(d)]) == 0
     out = capsys.readouterr().out
-    assert ("expected: ~3:00 for one, two (measured on a 2-core CPU with the default arguments; a busy machine "
-            "takes longer)") in out, out
+    assert ("expected: ~3:00 for one, two (measured on a 2-core CPU shared with other jobs, default arguments; "
+            "a quiet machine takes less)") in out, out
     assert re.search(r"expected: ~0:0\d more for two \(at this machine's pace so far: 0\.0x", out), out
     assert out.count("| table |") == 2 and out.count("| row |") == 2
     assert "USDT" not in out and "CPUAllocator" not in out, out

@@ -33,11 +33,12 @@ __all__ = ["find_benchmarks", "run_bench", "run_script", "estimate_line", "HEART
 #: seconds of silence from a benchmark script before a "still running" line
 HEARTBEAT_S = 10.0
 
-#: seconds each script took with its default arguments, ``muonfx bench`` on a 2-core
-#: AMD EPYC VM (AVX512-BF16, torch 2.13.0+cpu, load average about 2); the estimate
-#: scales them by the pace of the scripts run so far
-MEASURED_S = {"adamw_step": 180.0, "fsdp_step": 60.0, "muon_step": 240.0, "newton_schulz": 420.0,
-              "step_memory": 120.0}
+#: seconds each script took with its default arguments: ``muonfx bench`` on a 2-core AMD
+#: EPYC VM (AVX512-BF16, torch 2.13.0+cpu) shared with other jobs (load average 5-7),
+#: 2026-11-26, 49 min 51 s in all; a quiet machine takes less (``adamw_step`` alone 177 s
+#: on a quiet 2-core Intel VM). The estimate scales them by the pace of the scripts run so far.
+MEASURED_S = {"adamw_step": 361.0, "fsdp_step": 43.0, "muon_step": 1618.0, "newton_schulz": 574.0,
+              "step_memory": 396.0}
 
 #: lines of the profiler itself, not of the benchmark (``torch.profiler`` start and stop,
 #: and its warning about blocks allocated before it started)
@@ -165,10 +166,10 @@ def estimate_line(todo: list[str], took: dict[str, float], other_args: bool) -> 
 
     Example::
 
-        >>> print(estimate_line(["muon_step", "step_memory"], {}, False))
-        expected: ~6:00 for muon_step, step_memory (measured on a 2-core CPU with the default arguments; a busy machine takes longer)
-        >>> print(estimate_line(["step_memory"], {"muon_step": 480.0}, False))
-        expected: ~4:00 more for step_memory (at this machine's pace so far: 2.0x the 2-core figures)
+        >>> print(estimate_line(["fsdp_step", "step_memory"], {}, False))
+        expected: ~7:19 for fsdp_step, step_memory (measured on a 2-core CPU shared with other jobs, default arguments; a quiet machine takes less)
+        >>> print(estimate_line(["step_memory"], {"fsdp_step": 21.5}, False))
+        expected: ~3:18 more for step_memory (at this machine's pace so far: 0.5x the 2-core figures)
     """
     if not todo or any(n not in MEASURED_S for n in todo):
         return None
@@ -176,7 +177,7 @@ def estimate_line(todo: list[str], took: dict[str, float], other_args: bool) -> 
     pace = sum(took[n] for n in done) / sum(MEASURED_S[n] for n in done) if done else 1.0
     left = pace * sum(MEASURED_S[n] for n in todo)
     why = (f"at this machine's pace so far: {pace:.1f}x the 2-core figures" if done else
-           "measured on a 2-core CPU with the default arguments; a busy machine takes longer")
+           "measured on a 2-core CPU shared with other jobs, default arguments; a quiet machine takes less")
     if other_args:
         why += "; other arguments change it"
     return f"expected: ~{format_time(left)}{' more' if done else ''} for {', '.join(todo)} ({why})"
