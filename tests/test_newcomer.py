@@ -380,3 +380,18 @@ def test_the_benchmark_list_in_the_docs_is_every_benchmark():
     perf = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
     assert all(f"python benchmarks/{s}.py" in perf for s in scripts)
     assert f"muonfx bench                          # all {['one', 'two', 'three', 'four', 'five', 'six'][len(scripts) - 1]}" in perf
+
+
+def test_gpt2_on_a_cpu_is_said_before_anything_is_built(tmp_path):
+    """``--model gpt2`` on a CPU takes minutes a step: the first line says so and names the
+    quick choices (it used to come a minute later, as a rough estimate of ~21 h)."""
+    p = subprocess.Popen([sys.executable, "-m", "muonfx", "train", "--model", "gpt2", "--device", "cpu",
+                          "--no-progress", "--out", str(tmp_path / "o")],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = p.stdout.readline()
+    finally:
+        p.kill()
+        p.wait()
+    assert first.startswith("note: --model gpt2 on a CPU: minutes a step"), first
+    assert "300 steps take hours" in first and "muonfx train --model tiny" in first and "fewer --steps" in first
