@@ -169,7 +169,7 @@ def test_parity_fully_shard_transformer(request, W):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("W", sweep([2, 3], keep={"2"}))  # the 3-rank world runs in the slow run
 @pytest.mark.parametrize("beta2", [None, 0.95])
 def test_mixed_sharded_and_plain_fsdp_muon_optimizer(request, W, beta2):
     """Only the blocks are fully_shard-ed; embed, lm_head and a root-level hidden matrix
@@ -203,7 +203,7 @@ def test_mixed_sharded_and_plain_fsdp_muon_optimizer(request, W, beta2):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("W", sweep([2, 3], keep={"2"}))  # the 3-rank world runs in the slow run
 def test_empty_and_uneven_shards(request, W):
     """fw.Odd: Linear out_features 5 (uneven at 2 and 3), 2 and 4 (an empty shard at
     W=3: 1+1+0 and 2+2+0), 8. Same data on every rank; 6 steps of mfx.muon_adamw and of
@@ -263,7 +263,7 @@ def owner_bound(n: int, split: int, other: int, W: int) -> float:
     return n_padded * 2 * E * (W - 1) / W ** 2
 
 
-@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("W", sweep([2, 3], keep={"2"}))  # the 3-rank world runs in the slow run
 def test_exchange_work_and_bytes(request, W):
     """mfx.newton_schulz() once on DTensors, after install() and comm_stats().reset():
     row-sharded, column-sharded, expert stacks sharded on experts or on rows, replicated,
@@ -454,7 +454,7 @@ def test_checkpoint_across_world_sizes(world2, world3, world2_resume, ckpt_root)
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("W", sweep([2, 3], keep={"2"}))  # the 3-rank world runs in the slow run
 def test_refused_parameters_raise_on_every_rank(request, W):
     """A Partial placement and a 1-rank sub-mesh next to the full mesh: a ValueError
     naming the parameter on every rank, before any collective (the world finished:
@@ -473,7 +473,7 @@ def test_refused_parameters_raise_on_every_rank(request, W):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("W", sweep([2, 3], keep={"2"}))  # the 3-rank world runs in the slow run
 def test_global_transforms_on_shards(request, W):
     """clip_by_global_norm / global_norm and apply_if_finite on DTensors sharded in rows,
     columns, with an empty shard, an expert stack and a replicated vector. A NaN in the
@@ -547,6 +547,7 @@ def test_fsdp_muon_honours_ns_coefficients(coefficients):
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.slow
 def test_checkpoint_of_state_kept_per_block_across_world_sizes(world2, world3):
     """Adam inside blockwise keeps its moments per 24-row head of the fused qkv weights
     (entries keyed ``(*key, "block<i>")``): saved with DCP at W=2, they load at W=3 exactly

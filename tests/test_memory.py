@@ -9,6 +9,7 @@ from tensordict import TensorDict
 import muonfx as mfx
 from muonfx.base import tree_tensors
 from muonfx.memory import FreshMemory
+from helpers import sweep  # noqa: E402
 
 
 def _params():
@@ -105,7 +106,8 @@ def test_adamw_eager_step_holds_the_new_state_and_two_links_of_the_chain():
     assert 3.5 * model <= peak <= 4 * model + 256, peak / model
 
 
-@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ns_dtype", sweep([torch.float32, torch.bfloat16], keep={"bfloat16"},
+                                           ids=["float32", "bfloat16"]))
 def test_muon_step_memory_is_a_few_budgets_whatever_the_model(ns_dtype):
     """32 same-shape matrices, budget B = 4 of them (one knob,
     muonfx.linalg.set_batch_bytes): the group is larger than B, so it runs in pieces of
