@@ -90,6 +90,11 @@ def test_readme_states_the_measured_time_of_the_main_job():
     assert re.search(r"about \d+ minutes on a quiet 2-core machine", head), head[-600:]
     assert f"{DEFAULTS['steps']}-step runs" in head
     assert "a few minutes on a laptop CPU" not in text
+    # the set-up states measured figures: the environment's size and the tests' time
+    assert "a few hundred MB" not in text and "about 300 MB" not in text
+    assert re.search(r"a 0\.9 GB environment", head) and re.search(r"to 2\.3 GB, 1\.0 GB of it Triton", head), head
+    assert re.search(r"The tests take \d+ min \d+ s of CPU time on a 2-core machine", head), head
+    assert "python -m pytest -q -m slow" in head
 
 
 # ---------------------------------------------------------------------------
