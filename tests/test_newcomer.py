@@ -400,3 +400,13 @@ def test_gpt2_on_a_cpu_is_said_before_anything_is_built(tmp_path):
         p.wait()
     assert first.startswith("note: --model gpt2 on a CPU: minutes a step"), first
     assert "300 steps take hours" in first and "muonfx train --model tiny" in first and "fewer --steps" in first
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
+def test_the_first_example_of_a_page_prints_its_loss(page, capsys):
+    """A newcomer who pastes the first example sees that it ran: a loss that goes down."""
+    text = (ROOT / page).read_text(encoding="utf-8")
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    exec(compile(code, page, "exec"), {"__name__": "first_example"})
+    losses = [float(v) for v in re.findall(r"loss ([\d.]+)", capsys.readouterr().out)]
+    assert len(losses) >= 3 and losses[-1] < losses[0], losses
