@@ -45,6 +45,20 @@ def epochs_to_steps(epochs: float, train_tokens: int, batch_size: int, context: 
     return max(1, math.ceil(epochs * train_tokens / (batch_size * context)))
 
 
+def epochs_line(epochs: float, train_tokens: int, batch_size: int, context: int) -> str:
+    """What ``--epochs`` became, with the rounding up said.
+
+    Example::
+
+        >>> print(epochs_line(3, 4_228_452, 32, 1024))
+        --epochs 3: 3 x 4,228,452 training tokens / (32 x 1024 per step) = 387.13 steps, rounded up -> --steps 388
+    """
+    exact = epochs * train_tokens / (batch_size * context)
+    steps = epochs_to_steps(epochs, train_tokens, batch_size, context)
+    return (f"--epochs {epochs:g}: {epochs:g} x {train_tokens:,} training tokens / ({batch_size} x {context} per step) "
+            f"= {exact:.2f} steps, {'rounded up -> ' if steps != exact else ''}--steps {steps}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv, notes = translate_legacy_flags(list(sys.argv[1:] if argv is None else argv), PROG)
     if os.environ.get("RANK", "0") == "0":
@@ -65,10 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         context = args.context or MODELS[model].context
         corpus = load_corpus(args.cache_dir, use_cache=not args.no_cache)
         args.steps = epochs_to_steps(args.epochs, corpus.split, batch, context)
-        per_epoch = corpus.split / (batch * context)
         if os.environ.get("RANK", "0") == "0":
-            print(f"--epochs {args.epochs:g}: {per_epoch:.1f} steps per epoch ({corpus.split:,} training tokens / "
-                  f"({batch} x {context}) per step) -> --steps {args.steps}", flush=True)
+            print(epochs_line(args.epochs, corpus.split, batch, context), flush=True)
     return train_command(args, argv, prog=PROG)
 
 

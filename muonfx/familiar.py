@@ -61,6 +61,22 @@ def _tensor(item: Any) -> torch.Tensor:
     return item[1] if isinstance(item, tuple) else item
 
 
+def _label(item: Any) -> str:
+    """Where a given parameter goes: by :func:`muonfx.default_muon_labels` when it has a
+    name (0-D/1-D tensors, embedding and head names to AdamW), by its ndim when it has none."""
+    if isinstance(item, tuple):
+        return default_muon_labels(*item)
+    return "adamw" if item.ndim < 2 else "muon"
+
+
+def _without_names(params: list) -> bool:
+    """True when ``params`` (a list, or a list of param-group dicts) holds plain tensors
+    only: no ``(name, tensor)`` pairs."""
+    groups = [g.get("params", []) for g in params] if params and isinstance(params[0], dict) else [params]
+    items = [x for g in groups for x in ([g] if isinstance(g, torch.Tensor) else list(g))]
+    return bool(items) and all(isinstance(x, torch.Tensor) for x in items)
+
+
 def _few(names: list[str], n: int = 3) -> str:
     shown = ", ".join(names[:n])
     return shown + (f" and {len(names) - n} more" if len(names) > n else "")
@@ -83,7 +99,12 @@ class MuonOptimizer(TransformOptimizer):
     fourth, ... for param-group dicts) running AdamW with ``adamw_lr``, ``adamw_betas``,
     ``adamw_eps`` and ``adamw_weight_decay`` (:func:`create_hybrid_optimizer`'s defaults):
 
-    * given parameters (plain or named): the 0-D/1-D ones (biases, norm weights);
+    * given named parameters (``model.named_parameters()``, ``(name, tensor)`` pairs):
+      those :func:`muonfx.default_muon_labels` sends to AdamW: 0-D/1-D tensors and
+      embeddings and an output head found by name (:data:`muonfx.ADAMW_KEY_PATTERN`);
+    * given plain parameters (``model.parameters()``): the 0-D/1-D ones (biases, norm
+      weights). Without names every matrix gets Muon, embeddings and a head included:
+      the split's log line says so, and how to route them;
     * given a model (an ``nn.Module``): its trainable parameters split as
       :func:`create_hybrid_optimizer` splits them (:func:`model_labels`): 0-D/1-D
       tensors, the parameters of ``nn.Embedding``/``nn.EmbeddingBag`` modules (so an
@@ -121,6 +142,10 @@ class MuonOptimizer(TransformOptimizer):
         if not isinstance(strict, bool):
             raise TypeError(f"MuonOptimizer: strict must be True or False, got {strict!r}")
         fallback = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
+        unnamed = False
+        if not isinstance(params, (torch.nn.Module, torch.Tensor)):
+            params = list(params)
+            unnamed = not strict and _without_names(params)
         if isinstance(params, torch.nn.Module):
             groups, fallbacks = self._split_model(params, strict, fallback)
         elif strict or isinstance(params, torch.Tensor):
@@ -137,13 +162,28 @@ class MuonOptimizer(TransformOptimizer):
                         "needs matrices (strict=True). Leave strict off to give 0-D/1-D parameters (biases, "
                         "norms) AdamW, or use mfx.create_hybrid_optimizer(model, ...)."
                     )
-        moved = [f"{self._name(gi, i)!r} {tuple(p.shape)}" for gi in fallback_groups
+        muon_count = sum(len(g["params"]) for gi, g in enumerate(self.param_groups) if gi not in fallback_groups)
+        moved = [(self._name(gi, i), tuple(p.shape)) for gi in fallback_groups
                  for i, p in enumerate(self.param_groups[gi]["params"])]
+        if moved or unnamed:
+            say_once("MuonOptimizer split", self._split_line(muon_count, moved, unnamed, adamw_lr))
+
+    @staticmethod
+    def _split_line(muon_count: int, moved: list[tuple[str, tuple]], unnamed: bool, adamw_lr: float) -> str:
+        """The one log line that says which parameters went where (and, for parameters
+        given without names, how to send embeddings and the head to AdamW)."""
+        line = f"muonfx: MuonOptimizer: Muon for {muon_count} matri{'x' if muon_count == 1 else 'ces'}"
         if moved:
-            say_once("MuonOptimizer fallback", (
-                f"muonfx: MuonOptimizer gives {len(moved)} parameter(s) that are not hidden matrices "
-                f"({_few(moved)}) AdamW (lr={adamw_lr:g}, betas={tuple(adamw_betas)}, weight_decay="
-                f"{adamw_weight_decay:g}), the matrices Muon; strict=True refuses them instead"))
+            if unnamed:  # their keys are param0, param1, ...: say where they were in what was given
+                which = [f"#{int(n[len('param'):]) + 1} {s}" for n, s in moved]
+                what = f"{len(moved)} 0-D/1-D parameter{'s' if len(moved) > 1 else ''} ({_few(which)} of those given)"
+            else:
+                what = f"{len(moved)} other parameter{'s' if len(moved) > 1 else ''} ({_few([f'{n!r} {s}' for n, s in moved])})"
+            line += f", AdamW (lr {adamw_lr:g}) for {what} (strict=True: Muon alone, and 0-D/1-D parameters refused)"
+        if unnamed:
+            line += ("; parameters without names cannot be routed, so embeddings and an output head get Muon too: "
+                     "pass model.named_parameters() or the model itself, or use mfx.create_hybrid_optimizer(model)")
+        return line
 
     @staticmethod
     def _split_model(model: torch.nn.Module, strict: bool, fallback: dict) -> tuple[list[dict], list[dict]]:
@@ -169,9 +209,10 @@ class MuonOptimizer(TransformOptimizer):
         def splits(g: dict) -> bool:
             ps = g["params"]
             return ("tx" not in g and isinstance(ps, list) and all(isinstance(_tensor(x), torch.Tensor) for x in ps)
-                    and any(_tensor(x).ndim < 2 for x in ps))
+                    and any(_label(x) == "adamw" for x in ps))
         if not any(splits(g) for g in given):
             return items, []  # nothing to split (or TransformOptimizer's error to raise)
+        labels = [[_label(x) for x in g["params"]] if splits(g) else None for g in given]
         # the groups gain names (torch wants all or none named): plain parameters are
         # named by their place in what was given, param0, param1, ...
         start = 0
@@ -181,14 +222,14 @@ class MuonOptimizer(TransformOptimizer):
                 start += len(g["params"])
         groups: list[dict] = []
         fallbacks: list[dict] = []
-        for g in given:
-            if not splits(g):
+        for g, lbl in zip(given, labels):
+            if lbl is None:
                 groups.append(g)
                 continue
-            matrices = [x for x in g["params"] if _tensor(x).ndim >= 2]
+            matrices = [x for x, to in zip(g["params"], lbl) if to == "muon"]
             if matrices:
                 groups.append({**g, "params": matrices})
-            fallbacks.append(_adamw_group([x for x in g["params"] if _tensor(x).ndim < 2], **fallback))
+            fallbacks.append(_adamw_group([x for x, to in zip(g["params"], lbl) if to == "adamw"], **fallback))
             groups.append(fallbacks[-1])
         return groups, fallbacks
 

@@ -1,14 +1,10 @@
 #!/usr/bin/env bash
-# Every GPU figure issue 11 asks for, on a lent H100/H200 (none has been lent to this
-# project yet: docs/performance.md lists them as not measured).
+# Every GPU figure of docs/performance.md, measured on one CUDA machine (H100/H200).
 #
-# A session is lent 15 minutes of device time in all, the machine's start (a minute or
-# more) included, and one command may run 10 minutes: so the first call runs `all`, every
-# figure in one command, most wanted first, inside one deadline (FIGURES_BUDGET_S,
-# default 540 s); a step that would outlast the deadline is stopped and those after it
-# are skipped, and the log says so. The single parts below rerun one group with the
-# command to itself, where time is left (a call right after another finds the machine
-# still warm: no second start).
+# `all` runs every figure in one command, most wanted first, inside one deadline
+# (FIGURES_BUDGET_S, default 540 s), so that a GPU rented for a few minutes gives the
+# most it can: a step that would outlast the deadline is stopped, those after it are
+# skipped, and the log says so. The single parts below rerun one group each.
 #
 #   scripts/gpu-figures.sh all       # info; CUDA tests; Muon GPT-2/MoE/Llama-1B default rows (extra memory too); AdamW; NS
 #   scripts/gpu-figures.sh tests     # muonfx info; the CUDA, Triton-kernel and compile tests
@@ -19,16 +15,14 @@
 #   scripts/gpu-figures.sh adamw     # AdamW vs torch fused and foreach, GPT-2 small
 #   scripts/gpu-figures.sh memory    # extra step memory per path, Llama-1B-like and 32-expert MoE
 #
-# Each part writes its log to $OUT (the device tool's output folder) or
-# /tmp/muonfx-gpu-figures as PART.log, and the table rows and test results of it as
-# PART.summary.txt.
+# Each part writes its log to $OUT (when set) or /tmp/muonfx-gpu-figures as PART.log,
+# and the table rows and test results of it as PART.summary.txt.
 #
-# The GPU machine has torch, Triton and pytest but no tensordict: bring its wheel and
-# pyvers' once, here, from this repository's root (needs pip's index):
+# A GPU machine without a package index and without tensordict: fetch its wheel and
+# pyvers' where pip reaches an index, from this repository's root:
 #   scripts/gpu-wheels.sh
-# and run the part with carry [".whl"] and the command
+# copy the checkout with .whl/ to the GPU machine and run there
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && scripts/gpu-figures.sh all
-# with timeout_s 600 (the deadline leaves a minute for the install and the transfers).
 set -u -o pipefail
 
 part="${1:-}"
@@ -81,7 +75,7 @@ case "$part" in
         # first whether the CUDA paths compute what they should (no figure is worth
         # reading before that): the symmetric Triton kernels against torch's products,
         # the compiled step against eager, parity with torch.optim.Muon on CUDA
-        step 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_ns.py -rs --durations=8
+        step 150 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_cuda.py tests/test_triton_ns.py -rs --durations=8
         # the default rows: the targets (<= 0.3x GPT-2 and MoE, <= 0.65x Llama-1B) and the
         # extra step memory of each (<= 1 GiB)
         step 150 python3 benchmarks/muon_step.py --device cuda --sets gpt2 --layers 12 --repeats 5 --variants default
@@ -92,10 +86,10 @@ case "$part" in
         ;;
     tests)
         run python3 -m muonfx info
-        run python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_ns.py -rs -s
+        run python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_cuda.py tests/test_triton_ns.py -rs -s
         # the GPU machine's torch (2.11) specialises float hyperparameters: the compiled
         # step's schedule handling, on its own version
-        run python3 -m pytest -q -p no:cacheprovider tests/test_compile.py
+        run python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_compile.py
         ;;
     ns)
         run python3 benchmarks/newton_schulz.py --only speed --device cuda --repeats 5

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# The wheels the GPU machine lacks (tensordict and its pyvers; the machine has torch,
-# Triton and pytest, and reaches no package index), fetched here into .whl/ (kept out
-# of git through .git/info/exclude) for the device tool's `carry`: see
+# The wheels a GPU machine without a package index lacks (tensordict and its pyvers;
+# torch, Triton and pytest are assumed there), fetched into .whl/ (kept out of git
+# through .git/info/exclude) to be copied there with the checkout: see
 # scripts/gpu-figures.sh. Needs pip's index; run from the repository's root. The
-# versions are the ones this project's CPU machines run; the GPU machine's python3 is
-# 3.12 (the device tool's KINDS.md), both wheels are pure Python.
+# versions default to the ones the project's CI runs; the wheels are pure Python, fetched
+# for CPython 3.12 (PYTHON_VERSION to change it).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 exclude="$(git rev-parse --git-path info/exclude)"
 mkdir -p "$(dirname "$exclude")"
 grep -qxF "/.whl/" "$exclude" 2>/dev/null || echo "/.whl/" >> "$exclude"
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${PYTHON_VERSION:-3.12}" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "tensordict==${TENSORDICT_VERSION:-0.15.3}" "pyvers==${PYVERS_VERSION:-0.2.3}"
 ls -l .whl

@@ -7,22 +7,18 @@
 # 2/3/4-rank gloo worlds, HSDP, DCP checkpoints resharded across world sizes;
 # tests/test_testing_dtensor.py), numerical parity with torch.optim.Muon/AdamW
 # (tests/test_parity.py) and optimizer checkpointing (tests/test_checkpoint.py) all pass.
-# Measured (2026-11-25, second session; torch 2.10.0, tensordict 0.14.3), with
+# Measured (2026-11-25; torch 2.10.0, tensordict 0.14.3), with
 # TESTS="tests/test_pieces.py tests/test_executor.py tests/test_memory.py tests/test_leafwise.py
 # tests/test_fsdp.py tests/test_parity.py tests/test_checkpoint.py tests/test_compile.py
-# tests/test_conformance.py tests/test_faults.py": 425 passed, 2 failed, the two
-# test_compile tests that lr/momentum/weight-decay changes recompile nothing: torch 2.10's
-# dynamo guards on those floats' values (it did so before this session too), so there a
-# compiled step recompiles when they change and, after dynamo's recompile limit, the
-# executor keeps that step eager. Before this session every compiled step failed to trace
-# on 2.10 (id() of a tensor in the write-back) and ran eagerly.
-# Since issue 11's fifth session the executor detects that recompilation (the first one a
-# changed hyperparameter causes) and steps eagerly from then on: tests/test_compile.py
-# passes whole on torch 2.10.0 and 2.11.0 (14 passed each; TORCH_VERSION=2.11.0 installs
-# the GPU machine's version in a venv of its own). On 2.11.0 (tensordict 0.15.3) the
-# TESTS above plus tests/test_triton_ns.py and tests/test_recipes.py passed with exit
-# status 0 in 3 min 7 s; TESTS="tests" (the whole suite, 4 min 55 s) failed only the two
-# docs blocks that import lightning, which this script does not install.
+# tests/test_conformance.py tests/test_faults.py": all pass. torch 2.10's dynamo guards
+# float hyperparameters by value, so a compiled step recompiles when lr, momentum or weight
+# decay change; the executor detects that first recompilation and steps eagerly from then
+# on: tests/test_compile.py passes whole on torch 2.10.0 and 2.11.0 (TORCH_VERSION=2.11.0
+# installs the version of the H100 figures in docs/performance.md in a venv of its own). On 2.11.0 (tensordict 0.15.3)
+# the TESTS above plus tests/test_triton_ns.py and tests/test_recipes.py passed in 3 min
+# 7 s; TESTS="tests" (the whole suite, 4 min 55 s) failed only the two docs blocks that
+# import lightning, which this script does not install. On 2.10.0 the whole suite
+# (docs pages deselected): 1078 passed, 25 skipped, 8 min 53 s (2026-11-26).
 # Earlier: torch 2.10.0, 2.9.1 and 2.9.0 (each with tensordict 0.14.3) pass all 83 (the count when measured);
 # torch 2.8.0 does not (DTensor has no sharding rule for aten.clamp_min, used by
 # muonfx/transforms/rows.py; HSDP parity off; no torch.optim.Muon), so 2.9 is the floor.

@@ -66,7 +66,23 @@ def pytest_addoption(parser, pluginmanager):
                          help="needs pytest-cov (pip install pytest-cov); measure with --cov=muonfx")
 
 
+#: the predecessor's test files (its README ran ``pytest tests/test_optimizer.py -v``) and
+#: where their subjects are tested here (docs/migration.md has the same table)
+PREDECESSOR_TESTS = {
+    "test_optimizer.py": "tests/test_parity.py (the update against torch.optim.Muon and a reference loop), "
+                         "tests/test_predecessor.py (MuonOptimizer, FSDPMuonOptimizer, create_hybrid_optimizer as "
+                         "muon_fsdp's users call them) and tests/test_optim_integrations.py (schedulers, "
+                         "checkpoints, Lightning, Hugging Face)",
+}
+
+
 def pytest_configure(config):
+    for arg in config.args:
+        path = arg.split("::")[0]
+        name = os.path.basename(path)
+        if name in PREDECESSOR_TESTS and not os.path.exists(path):
+            raise pytest.UsageError(f"{path} was muon_fsdp's test file; its subjects are tested in "
+                                    f"{PREDECESSOR_TESTS[name]}; python -m pytest -q runs them all")
     given = getattr(config.option, "muonfx_cov", None) or getattr(config.option, "cov_source", None) or []
     if any(isinstance(v, str) and "muon_fsdp" in v for v in given):
         raise pytest.UsageError("--cov=muon_fsdp: the package is muonfx now; use --cov=muonfx")

@@ -45,3 +45,14 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(prev)
+
+
+def sweep(values, keep, ids=None):
+    """The values of a long ``parametrize`` sweep: those whose id is in ``keep`` run in the
+    default suite, the others only in the slow run (``python -m pytest -q -m slow``).
+
+    ``ids``: the ids of ``values`` (default: the values themselves, as strings)."""
+    ids = [str(v) for v in values] if ids is None else list(ids)
+    unknown = set(keep) - set(ids)
+    assert not unknown, f"sweep: keep names no value: {sorted(unknown)}"
+    return [pytest.param(v, id=i, marks=() if i in keep else pytest.mark.slow) for v, i in zip(values, ids)]

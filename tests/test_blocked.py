@@ -9,6 +9,7 @@ import torch
 
 from muonfx.linalg import NewtonSchulz, blocked, resolve
 from muonfx.linalg.newton_schulz import _gram, _normalized, _standard
+from helpers import sweep  # noqa: E402
 
 SCHEDULE = resolve("keller", 5)
 
@@ -33,7 +34,8 @@ def test_block_product_mirrors_the_blocks_above_the_diagonal():
 
 
 @pytest.mark.parametrize("gram", [False, True], ids=["standard", "gram"])
-@pytest.mark.parametrize("shape", [(1, 40, 64), (3, 33, 33), (2, 21, 70)], ids=["one", "square", "odd"])
+@pytest.mark.parametrize("shape", sweep([(1, 40, 64), (3, 33, 33), (2, 21, 70)], keep={"odd"},
+                                        ids=["one", "square", "odd"]))
 def test_the_blocked_iterations_are_the_plain_ones(gram, shape):
     """The same function: in float64 equal to rounding; in float32 and bf16 about as far
     from the float64 iteration as the plain products are: within 4x plus the dtype's floor
@@ -71,6 +73,7 @@ def test_block_count_rule():
     assert blocked.block_count(4096, "cuda") == 1 and blocked.block_count(4096, "meta") == 1
 
 
+@pytest.mark.slow
 def test_newton_schulz_takes_the_blocks_on_large_cpu_matrices():
     """float32 asked for, 512 x 600 (standard form): the blocked iteration, bit for bit what
     blocked.orthogonalize computes, and within float32 rounding of the plain one; a tall
@@ -87,6 +90,7 @@ def test_newton_schulz_takes_the_blocks_on_large_cpu_matrices():
     torch.testing.assert_close(ns(g.mT.contiguous()), want.mT, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_compiled_iteration_is_one_opaque_operator():
     """Inside torch.compile the blocked iteration is torch.ops.muonfx.blocked_newton_schulz
     (one graph node whatever the batch and block count), with a fake that matches."""
@@ -114,6 +118,7 @@ def test_the_compiled_iteration_is_one_opaque_operator():
     torch.testing.assert_close(inductor, run(x), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_spectral_form_takes_the_block_rows_for_its_two_symmetric_products():
     """float32 spectral form on 512 x 600 (as "auto" computes it where float32 is the
     default): R = X X^T and V diag(h) V^T by block rows, to float32 rounding of the plain
@@ -145,6 +150,7 @@ def test_the_spectral_form_takes_the_block_rows_for_its_two_symmetric_products()
     torch.testing.assert_close(out, _spectral(small, SCHEDULE.steps, 3), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_the_benchmark_tables_of_the_spectral_form_and_the_block_rows(monkeypatch):
     """``benchmarks/newton_schulz.py``'s spectral and blocks tables, on small shapes: a row
     per size, the rule's choice in its column, ratios that parse."""

@@ -3,8 +3,8 @@
 
 Every example compiles (inductor's C++ on the CPU, seconds each), so the checks here draw
 few examples. The law must catch the compiler mistakes it exists for: the fused state
-write-back that inductor got wrong (``torch._foreach_copy_``, fixed in the executor in
-the sixth session on issue 11) is put back here and the law must see it.
+write-back that inductor got wrong (``torch._foreach_copy_``, since replaced in the
+executor by one ``copy_`` per buffer) is put back here and the law must see it.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def test_the_compiled_law_is_checked_only_when_asked_for():
     assert report["purity"] == "ok"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [lambda: mfx.accumulate(mfx.momentum(0.9), 2), mfx.adamw],
                          ids=["accumulate_momentum", "adamw"])
 def test_stateful_transforms_compiled_by_inductor_conform(build):
@@ -38,7 +39,7 @@ def test_stateful_transforms_compiled_by_inductor_conform(build):
 
 
 def _foreach_store(old, new):
-    """The executor's state write-back as it was before the sixth session on issue 11:
+    """The executor's former state write-back:
     one ``torch._foreach_copy_`` of every new buffer into its old one, which inductor
     (2.10 to 2.13) fuses into one loop that writes a buffer before it computes another
     buffer's new value from it."""
@@ -98,6 +99,7 @@ def test_a_transform_the_compiler_cannot_take_is_reported_as_stepped_eagerly():
                                          "examples"), report["compiled"]
 
 
+@pytest.mark.slow
 def test_low_precision_inside_a_float32_transform_needs_its_own_tolerance():
     """Newton-Schulz in bf16 on float32 parameters differs between two fusions by 1e-2 to
     5e-2 of the step (measured on ten examples): beyond the default tolerance (a float32
@@ -130,6 +132,7 @@ def test_another_backend_is_used_when_given():
     assert calls, "the law did not compile with the backend it was given"
 
 
+@pytest.mark.slow
 def test_the_compiled_run_covers_one_graph_and_pieces(monkeypatch):
     """A model larger than the batch budget runs a leafwise transform's compiled step in
     pieces, one graph each: the law's compiled run takes that path too (a one-byte

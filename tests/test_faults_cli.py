@@ -1,4 +1,4 @@
-"""Issue 12, command line / checkpoint file / distributed faults: each case refused whole
+"""Faults of the command line, the checkpoint file / distributed faults: each case refused whole
 or resumed exactly.
 
 * Ctrl-C (a real SIGINT) at several moments, one of them inside ``opt.step()``, then
@@ -97,9 +97,9 @@ def one_line_error(capsys, code: int) -> str:
 
 @pytest.mark.parametrize("where, call", [
     ("step", 4),   # inside the 4th opt.step(), as Newton-Schulz starts (momentum already computed)
-    ("batch", 4),  # right after step 2's batch is drawn (calls 1-2: the step-0 evaluation's batches):
-                   # the data generator moved, the step is not done
-    ("eval", 2),   # inside the step-3 evaluation
+    pytest.param("batch", 4, marks=pytest.mark.slow),  # right after step 2's batch is drawn (calls 1-2: the
+                   # step-0 evaluation's batches): the data generator moved, the step is not done
+    pytest.param("eval", 2, marks=pytest.mark.slow),   # inside the step-3 evaluation
 ])
 def test_ctrl_c_then_resume_is_bitwise_the_uninterrupted_run(where, call, env, tmp_path, reference, capsys):
     ck, end = tmp_path / "ck.pt", tmp_path / "end.pt"
@@ -146,6 +146,7 @@ def test_ctrl_c_without_save_says_what_is_lost(env, tmp_path):
     assert "interrupted after step 2; steps 1-2 are lost (pass --save PATH to keep them on Ctrl-C)" in out
 
 
+@pytest.mark.slow
 def test_fsdp_ctrl_c_saves_the_same_step_on_every_rank(env, tmp_path):
     """torchrun, 2 gloo ranks; SIGINT to the whole process group (what a terminal's Ctrl-C
     does; torchrun then forwards a second SIGINT to the ranks). The ranks agree on the
@@ -324,6 +325,7 @@ def test_non_finite_numbers_are_one_line_errors(flag, value, env, tmp_path, caps
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_rank_local_error_raises_on_every_rank_at_once():
     """Rank 1 alone has a bad lr ("abc") and stays alive 4 s after its error. Without the
     agreement rank 0 waited in the all-to-all until rank 1 went away (4 s here; with a rank
@@ -343,6 +345,7 @@ def test_a_rank_local_error_raises_on_every_rank_at_once():
     assert res[0]["unchanged"] and res[1]["unchanged"]
 
 
+@pytest.mark.slow
 def test_row_normalize_on_shards_with_fewer_rows_than_ranks():
     """NorMuon's row statistics on DTensors: a 1-row and a 2-row matrix (fewer rows than
     ranks: empty shards), a tall one, 2 experts over W ranks, a conv weight, a column
@@ -365,6 +368,7 @@ def test_row_normalize_on_shards_with_fewer_rows_than_ranks():
     assert max(res[0]["v_errors"].values()) < 1e-6
 
 
+@pytest.mark.slow
 def test_row_normalize_larger_axis_on_shards():
     """``axis="larger"`` (modded-nanogpt's NorMuon: per-column statistics of wide
     matrices, taken as the rows of their transpose) on the same DTensors: the same
@@ -382,3 +386,155 @@ def test_row_normalize_larger_axis_on_shards():
     for step in res[0]["errors"]:
         assert max(step.values()) < 1e-6, step
     assert max(res[0]["v_errors"].values()) < 1e-6
+
+
+# ---------------------------------------------------------------------------
+# preemption: SIGTERM stops at a step boundary, as Ctrl-C does
+# ---------------------------------------------------------------------------
+
+
+def _signal_after_first_eval(cmd: list[str], env: dict, sig: int, group: bool = False, timeout: int = 150) -> tuple[int, str]:
+    """Start ``cmd``, send ``sig`` once the step-0 evaluation is printed (to the process, or
+    to its whole group), return (exit status, output)."""
+    p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    lines = []
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            if "step     0 | val" in line:
+                (os.killpg if group else os.kill)(p.pid, sig)
+                break
+        lines.append(p.communicate(timeout=timeout)[0])
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    return p.returncode, "".join(lines)
+
+
+def test_sigterm_saves_at_a_step_boundary_and_resumes_exactly(env, tmp_path, reference):
+    """What SLURM or Kubernetes send to stop a job: the run finishes its step, saves,
+    says how to go on, exits 143; --resume then continues bit for bit."""
+    ck, end = tmp_path / "ck.pt", tmp_path / "end.pt"
+    code, out = _signal_after_first_eval([sys.executable, "-m", "muonfx", *SIX, "--out", str(tmp_path / "a"),
+                                          "--save", str(ck)], env, signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, out
+    assert "SIGTERM: finishing the current step, then saving to" in out and "Traceback" not in out, out
+    stopped = load_checkpoint(ck)["step"]
+    assert 1 <= stopped < 6 and f"saved step {stopped}" in out, out
+    assert f"interrupted after step {stopped}; continue exactly with: muonfx train --resume {ck}" in out
+    assert "muonfx train: terminated (SIGTERM)" in out
+    assert run_main(["train", "--resume", str(ck), "--threads", "1", "--device", "cpu", "--no-progress",
+                     "--out", str(tmp_path / "b"), "--save", str(end)]) == 0
+    assert_same_run(reference["full"], torch.load(end, weights_only=True))
+
+
+@pytest.mark.slow
+def test_fsdp_sigterm_to_torchrun_saves_the_same_step_on_every_rank(env, tmp_path, reference):
+    """SIGTERM to torchrun alone (a scheduler stopping the job): torchrun passes it to the
+    ranks, which agree on the step, write one checkpoint and stop; it resumes in one
+    process to the uninterrupted run's numbers (FSDP2's reductions: within 1e-6)."""
+    ck, end = tmp_path / "ck.pt", tmp_path / "end.pt"
+    code, out = _signal_after_first_eval(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "muonfx", *SIX,
+         "--fsdp", "--out", str(tmp_path / "a"), "--save", str(ck)], env, signal.SIGTERM)
+    assert code != 0, out
+    stopped = load_checkpoint(ck)["step"]
+    assert 1 <= stopped < 6, out
+    assert out.count(f"saved step {stopped} to {ck}") == 1, out
+    assert "SIGTERM: finishing the current step on all ranks" in out, out
+    assert run_main(["train", "--resume", str(ck), "--threads", "1", "--device", "cpu", "--no-progress",
+                     "--out", str(tmp_path / "b"), "--save", str(end)]) == 0
+    got, want = torch.load(end, weights_only=True), reference["full"]
+    assert got["step"] == want["step"] == 6
+    for k, v in want["model"].items():
+        torch.testing.assert_close(got["model"][k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+# ---------------------------------------------------------------------------
+# resume: the thread count that decides the sums' rounding travels with the checkpoint
+# ---------------------------------------------------------------------------
+
+
+def test_resume_reuses_the_checkpoints_thread_count_and_stays_exact(env, cache, tmp_path, capsys, monkeypatch):
+    """More threads than this machine's cores: the automatic count (``--threads 0``, load
+    based, never above the cores) cannot pick it by chance, so a resume that did not reuse
+    the checkpoint's count would round differently (1 against 2 threads: 7.5e-4 apart)."""
+    monkeypatch.setenv("MUONFX_CACHE_DIR", str(cache))
+    k = (os.cpu_count() or 1) + 1
+    i = SIX.index("--threads")
+    run = SIX[:i] + SIX[i + 2:]
+    assert run_main([*run, "--threads", str(k), "--out", str(tmp_path / "f"), "--save", str(tmp_path / "full.pt")]) == 0
+    assert run_main([*run, "--threads", str(k), "--stop-at", "3", "--out", str(tmp_path / "h"),
+                     "--save", str(tmp_path / "half.pt")]) == 0
+    assert load_checkpoint(tmp_path / "half.pt")["settings"]["threads"] == k
+    capsys.readouterr()
+    assert run_main(["train", "--resume", str(tmp_path / "half.pt"), "--device", "cpu", "--no-progress",
+                     "--out", str(tmp_path / "r"), "--save", str(tmp_path / "end.pt")]) == 0
+    assert "note: the checkpoint was trained with" not in capsys.readouterr().out
+    assert_same_run(torch.load(tmp_path / "full.pt", weights_only=True),
+                    torch.load(tmp_path / "end.pt", weights_only=True))
+    # a count given on the command line wins, and the run says what that costs
+    assert run_main(["train", "--resume", str(tmp_path / "half.pt"), "--threads", "1", "--device", "cpu",
+                     "--no-progress", "--out", str(tmp_path / "r1")]) == 0
+    assert (f"note: the checkpoint was trained with {k} CPU threads, this run uses 1 (--threads): the results "
+            "differ from an uninterrupted run by rounding") in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------
+# found before the first step, not after the last one
+# ---------------------------------------------------------------------------
+
+
+def test_an_unwritable_save_path_is_refused_before_training(env, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("not a folder")
+    for save, message in [
+        (tmp_path / "a-file" / "ck.pt", f"{tmp_path / 'a-file'} is a file, not a folder"),
+        (tmp_path / "a-file" / "sub" / "ck.pt", f"{tmp_path / 'a-file'} is a file, not a folder"),
+        (tmp_path, "is a folder; give a file path, e.g. "),
+    ]:
+        err = one_line_error(capsys, run_main([*SIX, "--out", str(tmp_path / "o"), "--save", str(save)]))
+        assert err.startswith(f"muonfx train: error: --save {save}") and message in err, err
+        assert not (tmp_path / "o").exists()  # nothing ran
+    if os.geteuid() != 0:  # root writes into read-only folders: this part needs an ordinary user
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        err = one_line_error(capsys, run_main([*SIX, "--out", str(tmp_path / "o"), "--save", str(ro / "ck.pt")]))
+        assert "cannot write there (Permission denied)" in err, err
+    # a folder that does not exist yet is made, as the save would make it
+    assert run_main([*SIX, "--steps", "1", "--eval-every", "1", "--out", str(tmp_path / "o1"),
+                     "--save", str(tmp_path / "new" / "deeper" / "ck.pt")]) == 0
+    assert load_checkpoint(tmp_path / "new" / "deeper" / "ck.pt")["step"] == 1
+    assert [p.name for p in (tmp_path / "new" / "deeper").iterdir()] == ["ck.pt"]  # no probe left behind
+
+
+@pytest.mark.parametrize("stop_at", [1, 3])
+def test_resume_with_a_stop_at_not_after_the_checkpoint_is_an_error(stop_at, reference, tmp_path, env, capsys):
+    err = one_line_error(capsys, run_main(["train", "--resume", str(reference["half"]), "--stop-at", str(stop_at),
+                                           "--out", str(tmp_path / "o")]))
+    assert (f"--resume: the checkpoint is at step 3, --stop-at {stop_at} leaves nothing to train; pass a --stop-at "
+            "after step 3, or drop it") in err, err
+    assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------------
+# MUONFX_NS_DTYPE: a value no optimizer takes is said once, in one line
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["garbage", "float64"])
+def test_an_invalid_ns_dtype_variable_is_one_line_in_info_and_train(value, env, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MUONFX_NS_DTYPE", value)
+    allowed = "use one of float32, bfloat16, float16 or auto"
+    assert main(["info", "--no-bf16-check"]) == 2
+    cap = capsys.readouterr()
+    assert "overrides" not in cap.out, cap.out
+    assert f"MUONFX_NS_DTYPE='{value}' is invalid" in cap.out
+    assert cap.err.strip() == (f"muonfx info: error: the environment variable MUONFX_NS_DTYPE: unknown "
+                               f"Newton-Schulz dtype '{value}'; {allowed}")
+    err = one_line_error(capsys, run_main([*SIX, "--out", str(tmp_path / "o")]))
+    assert "MUONFX_NS_DTYPE" in err and allowed in err, err
+    assert not (tmp_path / "o").exists()
+    monkeypatch.setenv("MUONFX_NS_DTYPE", "bf16")  # a valid one still says it overrides the default
+    assert main(["info", "--no-bf16-check"]) == 0
+    assert "MUONFX_NS_DTYPE=bf16 overrides it" in capsys.readouterr().out

@@ -34,6 +34,7 @@ if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fsdp_workers as fw  # noqa: E402
+from helpers import sweep  # noqa: E402
 from dist_harness import (COLLECTIVE_TIMEOUT_S, RankError, WorldTimeout, run_world,  # noqa: E402
                           selftest_hang, selftest_one_rank_fails)
 from muonfx.distributed import assign_owners, shard_sizes  # noqa: E402
@@ -110,6 +111,7 @@ def test_harness_reraises_a_rank_error_and_does_not_wait_for_the_others():
     assert elapsed < COLLECTIVE_TIMEOUT_S, elapsed
 
 
+@pytest.mark.slow
 def test_harness_kills_a_hung_world():
     start = time.monotonic()
     with pytest.raises(WorldTimeout, match="did not finish in 6s"):
@@ -122,7 +124,7 @@ def test_harness_kills_a_hung_world():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("W", sweep([2, 3], keep={"2"}))
 def test_parity_fully_shard_transformer(request, W):
     """fully_shard(each block), fully_shard(root); each rank trains on its half/third
     of the batch for 10 steps; the single process trains on the whole batch.
@@ -167,7 +169,7 @@ def test_parity_fully_shard_transformer(request, W):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("W", sweep([2, 3], keep={"2"}))  # the 3-rank world runs in the slow run
 @pytest.mark.parametrize("beta2", [None, 0.95])
 def test_mixed_sharded_and_plain_fsdp_muon_optimizer(request, W, beta2):
     """Only the blocks are fully_shard-ed; embed, lm_head and a root-level hidden matrix
@@ -201,7 +203,7 @@ def test_mixed_sharded_and_plain_fsdp_muon_optimizer(request, W, beta2):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("W", sweep([2, 3], keep={"2"}))  # the 3-rank world runs in the slow run
 def test_empty_and_uneven_shards(request, W):
     """fw.Odd: Linear out_features 5 (uneven at 2 and 3), 2 and 4 (an empty shard at
     W=3: 1+1+0 and 2+2+0), 8. Same data on every rank; 6 steps of mfx.muon_adamw and of
@@ -261,7 +263,7 @@ def owner_bound(n: int, split: int, other: int, W: int) -> float:
     return n_padded * 2 * E * (W - 1) / W ** 2
 
 
-@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("W", sweep([2, 3], keep={"2"}))  # the 3-rank world runs in the slow run
 def test_exchange_work_and_bytes(request, W):
     """mfx.newton_schulz() once on DTensors, after install() and comm_stats().reset():
     row-sharded, column-sharded, expert stacks sharded on experts or on rows, replicated,
@@ -330,6 +332,7 @@ def test_exchange_work_and_bytes(request, W):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_hsdp_2x2_mesh(world4):
     """fully_shard(mesh=2x2 replicate x shard) on fw.Net, 10 steps.
 
@@ -402,6 +405,7 @@ def _assert_resharded_state(res: list, W: int) -> None:
         assert layout["blocks.0.qkv.weight:muon.momentum.mu"]["local_shape"] == (shard_sizes(72, W)[r], 24)
 
 
+@pytest.mark.slow
 def test_checkpoint_across_world_sizes(world2, world3, world2_resume, ckpt_root):
     """DCP save at W=2 after 3 steps; load at W=1 (this process), at W=3; save at W=3
     (after 3 steps there) and load at W=2; each continues 3 steps."""
@@ -450,7 +454,7 @@ def test_checkpoint_across_world_sizes(world2, world3, world2_resume, ckpt_root)
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("W", sweep([2, 3], keep={"2"}))  # the 3-rank world runs in the slow run
 def test_refused_parameters_raise_on_every_rank(request, W):
     """A Partial placement and a 1-rank sub-mesh next to the full mesh: a ValueError
     naming the parameter on every rank, before any collective (the world finished:
@@ -469,7 +473,7 @@ def test_refused_parameters_raise_on_every_rank(request, W):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("W", [2, 3])
+@pytest.mark.parametrize("W", sweep([2, 3], keep={"2"}))  # the 3-rank world runs in the slow run
 def test_global_transforms_on_shards(request, W):
     """clip_by_global_norm / global_norm and apply_if_finite on DTensors sharded in rows,
     columns, with an empty shard, an expert stack and a replicated vector. A NaN in the
@@ -543,6 +547,7 @@ def test_fsdp_muon_honours_ns_coefficients(coefficients):
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.slow
 def test_checkpoint_of_state_kept_per_block_across_world_sizes(world2, world3):
     """Adam inside blockwise keeps its moments per 24-row head of the fused qkv weights
     (entries keyed ``(*key, "block<i>")``): saved with DCP at W=2, they load at W=3 exactly

@@ -9,6 +9,7 @@ from tensordict import TensorDict
 import muonfx as mfx
 from muonfx.base import tree_tensors
 from muonfx.memory import FreshMemory
+from helpers import sweep  # noqa: E402
 
 
 def _params():
@@ -105,7 +106,8 @@ def test_adamw_eager_step_holds_the_new_state_and_two_links_of_the_chain():
     assert 3.5 * model <= peak <= 4 * model + 256, peak / model
 
 
-@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ns_dtype", sweep([torch.float32, torch.bfloat16], keep={"bfloat16"},
+                                           ids=["float32", "bfloat16"]))
 def test_muon_step_memory_is_a_few_budgets_whatever_the_model(ns_dtype):
     """32 same-shape matrices, budget B = 4 of them (one knob,
     muonfx.linalg.set_batch_bytes): the group is larger than B, so it runs in pieces of
@@ -175,6 +177,7 @@ def test_allocator_peak_agrees_with_the_op_by_op_count_on_an_eager_step():
     assert fresh <= allocator <= fresh * 1.01 + 4096, (fresh, allocator)
 
 
+@pytest.mark.slow
 def test_the_compiled_muon_step_matches_eager_and_holds_less_than_the_eager_one():
     """Inductor's compiled step (Newton-Schulz in bf16, Gram form, stacks cut over two
     batches, tall and wide matrices; the cast back to float32 fused into the parameter
@@ -254,6 +257,7 @@ def _raise_in_a_compiled_step() -> None:
         opt.step()
 
 
+@pytest.mark.slow
 def test_newton_schulz_frees_its_normalised_input_with_the_first_iterate():
     """A wide bf16 batch G (its ``m x m`` products are G/4 each): the normalised copy
     (G), then two iterates at a time (2 G) and two ``m x m`` products: 2.5 G. Were the
@@ -281,6 +285,7 @@ def test_an_expert_stack_piece_holds_under_four_budgets_in_bf16(ns_dtype, bound)
     assert peak <= bound * stack, peak / stack
 
 
+@pytest.mark.slow
 def test_the_step_memory_benchmark_prints_each_path():
     """``benchmarks/step_memory.py`` on a small set: a row per path, pieces below whole."""
     import re

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
+import signal
 import struct
+import subprocess
+import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -73,7 +78,10 @@ def test_torch_choice_comes_before_the_install_command(page):
 def test_ci_runs_exactly_the_readme_test_command():
     readme = _shell_lines((ROOT / "README.md").read_text(encoding="utf-8"))
     ci = [c for c in (ROOT / ".ci" / "run").read_text().splitlines() if c.strip() and not c.startswith("#")]
-    assert "python -m pytest -q" in readme and ci[-1] == "python -m pytest -q"
+    assert "python -m pytest -q" in readme and ci[-2:] == ["python -m pytest -q", "python -m pytest -q -m slow"]
+    # the README's command leaves the slow tests out, and the pytest configuration says so
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert "addopts = \"-ra -m 'not slow'\"" in pyproject and '"slow: ' in pyproject
 
 
 def test_readme_states_the_measured_time_of_the_main_job():
@@ -82,6 +90,11 @@ def test_readme_states_the_measured_time_of_the_main_job():
     assert re.search(r"about \d+ minutes on a quiet 2-core machine", head), head[-600:]
     assert f"{DEFAULTS['steps']}-step runs" in head
     assert "a few minutes on a laptop CPU" not in text
+    # the set-up states measured figures: the environment's size and the tests' time
+    assert "a few hundred MB" not in text and "about 300 MB" not in text
+    assert re.search(r"a 0\.9 GB environment", head) and re.search(r"to 2\.3 GB, 1\.0 GB of it Triton", head), head
+    assert re.search(r"The tests take \d+ min \d+ s of CPU time on a 2-core machine", head), head
+    assert "python -m pytest -q -m slow" in head
 
 
 # ---------------------------------------------------------------------------
@@ -127,8 +140,14 @@ def test_run_clock_extrapolates_the_measured_steps():
 
 
 def test_warmup_note():
-    assert "--warmup 20 is not shorter than --steps 5" in warmup_note(20, 5)
-    assert warmup_note(5, 5) is not None and warmup_note(4, 5) is None
+    assert "--warmup 20 is longer than --steps 5: the learning rate climbs for the whole run" in warmup_note(20, 5)
+    assert "--warmup 5 is as long as --steps 5" in warmup_note(5, 5) and warmup_note(4, 5) is None
+    # --warmup 1 starts at the peak: it fits any run, and no note recommends the value passed
+    assert warmup_note(1, 1) is None and warmup_note(0, 1) is None
+    for warmup in range(2, 40):
+        for steps in range(1, warmup + 1):
+            note = warmup_note(warmup, steps)
+            assert note is not None and f"pass --warmup {warmup}," not in note, note
 
 
 def test_compare_run_prints_estimates_labelled_rates_and_its_real_folder(cache, tmp_path, monkeypatch, capsys):
@@ -144,11 +163,14 @@ def test_compare_run_prints_estimates_labelled_rates_and_its_real_folder(cache, 
     assert re.search(r"\[adamw\] expected: ~\d+:\d\d for this run", out)
     assert out.index("[muon_adamw] expected") < out.index("[muon_adamw] step     6")   # after step 4
     # every rate says what it counts; none is "0.0k"
-    assert re.search(r"step     3 \| .* \| [\d.]+k? tok/s training\n", out), out
+    assert re.search(r"step     3 \| .* \| [\d.]+k? tok/s training \| ~\d+:\d\d left, then adamw ~\d+:\d\d\n", out), out
+    # every evaluation says the time left, at the pace so far; the last one says none is
+    assert re.search(r"\[muon_adamw\] step     6 \| .* \| ~0:00 left, then adamw ~\d+:\d\d\n", out), out
+    assert re.search(r"\[adamw\] step     6 \| .* \| ~0:00 left\n", out), out
     assert re.search(r"muon_adamw: final val loss .* \(\d+ s of it evaluating\), [\d.]+k? tok/s training "
                      r"\(evaluations excluded\)", out), out
     assert not re.search(r"(?<![\d.])0\.0k", out), out  # a zero rate ("10.0k" is not one)
-    assert "note: --warmup 20 is not shorter than --steps 6" in out
+    assert "note: --warmup 20 is longer than --steps 6" in out
     # the output folder is the one getting-started names
     runs = list((tmp_path / "runs").iterdir())
     assert len(runs) == 1 and re.fullmatch(r"\d{8}-\d{6}-muon_adamw-vs-adamw", runs[0].name), runs
@@ -199,6 +221,13 @@ def test_plot_marks_the_crossing_with_the_step_ratio(tmp_path, monkeypatch):
     assert [t.get_text() for t in ax.texts] == ["1.33x fewer steps"]
     star = [ln for ln in ax.lines if ln.get_marker() == "*"]
     assert len(star) == 1 and list(star[0].get_xdata()) == [75.0] and list(star[0].get_ydata()) == [1.5]
+    # the legend sits below the axes, inside the figure: it covers no curve
+    fig = saved[0]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    box, frame = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+    assert box.y1 <= frame.y0 and box.y0 >= 0 and box.x0 >= 0 and box.x1 <= fig.bbox.x1, (box, frame)
     # no comparison, no marker
     saved.clear()
     plot_losses(RUNS, tmp_path / "plain.png", "t")
@@ -249,6 +278,55 @@ def test_bench_shows_progress_while_a_script_is_silent(tmp_path, monkeypatch, ca
     assert "== slow_one: ok in" in cap.out
 
 
+def test_bench_says_how_long_the_rest_takes_and_drops_the_profilers_lines(tmp_path, monkeypatch, capsys):
+    measured = dict(cli_bench.MEASURED_S)
+    d = tmp_path / "benchmarks"
+    d.mkdir()
+    for name in ("one", "two"):  # what torch.profiler prints when a step's memory is measured
+        (d / f"{name}.py").write_text(
+            'import sys\nprint("| table |")\n'
+            'print("USDT:2026-11-26 13:02:14 9080:9080 SyncActivityProfilerHandler.cpp:52] profiler_start")\n'
+            'print("[W1126 13:06:20.164123577 CPUAllocator.cpp:245] Memory block of unknown size was allocated '
+            'before the profiling started, profiler results will not include the deallocation event", '
+            'file=sys.stderr)\nprint("| row |")\n')
+    monkeypatch.setattr(cli_bench, "MEASURED_S", {"one": 60.0, "two": 120.0})
+    assert main(["bench", "--dir", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert ("expected: ~3:00 for one, two (measured on a 2-core CPU shared with other jobs, default arguments; "
+            "a quiet machine takes less)") in out, out
+    assert re.search(r"expected: ~0:0\d more for two \(at this machine's pace so far: 0\.0x", out), out
+    assert out.count("| table |") == 2 and out.count("| row |") == 2
+    assert "USDT" not in out and "CPUAllocator" not in out, out
+    # every script of the repository has a measured time
+    assert set(measured) == {p.stem for p in (ROOT / "benchmarks").glob("*.py")
+                                         if not p.name.startswith("_")}
+
+
+def test_bench_ctrl_c_stops_the_script_in_one_line(tmp_path):
+    d = tmp_path / "benchmarks"
+    d.mkdir()
+    (d / "a_slow.py").write_text('import os, time\nprint("started", os.getpid(), flush=True)\ntime.sleep(60)\n')
+    (d / "b_next.py").write_text('print("never")\n')
+    p = subprocess.Popen([sys.executable, "-m", "muonfx", "bench", "--dir", str(d)], env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = None
+    for line in p.stdout:
+        if line.startswith("started"):
+            child = int(line.split()[1])
+            p.send_signal(signal.SIGINT)
+            break
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, (out, err)
+    assert "Traceback" not in out + err, (out, err)
+    assert err.strip().splitlines()[-1].startswith("muonfx bench: interrupted during a_slow after "), err
+    assert err.strip().endswith("s; not run: b_next"), err
+    assert "never" not in out
+    with pytest.raises(ProcessLookupError):  # the benchmark did not outlive the command
+        for _ in range(50):
+            os.kill(child, 0)
+            time.sleep(0.1)
+
+
 # ---------------------------------------------------------------------------
 # the benchmark commands the docs advertise use flags the scripts have
 # ---------------------------------------------------------------------------
@@ -280,6 +358,55 @@ def test_benchmark_flags_in_the_docs_exist():
     scripts = {p.stem: _flags_of(p) for p in (ROOT / "benchmarks").glob("*.py")}
     missing = [(w, s, f) for w, s, f in adv if s in scripts and f not in scripts[s]]
     assert not missing, f"advertised flags that the scripts do not have: {missing}"
-    # the stale usage line of issue 13 is caught
+    # a stale usage line (a flag the script no longer has) is caught
     stale = _advertised({"x": "    python benchmarks/adamw_step.py --scale 0.25    # fewer layers"})
     assert stale == [("x", "adamw_step", "--scale")] and "--scale" not in scripts["adamw_step"]
+
+
+# ---------------------------------------------------------------------------
+# numbers and names the docs repeat agree with their source
+# ---------------------------------------------------------------------------
+
+
+def test_the_docs_name_the_dependency_floors_of_pyproject():
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    floors = dict(re.findall(r'"(torch|tensordict)>=([\d.]+)"', pyproject))
+    assert set(floors) == {"torch", "tensordict"}, floors
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for name, version in re.findall(r"\b(torch|tensordict)>=([\d.]*\d)", page.read_text(encoding="utf-8")):
+            assert version == floors[name], f"{page.name}: {name}>={version}, pyproject.toml: {name}>={floors[name]}"
+
+
+def test_the_benchmark_list_in_the_docs_is_every_benchmark():
+    scripts = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
+    assert cli_bench.MEASURED_S.keys() == set(scripts)
+    listed = re.search(r"muonfx bench --list +# (.*)", (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8"))
+    assert listed and listed.group(1).split(", ") == scripts, listed
+    perf = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    assert all(f"python benchmarks/{s}.py" in perf for s in scripts)
+    assert f"muonfx bench                          # all {['one', 'two', 'three', 'four', 'five', 'six'][len(scripts) - 1]}" in perf
+
+
+def test_gpt2_on_a_cpu_is_said_before_anything_is_built(tmp_path):
+    """``--model gpt2`` on a CPU takes minutes a step: the first line says so and names the
+    quick choices (it used to come a minute later, as a rough estimate of ~21 h)."""
+    p = subprocess.Popen([sys.executable, "-m", "muonfx", "train", "--model", "gpt2", "--device", "cpu",
+                          "--no-progress", "--out", str(tmp_path / "o")],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = p.stdout.readline()
+    finally:
+        p.kill()
+        p.wait()
+    assert first.startswith("note: --model gpt2 on a CPU: minutes a step"), first
+    assert "300 steps take hours" in first and "muonfx train --model tiny" in first and "fewer --steps" in first
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
+def test_the_first_example_of_a_page_prints_its_loss(page, capsys):
+    """A newcomer who pastes the first example sees that it ran: a loss that goes down."""
+    text = (ROOT / page).read_text(encoding="utf-8")
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    exec(compile(code, page, "exec"), {"__name__": "first_example"})
+    losses = [float(v) for v in re.findall(r"loss ([\d.]+)", capsys.readouterr().out)]
+    assert len(losses) >= 3 and losses[-1] < losses[0], losses

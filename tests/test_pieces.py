@@ -220,6 +220,7 @@ def _work(opt):
     return gather(opt.records[0], opt.param_groups[0])
 
 
+@pytest.mark.slow
 def test_compiled_pieces_match_eager_and_bound_the_graphs_memory(budget):
     torch._dynamo.reset()
     shapes = {k: v for k, v in SHAPES.items() if k != "bias"}
@@ -257,6 +258,7 @@ def test_pieces_survive_a_checkpoint(budget):
     assert math.isfinite(sum(p.sum().item() for _, p in a))
 
 
+@pytest.mark.slow
 def test_the_measured_choice_compiles_a_group_that_runs_in_pieces(budget, monkeypatch):
     """The automatic choice times pieces eagerly and compiled; a faster compiled step is
     kept (its graphs are the pieces', not one for the whole group)."""
@@ -282,6 +284,7 @@ def test_the_measured_choice_compiles_a_group_that_runs_in_pieces(budget, monkey
     _same(a, b, opt, ref, exact=False)
 
 
+@pytest.mark.slow
 def test_a_compiled_step_that_stores_in_place_stays_one_graph(budget):
     """Inductor compiles AdamW's whole step into in-place loops: the measured first
     compiled step holds (almost) nothing, so it stays one graph (pieces would only cost
@@ -298,6 +301,7 @@ def test_a_compiled_step_that_stores_in_place_stays_one_graph(budget):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
+@pytest.mark.slow
 def test_the_first_compiled_step_leaves_a_running_profiler_alone(budget):
     """Under the user's own profiler the first compiled step cannot measure its memory
     without ending the user's profiling session: it does not measure (one graph stays),

@@ -206,8 +206,13 @@ def test_readme_first_snippet_splits_and_trains(tmp_path, monkeypatch, caplog):
                                                                                  [(2048,), (512,)]]
     assert opt.param_groups[1]["lr"] == 1e-3 and opt.param_groups[0]["lr"] == 0.02
     assert all(not torch.equal(p, b) for p, b in zip(ns["model"].parameters(), ns["before"]))
-    lines = [r.getMessage() for r in caplog.records if "MuonOptimizer gives" in r.getMessage()]
-    assert len(lines) == 1 and "'param1' (2048,)" in lines[0] and "strict=True" in lines[0]
+    lines = [r.getMessage() for r in caplog.records if "muonfx: MuonOptimizer:" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("muonfx: MuonOptimizer: Muon for 2 matrices, AdamW (lr 0.001) for 2 0-D/1-D "
+                               "parameters (#2 (2048,), #4 (512,) of those given)"), lines[0]
+    assert "param1" not in lines[0] and "strict=True" in lines[0]
+    # model.parameters() has no names: the line says that embeddings would get Muon, and how to route them
+    assert "pass model.named_parameters() or the model itself, or use mfx.create_hybrid_optimizer(model)" in lines[0]
 
 
 def test_faq_checkpoint_snippet_round_trips(tmp_path, monkeypatch):
@@ -267,6 +272,7 @@ def _distributed_snippets(rank: int, world_size: int, codes: list[tuple[str, str
     return done
 
 
+@pytest.mark.slow
 def test_fsdp_snippets_run_on_two_ranks():
     """README block 1 (fully_shard a TransformerEncoder, FSDPMuonOptimizer, train) and the
     FAQ's FSDP answers (blocks 29-31: fully_shard, FSDPMuonOptimizer(model=model, ...),
@@ -290,6 +296,7 @@ def run(*cmd: str, cwd: Path = ROOT, timeout: int = 120) -> subprocess.Completed
     return subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_pytest_cov_muon_fsdp_names_the_package():
     """``pytest tests/ --cov=muon_fsdp`` (the predecessor's README) stops with the fix
     instead of a bare 'unrecognized arguments'."""
@@ -297,6 +304,19 @@ def test_pytest_cov_muon_fsdp_names_the_package():
                "--collect-only", "-q")
     assert proc.returncode != 0
     assert "--cov=muon_fsdp: the package is muonfx now; use --cov=muonfx" in proc.stderr + proc.stdout
+
+
+def test_the_predecessors_test_file_names_where_its_tests_went():
+    """``pytest tests/test_optimizer.py -v`` (the predecessor's README): one line naming the
+    files that test the same things, not a bare "file not found"; the migration guide says so."""
+    proc = run(sys.executable, "-m", "pytest", "tests/test_optimizer.py", "-v", "-p", "no:cacheprovider")
+    out = proc.stderr + proc.stdout
+    assert proc.returncode == 4, out  # pytest's usage error
+    assert "tests/test_optimizer.py was muon_fsdp's test file; its subjects are tested in tests/test_parity.py" in out
+    for name in ("tests/test_parity.py", "tests/test_predecessor.py", "tests/test_optim_integrations.py"):
+        assert (ROOT / name).exists() and name in out
+    guide = (ROOT / "docs" / "migration.md").read_text(encoding="utf-8")
+    assert "| `pytest tests/test_optimizer.py -v` |" in guide
 
 
 def test_muon_fsdp_command_points_to_muonfx(capsys):
@@ -376,11 +396,24 @@ def test_fsdp_meaning_changes_warn_once_at_construction():
         mfx.FSDPMuonOptimizer(model, beta2=None, gradient_accumulation_steps=1)
     messages = [str(w.message) for w in caught if w.category is mfx.MeaningChangedWarning]
     assert len(messages) == 1                          # one warning per construction, naming each change
-    assert "(1) beta2=0.99" in messages[0] and "NorMuon" in messages[0] and "beta2=None" in messages[0]
+    assert "\n" not in messages[0]                     # in one line, each change with its fix
+    assert "(1) beta2=0.99 turns on NorMuon" in messages[0] and "drop it (beta2=None) for plain Muon" in messages[0]
     assert "(2) gradient_accumulation_steps=2" in messages[0] and "after EVERY micro-batch" in messages[0]
-    with pytest.warns(mfx.MeaningChangedWarning, match=r"eps=1e-08 is the Newton-Schulz floor.*row_eps"):
+    with pytest.warns(mfx.MeaningChangedWarning, match=r"eps=1e-08 is the Newton-Schulz floor here: muon_fsdp's "
+                                                       r"eps is row_eps=1e-08"):
         mfx.FSDPMuonOptimizer(model, eps=1e-8)
     assert all(w.filename == __file__ for w in caught)  # points at the caller's line
+
+
+def test_fsdp_meaning_changes_are_said_on_rank_zero_only(monkeypatch):
+    """Under torchrun every rank builds the optimizer: the warning comes once, from rank 0."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    for rank, expected in (("1", 0), ("0", 1)):
+        monkeypatch.setenv("RANK", rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mfx.FSDPMuonOptimizer(model, beta2=0.99, eps=1e-8)
+        assert len([w for w in caught if w.category is mfx.MeaningChangedWarning]) == expected, rank
 
 
 # -- MuonOptimizer's AdamW fallback ----------------------------------------------------
@@ -421,6 +454,28 @@ def test_parameters_given_split_by_ndim_and_groups_keep_their_settings():
     # nothing to split: the groups stay as given (the checkpoint format of a matrices-only run)
     mats = mfx.MuonOptimizer([p for _, p in named if p.ndim == 2])
     assert len(mats.param_groups) == 1 and "param_names" not in mats.param_groups[0]
+
+
+def test_named_parameters_route_embeddings_and_the_head_by_name(caplog):
+    """GPT-2's names: with model.named_parameters() the embeddings and the head go to AdamW
+    (as with the model itself), without names they cannot, and the log line says so."""
+    class GPT2ish(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = torch.nn.Embedding(50, 8), torch.nn.Embedding(16, 8)
+            self.c_fc = torch.nn.Linear(8, 32)
+            self.lm_head = torch.nn.Linear(8, 50, bias=False)
+
+    model = GPT2ish()
+    caplog.set_level(logging.INFO, logger="muonfx")
+    opt = mfx.MuonOptimizer(model.named_parameters(), lr=0.02)
+    assert [g["param_names"] for g in opt.param_groups] == [
+        ["c_fc.weight"], ["wte.weight", "wpe.weight", "c_fc.bias", "lm_head.weight"]]
+    plain = mfx.MuonOptimizer(model.parameters(), lr=0.02)
+    assert [len(g["params"]) for g in plain.param_groups] == [4, 1]  # every matrix on Muon
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("muonfx: MuonOptimizer:")]
+    assert "'wte.weight' (50, 8)" in said[0] and "without names" not in said[0], said
+    assert "parameters without names cannot be routed, so embeddings and an output head get Muon too" in said[1]
 
 
 def test_strict_refuses_and_the_fallback_trains_and_round_trips(tmp_path):

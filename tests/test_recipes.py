@@ -359,8 +359,8 @@ MUON_BUILDERS = {
 #: ``eps`` renames of the "Changed" entry: ``moonlight(eps=)`` (Adam's) is ``adamw_eps``,
 #: ``moonlight(ns_eps=)``/``normuon(ns_eps=)`` are ``eps``, ``normuon(eps=)`` and
 #: ``fsdp_muon``/``FSDPMuonOptimizer(eps=)`` (row normalisation's) are ``row_eps``.
-#: ``ns_method``'s default changed on purpose from ``"standard"`` to ``"auto"`` (issue 11;
-#: CHANGELOG): "auto" is the Gram form on rectangular matrices in bf16, and in float32
+#: ``ns_method``'s default changed on purpose from ``"standard"`` to ``"auto"``
+#: (CHANGELOG): "auto" is the Gram form on rectangular matrices in bf16, and in float32
 #: where float32 is the device's default rather than asked for; the standard iteration
 #: otherwise.
 BEFORE = {

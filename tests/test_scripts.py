@@ -1,5 +1,5 @@
-"""scripts/gpu-figures.sh: the one command per part that a session lent a GPU runs. No
-GPU here, so what is checked is what can go wrong before the GPU is reached: the usage,
+"""scripts/gpu-figures.sh: one command per part on a CUDA machine. Without a
+GPU, so what is checked is what can go wrong before the GPU is reached: the usage,
 that every benchmark and flag it names exists, and how ``all`` spends its one deadline
 (with a stand-in ``python3`` that records its calls)."""
 

@@ -1,6 +1,6 @@
 """The shape of the package: how its modules import each other.
 
-Each check runs in a fresh interpreter (a subprocess), since the test session has
+Each check runs in a fresh interpreter (a subprocess), since the test process has
 already imported everything.
 """
 
@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -19,6 +21,7 @@ def run_python(code: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_conformance_imports_first():
     """``muonfx.conformance`` and ``muonfx.testing`` import in one direction (no cycle):
     either works as the very first muonfx import."""
@@ -33,6 +36,7 @@ def test_conformance_imports_first():
         assert proc.returncode == 0 and proc.stdout.strip() == "ok", f"import {first} first:\n{proc.stderr}"
 
 
+@pytest.mark.slow
 def test_strategies_do_not_import_the_conformance_check():
     proc = run_python("""
         import sys, muonfx._strategies

@@ -17,6 +17,8 @@ Also ``python -m muonfx ...``. Each module of this package stays small: ``args``
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 
 __all__ = ["main", "build_parser", "Parser"]
@@ -58,7 +60,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit status (also used as ``sys.exit(main())``)."""
+    """Run the command line; returns the exit status (also used as ``sys.exit(main())``).
+
+    Output read by a program that stops early (``muonfx info | head``) ends the command
+    quietly with status 141 (128 + SIGPIPE), as it ends other Unix tools."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        try:  # the interpreter's last flush of stdout would fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a file (a test's capture)
+            pass
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)

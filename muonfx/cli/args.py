@@ -11,9 +11,9 @@ import argparse
 import math
 import os
 
-from .model import MODELS
+from .sizes import MODELS
 
-__all__ = ["DEFAULTS", "RUN_KEYS", "add_train_args", "resolve", "validate", "check_settings"]
+__all__ = ["DEFAULTS", "RUN_KEYS", "add_train_args", "resolve", "fill_lr", "validate", "check_settings"]
 
 DEFAULTS = dict(
     optimizer="muon_adamw", steps=300, lr=None, adamw_lr=3e-3, weight_decay=0.01, batch_size=32, model="tiny",
@@ -58,7 +58,8 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--amp", choices=["auto", "bf16", "off"],
                    help="bf16 autocast: auto = on CUDA only (default)")
     g.add_argument("--threads", type=int, metavar="N",
-                   help="torch CPU threads (default 0: torch's choice less the cores the load average says are busy)")
+                   help="torch CPU threads (default 0: torch's choice less the cores the load average says are busy; "
+                        "--resume reuses the checkpoint's count, which keeps the run exact)")
     g.add_argument("--eval-every", type=int, metavar="N", help=f"validation loss every N steps and at the end "
                                                                 f"(default {d['eval_every']})")
     g.add_argument("--eval-batches", type=int, metavar="N", help=f"validation batches per evaluation, always the same ones "
@@ -101,7 +102,7 @@ def _type_error(k: str, v) -> str | None:
 def check_settings(saved: dict) -> str | None:
     """A one-line message for the first setting of a checkpoint's ``saved`` dict that has
     the wrong type (a damaged or hand-made file), else None."""
-    for k in RUN_KEYS + ("steps", "eval_every", "eval_batches", "amp"):
+    for k in RUN_KEYS + ("steps", "eval_every", "eval_batches", "amp", "threads"):
         if k in saved:
             err = _type_error(k, saved[k])
             if err:
@@ -114,34 +115,36 @@ def check_settings(saved: dict) -> str | None:
 
 
 def resolve(args: argparse.Namespace, saved: dict | None = None) -> argparse.Namespace:
-    """Fill options not given: from the checkpoint's settings ``saved``, then from DEFAULTS."""
+    """Fill options not given: from the checkpoint's settings ``saved``, then from DEFAULTS
+    (``--lr`` stays None: :func:`fill_lr` sets it once the options are valid)."""
     for k, v in DEFAULTS.items():
         if getattr(args, k, None) is None:
             if saved is not None and k in saved and k in RUN_KEYS + ("steps", "eval_every", "eval_batches", "amp"):
                 setattr(args, k, saved[k])
             else:
                 setattr(args, k, v)
-    if args.lr is None and args.optimizer:  # the concrete values, for the summary and checkpoints
-        from .optimizers import default_lr
-
-        args.lr = default_lr(args.optimizer, args.adamw_lr)
     if args.context is None and args.model in MODELS:
         args.context = MODELS[args.model].context
     return args
 
 
-def validate(args: argparse.Namespace) -> str | None:
-    """A one-line message for the first bad option, else None."""
-    from .optimizers import check_optimizer
+def fill_lr(args: argparse.Namespace) -> argparse.Namespace:
+    """``--lr`` not given: the optimizer's default (the concrete value goes into the summary
+    and the checkpoint)."""
+    if args.lr is None and args.optimizer:
+        from .optimizers import default_lr
 
+        args.lr = default_lr(args.optimizer, args.adamw_lr)
+    return args
+
+
+def validate(args: argparse.Namespace) -> str | None:
+    """A one-line message for the first bad option, else None. The optimizer names are
+    checked last: listing the presets imports torch, the other checks need nothing."""
     for k in _INTS + _FLOATS + _STRS:
         err = _type_error(k, getattr(args, k, None))
         if err:
             return f"--{k.replace('_', '-')} {err}"
-    for name in [args.optimizer] + ([args.compare] if args.compare else []):
-        err = check_optimizer(name)
-        if err:
-            return err
     positive = dict(steps=args.steps, batch_size=args.batch_size, eval_every=args.eval_every,
                     eval_batches=args.eval_batches)
     if args.context is not None:
@@ -179,6 +182,12 @@ def validate(args: argparse.Namespace) -> str | None:
     world = int(os.environ.get("WORLD_SIZE", "1")) if args.fsdp else 1
     if args.batch_size % world:
         return f"--batch-size {args.batch_size} must be a multiple of the {world} ranks (each takes an equal share)"
+    from .optimizers import check_optimizer
+
+    for name in [args.optimizer] + ([args.compare] if args.compare else []):
+        err = check_optimizer(name)
+        if err:
+            return err
     return None
 
 

@@ -7,21 +7,42 @@ set; arguments after ``--`` are passed to every script. A benchmark measures for
 while before it prints its table: while a script is silent, a line on stderr says that
 it is still running and for how long, first after :data:`HEARTBEAT_S` seconds of
 silence, then at doubling intervals up to six times that.
+
+Before the first script it prints how long the chosen ones took on a 2-core CPU
+(:data:`MEASURED_S`), and after each one how long the rest should take at the pace
+measured so far. The profiler's own lines (``USDT: ... profiler_start``, a
+``CPUAllocator.cpp`` warning), which the memory measurement of a step provokes, are
+left out (:data:`NOISE`). Ctrl-C stops the running script and the rest, in one line.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-__all__ = ["find_benchmarks", "run_bench", "run_script", "HEARTBEAT_S"]
+from .progress import format_time
+
+__all__ = ["find_benchmarks", "run_bench", "run_script", "estimate_line", "HEARTBEAT_S", "MEASURED_S", "NOISE"]
 
 #: seconds of silence from a benchmark script before a "still running" line
 HEARTBEAT_S = 10.0
+
+#: seconds each script took with its default arguments: ``muonfx bench`` on a 2-core AMD
+#: EPYC VM (AVX512-BF16, torch 2.13.0+cpu) shared with other jobs (load average 5-7),
+#: 2026-11-26, 49 min 51 s in all; a quiet machine takes less (``adamw_step`` alone 177 s
+#: on a quiet 2-core Intel VM). The estimate scales them by the pace of the scripts run so far.
+MEASURED_S = {"adamw_step": 361.0, "fsdp_step": 43.0, "muon_step": 1618.0, "newton_schulz": 574.0,
+              "step_memory": 396.0}
+
+#: lines of the profiler itself, not of the benchmark (``torch.profiler`` start and stop,
+#: and its warning about blocks allocated before it started)
+NOISE = re.compile(r"^USDT:.*\bprofiler_(start|stop)\s*$|CPUAllocator\.cpp:\d+\].*before the profiling started")
 
 
 def find_benchmarks() -> Path | None:
@@ -47,14 +68,17 @@ def run_script(cmd: list[str], env: dict, cwd: Path, name: str, heartbeat: float
     after 2x, 4x, ... up to 6x that (output from the script starts over). Returns the
     exit status."""
     heartbeat = HEARTBEAT_S if heartbeat is None else heartbeat
+    # a process group of its own: a terminal's Ctrl-C reaches this process only, which stops the script
     proc = subprocess.Popen(cmd, env={**env, "PYTHONUNBUFFERED": "1"}, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+                            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
     t0 = time.perf_counter()
     last, gap = [t0], [heartbeat]
     lock = threading.Lock()
 
     def pump() -> None:
         for line in proc.stdout:
+            if NOISE.search(line):
+                continue
             with lock:
                 last[0], gap[0] = time.perf_counter(), heartbeat
                 sys.stdout.write(line)
@@ -74,8 +98,12 @@ def run_script(cmd: list[str], env: dict, cwd: Path, name: str, heartbeat: float
                         last[0], gap[0] = now, min(2 * gap[0], 6 * heartbeat)
                         print(f"  [{name}] still running, {now - t0:.0f} s", file=sys.stderr, flush=True)
     except BaseException:  # Ctrl-C or a kill: leave no benchmark running
-        proc.kill()
-        proc.wait()
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         raise
     reader.join()
     return proc.returncode
@@ -103,16 +131,53 @@ def run_bench(args) -> int:
         return 0
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")}
     failed = []
-    print(f"muonfx bench: {len(scripts)} benchmark(s), one process each: {', '.join(p.stem for p in scripts)}; "
+    names = [p.stem for p in scripts]
+    print(f"muonfx bench: {len(scripts)} benchmark(s), one process each: {', '.join(names)}; "
           "each times its steps first, then prints its table", flush=True)
+    first = estimate_line(names, {}, bool(args.script_args))
+    if first:
+        print(first, flush=True)
+    took: dict[str, float] = {}
     for i, p in enumerate(scripts, 1):
         what = _summary(p)
         print(f"== [{i}/{len(scripts)}] {p.stem} ({p}) " + " ".join(args.script_args) + (f"\n   {what}" if what else ""),
               flush=True)
         t0 = time.perf_counter()
-        rc = run_script([sys.executable, str(p), *args.script_args], env, root.parent, p.stem)
-        print(f"== {p.stem}: {'ok' if rc == 0 else f'FAILED (exit {rc})'} in {time.perf_counter() - t0:.0f} s\n",
-              flush=True)
+        try:
+            rc = run_script([sys.executable, str(p), *args.script_args], env, root.parent, p.stem)
+        except KeyboardInterrupt:
+            rest = f"; not run: {', '.join(names[i:])}" if names[i:] else ""
+            print(f"\nmuonfx bench: interrupted during {p.stem} after {time.perf_counter() - t0:.0f} s{rest}",
+                  file=sys.stderr, flush=True)
+            return 128 + signal.SIGINT
+        took[p.stem] = time.perf_counter() - t0
+        print(f"== {p.stem}: {'ok' if rc == 0 else f'FAILED (exit {rc})'} in {took[p.stem]:.0f} s", flush=True)
+        later = estimate_line(names[i:], took, bool(args.script_args))
+        print((later + "\n") if later else "", flush=True)
         if rc:
             failed.append(p.stem)
     return 1 if failed else 0
+
+
+def estimate_line(todo: list[str], took: dict[str, float], other_args: bool) -> str | None:
+    """How long the benchmarks ``todo`` should take: :data:`MEASURED_S`, scaled by the pace
+    of those already run (``took``: seconds by name). None when nothing is left or a
+    script has no measured time.
+
+    Example::
+
+        >>> print(estimate_line(["fsdp_step", "step_memory"], {}, False))
+        expected: ~7:19 for fsdp_step, step_memory (measured on a 2-core CPU shared with other jobs, default arguments; a quiet machine takes less)
+        >>> print(estimate_line(["step_memory"], {"fsdp_step": 21.5}, False))
+        expected: ~3:18 more for step_memory (at this machine's pace so far: 0.5x the 2-core figures)
+    """
+    if not todo or any(n not in MEASURED_S for n in todo):
+        return None
+    done = [n for n in took if n in MEASURED_S]
+    pace = sum(took[n] for n in done) / sum(MEASURED_S[n] for n in done) if done else 1.0
+    left = pace * sum(MEASURED_S[n] for n in todo)
+    why = (f"at this machine's pace so far: {pace:.1f}x the 2-core figures" if done else
+           "measured on a 2-core CPU shared with other jobs, default arguments; a quiet machine takes less")
+    if other_args:
+        why += "; other arguments change it"
+    return f"expected: ~{format_time(left)}{' more' if done else ''} for {', '.join(todo)} ({why})"

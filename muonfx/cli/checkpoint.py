@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "CheckpointError", "content_sha256", "save_checkpoint", "load_checkpoint", "restore"]
+__all__ = ["FORMAT", "CheckpointError", "content_sha256", "save_problem", "save_checkpoint", "load_checkpoint",
+           "restore"]
 
 FORMAT = "muonfx-train/2"  # /2: with the "sha256" checksum
 
@@ -67,6 +68,39 @@ def _options(rt, **kw):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, cpu_offload=rt.fsdp, **kw)
+
+
+def save_problem(path: str | os.PathLike) -> str | None:
+    """Why ``--save path`` could not be written, found before training (one line), else None.
+
+    Does what :func:`save_checkpoint` will do to the folder: creates it (with its parents)
+    and writes, then removes, a file beside ``path``.
+
+    Example::
+
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> save_problem(os.path.join(d, "runs", "ck.pt")) is None
+        True
+        >>> save_problem(d).endswith("is a folder; give a file path, e.g. " + os.path.join(d, "checkpoint.pt"))
+        True
+    """
+    path = Path(path)
+    if path.is_dir():
+        return f"--save {path} is a folder; give a file path, e.g. {path / 'checkpoint.pt'}"
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        return f"--save {path}: {blocker} is a file, not a folder; choose another path"
+    probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
+    try:
+        if path.parent != Path(""):
+            path.parent.mkdir(parents=True, exist_ok=True)
+        with open(probe, "xb"):
+            pass
+        probe.unlink()
+    except OSError as e:
+        return f"--save {path}: cannot write there ({e.strerror or type(e).__name__}); choose another path"
+    return None
 
 
 def save_checkpoint(path: str | os.PathLike, rt, model, opt, sched, step: int, gen: torch.Generator,

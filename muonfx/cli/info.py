@@ -125,8 +125,18 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _version(package: str) -> str:
+    """An installed package's version, without importing it (tensordict's import alone
+    takes seconds: it imports torch._dynamo)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
+
+
 def run_info(args) -> int:
-    import tensordict
     import torch
     import torch.distributed as dist
 
@@ -136,7 +146,7 @@ def run_info(args) -> int:
 
     print(f"muonfx      {__version__} ({os.path.dirname(pkg_file)})")
     print(f"torch       {torch.__version__}")
-    print(f"tensordict  {tensordict.__version__}")
+    print(f"tensordict  {_version('tensordict')}")
     print(f"python      {platform.python_version()} ({sys.executable})")
     print(f"platform    {platform.platform()}")
     try:
@@ -170,11 +180,17 @@ def run_info(args) -> int:
     print(f"benchmarks  {bench if bench else 'not found (installed package; they live in the source repository)'}")
     print(f"cache       {args.cache_dir or default_cache_dir()}")
     from ..linalg import cpu_ns_choice
+    from ..linalg.precision import ENV, pinned_ns_dtype
 
     choice = cpu_ns_choice()
+    try:
+        pinned, env_error = pinned_ns_dtype(), None
+    except ValueError as e:  # every optimizer would refuse it: say so, never "overrides"
+        pinned, env_error = None, str(e)
     print(f"ns dtype    CPU {str(choice.dtype).replace('torch.', '')} ({choice.reason})"
           + ("; CUDA bfloat16" if torch.cuda.is_available() else "")
-          + (f"; MUONFX_NS_DTYPE={os.environ['MUONFX_NS_DTYPE']} overrides it" if os.environ.get("MUONFX_NS_DTYPE") else ""))
+          + (f"; {ENV}={os.environ[ENV]} overrides it" if pinned is not None and os.environ.get(ENV) else "")
+          + (f"; {ENV}={os.environ[ENV]!r} is invalid (last line)" if env_error else ""))
     from ..linalg import SPECTRAL_MIN_DIM
 
     if choice.dtype == torch.bfloat16:
@@ -205,4 +221,7 @@ def run_info(args) -> int:
     else:
         for line in bf16_matmul_check():
             print(line)
+    if env_error:
+        print(f"muonfx info: error: {env_error}", file=sys.stderr)
+        return 2
     return 0

@@ -1,14 +1,17 @@
-"""Ctrl-C during training: finish the step, then stop (and save) at a step boundary.
+"""Ctrl-C and SIGTERM during training: finish the step, then stop (and save) at a step boundary.
 
 A ``KeyboardInterrupt`` raised wherever the signal lands (between drawing a batch and
 counting the step, or inside ``opt.step()``) would leave a half-done step behind: the
 data generator one batch ahead of the step counter, or parameters half updated. So
-while training runs, SIGINT only sets :attr:`StepInterrupt.requested`; the loop reads
-it at its step boundaries (under ``--fsdp`` the flag travels with the loss all-reduce,
-so every rank stops after the same step), saves with ``--save``, and exits 130.
+while training runs, SIGINT (Ctrl-C) and SIGTERM (what SLURM, Kubernetes and
+``torchrun`` send to stop a job) only set :attr:`StepInterrupt.requested`; the loop
+reads it at its step boundaries (under ``--fsdp`` the flag travels with the loss
+all-reduce, so every rank stops after the same step), saves with ``--save``, and
+raises :class:`Interrupted`: the command exits with 128 + the signal's number (130
+for Ctrl-C, 143 for SIGTERM).
 
-Without ``--fsdp`` a second Ctrl-C quits at once, without saving. Under ``--fsdp``
-every SIGINT only asks to stop: ``torchrun`` forwards the terminal's Ctrl-C to the
+Without ``--fsdp`` a second signal quits at once, without saving. Under ``--fsdp``
+every signal only asks to stop: ``torchrun`` forwards the terminal's Ctrl-C to the
 ranks a second time, and a rank that left early would strand the others in the
 collective save.
 """
@@ -20,14 +23,26 @@ import sys
 from types import FrameType
 from typing import Callable
 
-__all__ = ["StepInterrupt"]
+__all__ = ["StepInterrupt", "Interrupted", "SIGNALS"]
+
+#: the signals that stop a run at a step boundary
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """The run stopped at a step boundary because of signal ``signum``."""
+
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
 
 
 class StepInterrupt:
-    """Context manager: SIGINT sets :attr:`requested` instead of raising.
+    """Context manager: SIGINT and SIGTERM set :attr:`requested` (and :attr:`signum`,
+    the first one's number) instead of raising or ending the process.
 
-    ``on_first`` is called once, at the first SIGINT (to say what happens next).
-    ``force_on_second``: a second SIGINT raises ``KeyboardInterrupt`` right away.
+    ``on_first(signum)`` is called once, at the first signal (to say what happens next).
+    ``force_on_second``: a second signal raises :class:`Interrupted` right away.
     Outside the main thread (where Python cannot install handlers) it does nothing.
 
     Example::
@@ -37,36 +52,39 @@ class StepInterrupt:
         ...         pass                      # one whole step
         ...         if stop.requested:
         ...             break
-        >>> stop.requested
-        False
+        >>> stop.requested, stop.signum
+        (False, None)
     """
 
-    def __init__(self, on_first: Callable[[], None] | None = None, force_on_second: bool = True) -> None:
+    def __init__(self, on_first: Callable[[int], None] | None = None, force_on_second: bool = True) -> None:
         self.requested = False
+        self.signum: int | None = None
         self.on_first = on_first
         self.force_on_second = force_on_second
-        self._previous = None
-        self._installed = False
+        self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested and self.force_on_second:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt
+            self._restore()
+            raise Interrupted(signum)
         if not self.requested:
-            self.requested = True
+            self.requested, self.signum = True, int(signum)
             if self.on_first is not None:
-                self.on_first()
+                self.on_first(int(signum))
 
     def __enter__(self) -> StepInterrupt:
         try:
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-            self._installed = True
-        except ValueError:  # not the main thread: leave SIGINT as it is
+            for s in SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        except ValueError:  # not the main thread: leave the signals as they are
             pass
         return self
 
+    def _restore(self) -> None:
+        for s, previous in self._previous.items():
+            signal.signal(s, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
     def __exit__(self, *exc) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous if self._previous is not None else signal.default_int_handler)
-            self._installed = False
+        self._restore()
         sys.stderr.flush()

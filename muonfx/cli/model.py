@@ -20,35 +20,14 @@ N(0, 0.02) init: val 1.80 against 2.10, while Muon barely cares); gpt2 uses GPT-
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .sizes import MODELS, GPTConfig
+
 __all__ = ["GPTConfig", "GPT", "MODELS"]
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    layers: int
-    d: int
-    heads: int
-    context: int
-    bias: bool = False
-    tie_weights: bool = False
-    init: str = "torch"  # "torch": PyTorch's default init; "gpt2": N(0, 0.02), scaled residual projections
-    vocab: int = 256
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-MODELS = {
-    "tiny": GPTConfig(layers=4, d=128, heads=4, context=128),
-    "small": GPTConfig(layers=6, d=256, heads=8, context=256),
-    "gpt2": GPTConfig(layers=12, d=768, heads=12, context=1024, bias=True, tie_weights=True, init="gpt2"),
-}
 
 
 class Attention(nn.Module):

@@ -102,7 +102,7 @@ def plot_losses(runs: dict, path: Path, title: str, comparison: dict | None = No
     except ImportError:
         plain_png(runs, path, marks=marks)
         return "matplotlib is not installed: loss.png has curves but no labels (pip install matplotlib)"
-    fig = Figure(figsize=(8, 5), dpi=100)
+    fig = Figure(figsize=(8, 5.6), dpi=100)
     ax = fig.subplots()
     lows = []
     for i, (name, rec) in enumerate(runs.items()):
@@ -129,7 +129,8 @@ def plot_losses(runs: dict, path: Path, title: str, comparison: dict | None = No
     ax.set_ylabel("loss (val: solid, train: faint)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    # below the axes: inside, it covered the curves where they start to part
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

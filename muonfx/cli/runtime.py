@@ -73,6 +73,10 @@ def setup(device: str, fsdp: bool, threads: int, amp: str) -> Runtime:
         dev, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend)
+    if not threads and not cuda:  # every rank the same automatic count (the fewest): one rounding, which
+        agreed = torch.tensor([torch.get_num_threads()])  # the checkpoint records and --resume reuses
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        torch.set_num_threads(int(agreed))
     return Runtime(dev, True, dist.get_rank(), dist.get_world_size(), backend, _amp(amp, dev))
 
 

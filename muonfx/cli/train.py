@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import signal
 import time
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from .checkpoint import restore, save_checkpoint
 from .corpus import Corpus, sample_batch
 from .estimate import RunClock
-from .interrupt import StepInterrupt
+from .interrupt import Interrupted, StepInterrupt
 from .model import GPT, MODELS
 from .optimizers import build_optimizer, describe
 from .progress import Progress, format_rate, format_time
@@ -96,6 +97,7 @@ def _settings(args, name: str) -> dict:
             "steps", "eval_every", "eval_batches", "amp")
     s = {k: getattr(args, k) for k in keys}
     s["optimizer"] = name
+    s["threads"] = torch.get_num_threads()  # the sums' rounding: --resume reuses it
     return s
 
 
@@ -104,17 +106,19 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
     """Train ``--model`` with optimizer ``name`` for ``args.steps`` steps (or to ``--stop-at``);
     ``then`` names the ``--compare`` run that follows (for the time estimate).
 
-    A Ctrl-C from here on stops the run after a whole step (see :mod:`muonfx.cli.interrupt`):
-    with ``--save`` the checkpoint is the state after that step, and ``--resume`` goes on
-    exactly as an uninterrupted run would; then ``KeyboardInterrupt`` is raised."""
+    A Ctrl-C or a SIGTERM from here on stops the run after a whole step (see
+    :mod:`muonfx.cli.interrupt`): with ``--save`` the checkpoint is the state after that
+    step, and ``--resume`` goes on exactly as an uninterrupted run would; then
+    :class:`~muonfx.cli.interrupt.Interrupted` (a ``KeyboardInterrupt``) is raised."""
 
-    def on_ctrl_c() -> None:  # in the signal handler: an unbuffered write (print could re-enter its buffer)
+    def on_signal(signum: int) -> None:  # in the handler: an unbuffered write (print could re-enter its buffer)
         if rt.is_main:
-            os.write(2, (f"\n[{name}] Ctrl-C: finishing the current step{' on all ranks' if rt.fsdp else ''}, then "
+            what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            os.write(2, (f"\n[{name}] {what}: finishing the current step{' on all ranks' if rt.fsdp else ''}, then "
                          f"{'saving to ' + str(args.save) if args.save else 'stopping (no --save: nothing is saved)'}"
-                         f"{'' if rt.fsdp else '; Ctrl-C again quits now without saving'}\n").encode())
+                         f"{'' if rt.fsdp else f'; {what} again quits now without saving'}\n").encode())
 
-    with StepInterrupt(on_ctrl_c, force_on_second=not rt.fsdp) as ctrl_c:
+    with StepInterrupt(on_signal, force_on_second=not rt.fsdp) as ctrl_c:
         return _train(args, name, corpus, rt, lr, checkpoint, then, ctrl_c)
 
 
@@ -165,6 +169,7 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
     model.train()
     t0 = time.perf_counter()
     eval_seconds = 0.0
+    eval_times = [clock.eval_seconds] if clock.eval_seconds is not None else []  # this process's evaluations
     step = start
     pending: list[torch.Tensor] = []
     sync_every = 1 if rt.device.type == "cpu" else 10
@@ -213,12 +218,14 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
         if step % args.eval_every == 0 or step == args.steps:
             te = time.perf_counter()
             v = evaluate(model, corpus, args.eval_batches, B, T, rt)
-            eval_seconds += time.perf_counter() - te
-            log.exclude(time.perf_counter() - te)
+            eval_times.append(time.perf_counter() - te)
+            eval_seconds += eval_times[-1]
+            log.exclude(eval_times[-1])
             history["val"].append([step, v])
+            pace = (time.perf_counter() - t0 - eval_seconds) / (step - start)  # this run's, so far
             say(f"[{name}] step {step:5d} | train {history['train'][-1][1]:.4f} | val {v:.4f} | "
                 f"lr x{sched.get_last_lr()[0] / opt.param_groups[0]['initial_lr']:.3f} | "
-                f"{format_rate(log.tokens_per_s())} training")
+                f"{format_rate(log.tokens_per_s())} training | {clock.left(step, pace, sum(eval_times) / len(eval_times), then)}")
         if interrupted and step < stop:  # a whole step is done: stop here, as --stop-at would
             break
     if interrupted and step < stop:
@@ -227,7 +234,7 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
         say(f"[{name}] interrupted after step {step}" + (
             f"; continue exactly with: {getattr(args, 'prog', 'muonfx train')} --resume {args.save}" if args.save else
             f"; steps {start + 1}-{step} are lost (pass --save PATH to keep them on Ctrl-C)"))
-        raise KeyboardInterrupt
+        raise Interrupted(ctrl_c.signum)
     log.close()
     seconds = time.perf_counter() - t0
     train_seconds = max(seconds - eval_seconds, 1e-9)

@@ -5,21 +5,17 @@ from __future__ import annotations
 import os
 import platform
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
 
-import torch
+from .args import RUN_KEYS, check_settings, fill_lr, resolve, validate
 
-from .args import RUN_KEYS, check_settings, resolve, validate
-from .checkpoint import CheckpointError, load_checkpoint
-from .corpus import load_corpus
-from .progress import format_rate
-from .report import compare_runs, plot_losses, write_json
-from .runtime import setup, teardown
-from .train import train_run
+# torch, tensordict and the rest of the command are imported once the options are valid:
+# ``--help`` and a bad option answer at once.
 
-__all__ = ["run_train", "train_command", "UsageError", "warmup_note"]
+__all__ = ["run_train", "train_command", "UsageError", "warmup_note", "threads_note", "gpt2_on_cpu_note"]
 
 
 class UsageError(Exception):
@@ -28,6 +24,7 @@ class UsageError(Exception):
 
 def _versions() -> dict:
     import tensordict
+    import torch
 
     from .. import __version__
 
@@ -36,19 +33,60 @@ def _versions() -> dict:
 
 
 def warmup_note(warmup: int, steps: int) -> str | None:
-    """A warning when the lr warm-up does not fit the run, else None.
+    """A warning when the lr warm-up does not fit the run, else None. The warm-up factor
+    of step ``s`` (from 0) is ``(s + 1) / warmup``: ``--warmup 1`` (or 0) starts at the
+    peak, so it always fits.
 
     Example::
 
         >>> print(warmup_note(20, 5))
-        note: --warmup 20 is not shorter than --steps 5: the learning rate climbs for the whole run and never reaches its peak (pass --warmup 1, or more --steps)
-        >>> warmup_note(20, 600) is None
+        note: --warmup 20 is longer than --steps 5: the learning rate climbs for the whole run and never reaches its peak (pass --warmup 1, or more --steps)
+        >>> print(warmup_note(5, 5))
+        note: --warmup 5 is as long as --steps 5: the learning rate reaches its peak only at the last step and never decays (pass --warmup 1, or more --steps)
+        >>> warmup_note(20, 600) is None, warmup_note(1, 1) is None
+        (True, True)
+    """
+    if warmup > 1 and warmup >= steps > 0:
+        what = ("is as long as --steps {s}: the learning rate reaches its peak only at the last step and never decays"
+                if warmup == steps else
+                "is longer than --steps {s}: the learning rate climbs for the whole run and never reaches its peak")
+        return (f"note: --warmup {warmup} {what.format(s=steps)} (pass --warmup {max(1, steps // 10)}, "
+                "or more --steps)")
+    return None
+
+
+def gpt2_on_cpu_note(steps: int, prog: str) -> str:
+    """Said before anything is built when ``--model gpt2`` (86M parameters, context 1024:
+    made for GPUs) runs on a CPU, where one step takes minutes (one forward pass of its
+    32 x 1024 batch: 118 s on one thread of a 2-core AMD EPYC VM; a step is about three).
+
+    Example::
+
+        >>> print(gpt2_on_cpu_note(300, "muonfx train"))
+        note: --model gpt2 on a CPU: minutes a step on a 2-core CPU (GPT-2's 124M configuration, context 1024), so 300 steps take hours; for a first run: muonfx train --model tiny (the default, under a second a step) or --model small, or fewer --steps
+    """
+    return (f"note: --model gpt2 on a CPU: minutes a step on a 2-core CPU (GPT-2's 124M configuration, context 1024), "
+            f"so {steps} step{'s take' if steps != 1 else ' takes'} {'hours' if steps >= 15 else 'minutes'}; for a "
+            f"first run: {prog} --model tiny (the default, under a second a step) or --model small, or fewer --steps")
+
+
+def threads_note(saved: int | None, now: int) -> str | None:
+    """A note when ``--threads`` makes a resumed CPU run use another thread count than its
+    checkpoint's (``saved``): the sums of the model's products then round differently, so
+    the run goes on close to, not bit for bit as, the uninterrupted one. None when they agree.
+
+    Example::
+
+        >>> print(threads_note(1, 2))
+        note: the checkpoint was trained with 1 CPU thread, this run uses 2 (--threads): the results differ from an uninterrupted run by rounding (drop --threads to continue bit for bit)
+        >>> threads_note(2, 2) is None
         True
     """
-    if warmup >= steps > 0:
-        return (f"note: --warmup {warmup} is not shorter than --steps {steps}: the learning rate climbs for the whole "
-                f"run and never reaches its peak (pass --warmup {max(1, steps // 10)}, or more --steps)")
-    return None
+    if saved is None or saved == now:
+        return None
+    return (f"note: the checkpoint was trained with {saved} CPU thread{'s' if saved != 1 else ''}, this run uses "
+            f"{now} (--threads): the results differ from an uninterrupted run by rounding (drop --threads to "
+            "continue bit for bit)")
 
 
 def prepare(args) -> dict | None:
@@ -58,6 +96,8 @@ def prepare(args) -> dict | None:
     if args.resume:
         if not Path(args.resume).exists():
             raise UsageError(f"--resume {args.resume}: no such file")
+        from .checkpoint import CheckpointError, load_checkpoint
+
         try:
             ckpt = load_checkpoint(args.resume)
         except CheckpointError as e:  # not a checkpoint, a damaged or a hand-edited one
@@ -71,24 +111,57 @@ def prepare(args) -> dict | None:
             if given is not None and k in saved and given != saved[k]:
                 raise UsageError(f"--resume: the checkpoint was trained with --{k.replace('_', '-')} {saved[k]}, "
                                  f"not {given}; drop the option or pass the same value")
+        args.threads_given = args.threads is not None
+        if args.threads is None and isinstance(saved.get("threads"), int):
+            args.threads = saved["threads"]  # the same sums, rounded the same way: exact
         resolve(args, saved)
     else:
         resolve(args)
     err = validate(args)
     if err:
         raise UsageError(err)
+    fill_lr(args)
     if ckpt is not None and ckpt["step"] >= args.steps:
         raise UsageError(f"--resume: the checkpoint is at step {ckpt['step']}, already at --steps {args.steps}; "
                          "pass a larger --steps to train on")
+    if ckpt is not None and args.stop_at is not None and args.stop_at <= ckpt["step"]:
+        raise UsageError(f"--resume: the checkpoint is at step {ckpt['step']}, --stop-at {args.stop_at} leaves "
+                         f"nothing to train; pass a --stop-at after step {ckpt['step']}, or drop it")
+    from ..linalg.precision import pinned_ns_dtype
+
+    try:
+        pinned_ns_dtype()  # MUONFX_NS_DTYPE: refused now, not by the first optimizer built
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.save and os.environ.get("RANK", "0") == "0":  # rank 0 writes it
+        from .checkpoint import save_problem
+
+        err = save_problem(args.save)
+        if err:
+            raise UsageError(err)
     return ckpt
 
 
 def run_train(args, argv: list[str], prog: str = "muonfx train") -> int:
     args.prog = prog  # the command the messages name (examples/train_gpt.py runs this too)
     ckpt = prepare(args)
+    import torch
+
+    from .corpus import load_corpus
+    from .progress import format_rate
+    from .report import compare_runs, plot_losses, write_json
+    from .runtime import setup, teardown
+    from .train import train_run
+
     rt = setup(args.device, args.fsdp, args.threads, args.amp)
     completed = False
     try:
+        if rt.is_main and rt.device.type == "cpu" and args.model == "gpt2":
+            print(gpt2_on_cpu_note(args.steps, args.prog), flush=True)
+        if ckpt is not None and rt.is_main and rt.device.type == "cpu" and getattr(args, "threads_given", False):
+            note = threads_note(ckpt["settings"].get("threads"), torch.get_num_threads())
+            if note:
+                print(note, flush=True)
         corpus = load_corpus(args.cache_dir, use_cache=not args.no_cache)
         if ckpt is not None and ckpt["corpus_sha256"] != corpus.sha256:
             raise UsageError("--resume: the checkpoint was trained on another corpus (another Python's stdlib: "
@@ -158,10 +231,15 @@ def train_command(args, argv: list[str], prog: str = "muonfx train") -> int:
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    except CheckpointError as e:  # raised while restoring a checkpoint that loaded
-        print(f"{prog}: error: --resume {args.resume}: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (the run stopped at a step boundary)
+        signum = getattr(e, "signum", signal.SIGINT)
         if os.environ.get("RANK", "0") == "0":  # under torchrun: once, not once per rank
-            print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+            print(f"{prog}: {'interrupted' if signum == signal.SIGINT else 'terminated (SIGTERM)'}", file=sys.stderr)
+        return 128 + signum
+    except Exception as e:
+        from .checkpoint import CheckpointError
+
+        if not isinstance(e, CheckpointError):
+            raise
+        print(f"{prog}: error: --resume {args.resume}: {e}", file=sys.stderr)  # restoring a checkpoint that loaded
+        return 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from typing import Any, Iterable, Iterator
 
@@ -57,6 +58,14 @@ def _adamw_accumulated(
 ) -> GradientTransformation:
     tx = adamw(lr, betas, eps, weight_decay)
     return accumulate(tx, gradient_accumulation_steps) if gradient_accumulation_steps > 1 else tx
+
+
+def _is_rank_zero() -> bool:
+    """Rank 0 of the initialised process group, of a ``torchrun`` launch (``RANK``) not yet
+    initialised, or a single process: where a once-per-job message is said."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _fsdp_modules(model: torch.nn.Module) -> list[Any]:
@@ -124,25 +133,19 @@ class FSDPMuonOptimizer(TransformOptimizer):
         self.model = model
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
-        changed = []
+        changed = []  # one line in all, each change with its fix
         if beta2 is not None:
-            changed.append(
-                f"beta2={beta2!r} turns on NorMuon-style row normalisation after orthogonalisation "
-                "(mfx.row_normalize); in muon_fsdp, whose README used beta2=0.99, beta2 had no effect on the step. "
-                "Drop beta2 (or pass beta2=None) for plain Muon.")
+            changed.append(f"beta2={beta2!r} turns on NorMuon row normalisation here (muon_fsdp ignored it): "
+                           "drop it (beta2=None) for plain Muon")
         if muon_options["eps"] != MuonOptions.eps:
-            changed.append(
-                f"eps={muon_options['eps']!r} is the Newton-Schulz floor here (default 1e-7); muon_fsdp's eps "
-                "(the row normaliser's, used with beta2) is row_eps.")
+            changed.append(f"eps={muon_options['eps']!r} is the Newton-Schulz floor here: muon_fsdp's eps is "
+                           f"row_eps={muon_options['eps']!r}")
         if gradient_accumulation_steps > 1:
-            changed.append(
-                f"gradient_accumulation_steps={gradient_accumulation_steps}: call opt.zero_grad() and opt.step() "
-                "after EVERY micro-batch; muonfx sums the gradients itself and moves the parameters once every "
-                f"{gradient_accumulation_steps} step() calls, with their mean. (muon_fsdp's step() skipped calls "
-                "and relied on .grad accumulating between them; if your loop accumulates in .grad and steps once "
-                "per k micro-batches, pass gradient_accumulation_steps=1.)")
-        if changed:
-            warnings.warn("FSDPMuonOptimizer: arguments that muon_fsdp read differently: " + " ".join(
+            changed.append(f"gradient_accumulation_steps={gradient_accumulation_steps}: call zero_grad() and step() "
+                           "after EVERY micro-batch (muonfx sums and steps once every "
+                           f"{gradient_accumulation_steps}), or pass 1 if your loop accumulates in .grad")
+        if changed and _is_rank_zero():  # once, not once per rank
+            warnings.warn("FSDPMuonOptimizer, read differently from muon_fsdp: " + "; ".join(
                 f"({i}) {c}" for i, c in enumerate(changed, 1)), MeaningChangedWarning, stacklevel=3)
         named = list(model.named_parameters()) if params is None else list(params)
         if named and not isinstance(named[0], tuple):
@@ -166,7 +169,7 @@ class FSDPMuonOptimizer(TransformOptimizer):
         if not groups:
             raise ValueError("FSDPMuonOptimizer: no trainable parameters")
         super().__init__(groups, fsdp_muon)
-        if other:
+        if other and _is_rank_zero():
             shown = ", ".join(repr(n) for n, _ in other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
             say_once("FSDPMuonOptimizer fallback", (
                 f"muonfx: FSDPMuonOptimizer gives {len(other)} parameter(s) that are not hidden matrices ({shown}: "
