@@ -384,3 +384,153 @@ def test_auto_computes_what_auto_method_names(dtype, accuracy):
         named = auto_method(m, n, dtype, accuracy)
         got = newton_schulz_batched(g, s, dtype=dtype, accuracy=accuracy)
         assert torch.equal(got, newton_schulz_batched(g, s, dtype=dtype, method=named)), (m, n, named)
+
+
+# ---------------------------------------------------------------------------
+# every moment in its own dtype: a float32 buffer of bf16 parameters accumulates in
+# float32 (a bf16 EMA stalls once (1 - beta) * (g - m) is below half a bf16 step)
+# ---------------------------------------------------------------------------
+
+G_CONST = 1.046875  # exact in bf16; a bf16 EMA with beta 0.95 stalls at 1.0 (float32: 1.0469)
+MOMENT_STEPS = 200
+#: float32 EMAs against the float32 reference: a few float32 steps of rounding per kept
+#: step (1 / (1 - beta) of them), far below the bf16 stall (4.5e-2 and more)
+MOMENT_RTOL = 1e-4
+
+
+def _f32_ema(m: torch.Tensor, g: torch.Tensor, beta: float) -> torch.Tensor:
+    return m + (1 - beta) * (g - m)
+
+
+def _moment_run(make_tx, steps, compiled, param_dtype=torch.bfloat16, shape=(4, 6)):
+    """``steps`` updates of a constant gradient ``G_CONST`` (bf16 parameters) through
+    ``make_tx()``: functionally, or through the adapter's compiled step (``compiled``,
+    the ``eager`` backend: the traced arithmetic in the dtypes it names, no inductor
+    upcast to hide a bf16 computation). Returns (last update, state as a flat dict)."""
+    if not compiled:
+        p = TensorDict({"w": torch.zeros(shape, dtype=param_dtype)}, [])
+        tx = make_tx()
+        state = tx.init(p)
+        for _ in range(steps):
+            out, state = tx.update(TensorDict({"w": torch.full(shape, G_CONST, dtype=param_dtype)}, []), state, p)
+        return out["w"], state
+    w = torch.nn.Parameter(torch.zeros(shape, dtype=param_dtype))
+    opt = mfx.TransformOptimizer([("w", w)], lambda: make_tx()).compile(backend="eager")
+    before = w.detach().clone()
+    for _ in range(steps):
+        before = w.detach().clone()
+        w.grad = torch.full(shape, G_CONST, dtype=param_dtype)
+        opt.step()
+    return (w.detach() - before), opt.state[w]
+
+
+def _buf(state, compiled, name):
+    """The state tensor ``name`` ("mu", "nu", "v") of a one-transform state, or of the adapter's state."""
+    if compiled:
+        (key,) = [k for k in state if k.split(".")[-1] == name]
+        return state[key]
+    return getattr(state, name)["w"]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_a_float32_momentum_buffer_of_bf16_parameters_accumulates_in_float32(compiled, nesterov):
+    """mu_dtype=float32 with bf16 gradients: the EMA is computed in float32 (a bf16 EMA
+    stalls at 1.0 where the float32 one reaches 1.0469); the output, in the gradient's
+    dtype, is the float32 result rounded once."""
+    torch._dynamo.reset()
+    out, state = _moment_run(lambda: mfx.momentum(0.95, nesterov=nesterov, mu_dtype=torch.float32),
+                             MOMENT_STEPS, compiled)
+    m, g = torch.zeros(()), torch.tensor(G_CONST)
+    for _ in range(MOMENT_STEPS):
+        m = _f32_ema(m, g, 0.95)
+    want_out = torch.lerp(g, m, 0.95) if nesterov else m
+    buf = _buf(state, compiled, "mu")
+    assert buf.dtype == torch.float32
+    # measured here: 0 (eager and compiled). Another CPU's vector kernels may round each
+    # step differently (one float32 step at most): the EMA keeps at most 1 / (1 - beta) = 20
+    # of them, 2.4e-6. bf16's stall is 4.5e-2 away.
+    torch.testing.assert_close(buf, m.expand_as(buf), rtol=MOMENT_RTOL, atol=0)
+    if not compiled:
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), want_out.bfloat16().float().expand_as(out), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_a_float32_bias_corrected_momentum_of_bf16_parameters_accumulates_in_float32(compiled, nesterov):
+    torch._dynamo.reset()
+    _, state = _moment_run(lambda: mfx.bias_corrected_momentum(0.95, nesterov=nesterov, mu_dtype=torch.float32),
+                           MOMENT_STEPS, compiled)
+    m = torch.zeros(())
+    for _ in range(MOMENT_STEPS):
+        m = _f32_ema(m, torch.tensor(G_CONST), 0.95)
+    buf = _buf(state, compiled, "mu")
+    assert buf.dtype == torch.float32
+    torch.testing.assert_close(buf, m.expand_as(buf), rtol=MOMENT_RTOL, atol=0)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_float32_adam_moments_of_bf16_parameters_accumulate_in_float32(compiled):
+    """Both of Adam's moments in float32 (mu_dtype): the second moment of a constant
+    gradient reaches the float32 EMA's value (a bf16 EMA stalls far below it)."""
+    torch._dynamo.reset()
+    steps = 2000
+    out, state = _moment_run(lambda: mfx.scale_by_adam(0.9, 0.999, 1e-8, mu_dtype=torch.float32), steps, compiled)
+    g = torch.tensor(G_CONST)
+    m, v = torch.zeros(()), torch.zeros(())
+    for _ in range(steps):
+        m = _f32_ema(m, g, 0.9)
+        v = v.mul(0.999).addcmul(g, g, value=1 - 0.999)  # torch.optim.Adam's form
+    mu, nu = _buf(state, compiled, "mu"), _buf(state, compiled, "nu")
+    assert mu.dtype == nu.dtype == torch.float32
+    # measured here: 0 (eager and compiled); the second moment keeps ~1 / (1 - b2) = 1000
+    # steps' rounding (1.2e-4 at worst, far less as a random walk); in bf16 it stalls 0.47 away
+    torch.testing.assert_close(mu, m.expand_as(mu), rtol=MOMENT_RTOL, atol=0)
+    torch.testing.assert_close(nu, v.expand_as(nu), rtol=1e-3, atol=0)
+    if not compiled:
+        bc1, bc2 = 1 - 0.9 ** steps, 1 - 0.999 ** steps
+        want = (m / bc1) / ((v / bc2).sqrt() + 1e-8)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), want.bfloat16().float().expand_as(out), rtol=8e-3, atol=0)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_normuon_row_statistics_of_bf16_parameters_in_float32(compiled):
+    """NorMuon's row statistics follow mu_dtype too: with bf16 parameters and
+    mu_dtype=float32 they are kept and accumulated in float32 (against a float32 EMA of
+    the same bf16 updates' row mean squares)."""
+    torch._dynamo.reset()
+    steps, beta2 = 150, 0.99
+    gen = torch.Generator().manual_seed(7)
+    o = torch.randn(8, 16, generator=gen).bfloat16()  # a fixed update: row statistics of a constant input
+    tx = mfx.row_normalize(beta2, mu_dtype=torch.float32)
+    p = TensorDict({"w": torch.zeros(8, 16, dtype=torch.bfloat16)}, [])
+    if compiled:
+        upd = torch.compile(tx.update, backend="eager", fullgraph=True)
+    else:
+        upd = tx.update
+    state = tx.init(p)
+    for _ in range(steps):
+        out, state = upd(TensorDict({"w": o.clone()}, []), state, p)
+    v = torch.zeros(8)
+    rs = o.float().square().mean(-1)
+    for _ in range(steps):
+        v = _f32_ema(v, rs, beta2)
+    assert state.v["w"].dtype == torch.float32 and out["w"].dtype == torch.bfloat16
+    torch.testing.assert_close(state.v["w"], v, rtol=MOMENT_RTOL, atol=0)
+    # and through the recipe: normuon(mu_dtype=float32) keeps its row statistics in float32
+    nt = mfx.normuon(mu_dtype=torch.float32)
+    assert nt.init(p)["row_normalize"].v["w"].dtype == torch.float32
+
+
+def test_a_bf16_momentum_buffer_of_float32_parameters_still_computes_in_float32():
+    """mu_dtype=bf16 with float32 gradients (half the memory): the EMA runs in float32 and
+    is stored rounded once, as before; the output is the float32 value."""
+    p = TensorDict({"w": torch.zeros(3)}, [])
+    tx = mfx.momentum(0.9, mu_dtype=torch.bfloat16)
+    g = TensorDict({"w": torch.tensor([1.0, 2.0, 3.0])}, [])
+    out, s = tx.update(g, tx.init(p))
+    assert out["w"].dtype == torch.float32 and s.mu["w"].dtype == torch.bfloat16
+    torch.testing.assert_close(out["w"], 0.1 * g["w"], rtol=1e-6, atol=0)
+    assert torch.equal(s.mu["w"], (0.1 * g["w"]).bfloat16())
