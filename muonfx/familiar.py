@@ -72,7 +72,7 @@ class MuonOptimizer(TransformOptimizer):
 
     ``MuonOptimizer(params, lr=0.02, *, momentum=0.95, nesterov=False, ns_steps=5,
     ns_coefficients="keller", weight_decay=0.0, adjust_lr="original", eps=1e-7,
-    ns_dtype=None, ns_method="auto", mu_dtype=None, strict=False, adamw_lr=1e-3,
+    ns_dtype=None, ns_method="standard", mu_dtype=None, strict=False, adamw_lr=1e-3,
     adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=0.01)``.
 
     ``params`` is what the predecessor took (``model.parameters()``,

@@ -57,9 +57,10 @@ class MuonOptions:
         ns_dtype: Newton-Schulz compute dtype; ``None``: the device's default
             (bfloat16 on CUDA and on CPUs with native bf16 matmul, float32 elsewhere;
             :func:`muonfx.linalg.ns_dtype_for`).
-        ns_method: ``"auto"`` (default: the fastest accurate-enough form for the shape,
-            dtype and device, :func:`muonfx.linalg.auto_method`), ``"standard"``,
-            ``"gram"`` or ``"spectral"`` (see :func:`~muonfx.newton_schulz`).
+        ns_method: ``"standard"`` (default: torch.optim.Muon's iteration), ``"gram"``,
+            ``"spectral"`` or ``"auto"`` (the fastest form for the shape, dtype and
+            device that keeps about bf16's accuracy, :func:`muonfx.linalg.auto_method`;
+            see :func:`~muonfx.newton_schulz` and ``docs/evidence.md``).
         mu_dtype: dtype of the momentum buffer (``None``: the parameter's).
 
     :meth:`steps` is Muon's named chain built from them; ``muon(**opts)`` is
@@ -83,7 +84,7 @@ class MuonOptions:
     adjust_lr: str | None = "original"
     eps: float = 1e-7
     ns_dtype: torch.dtype | None = None
-    ns_method: str = "auto"
+    ns_method: str = "standard"
     mu_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
