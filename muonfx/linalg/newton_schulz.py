@@ -314,7 +314,7 @@ class NewtonSchulz:
             else:
                 method = "gram" if low and gram_pays_off(m, n, len(schedule.steps), restart) else "standard"
         if torch.compiler.is_compiling():
-            if g.device.type == "cpu":
+            if g.device.type == "cpu" and not triton_ns.available(g):
                 # traced on the CPU (the executor's compiled step): normalisation and iteration
                 # are one opaque operator that runs the eager code, so the compiled step
                 # computes what the eager one does, bit for bit (inductor would keep the norm
