@@ -60,7 +60,10 @@ __all__ = ["moonlight", "normuon", "cautious_decay", "muon_cautious", "momentum_
 # ---------------------------------------------------------------------------
 
 
-@takes_muon_options(defaults={"lr": 1e-3, "weight_decay": 0.1, "adjust_lr": "match_rms_adamw"})
+@takes_muon_options(defaults={"lr": 1e-3, "weight_decay": 0.1, "adjust_lr": "match_rms_adamw"},
+                    changed={"eps": "eps is the Newton-Schulz floor here (torch.optim.Muon's eps, default 1e-7); "
+                                    "it was Adam's epsilon in earlier muonfx versions, which is adamw_eps now "
+                                    "(default 1e-8). Pass adamw_eps= for Adam's epsilon."})
 def moonlight(
     *,
     betas: tuple[float, float] = (0.9, 0.95),
@@ -119,7 +122,9 @@ def moonlight(
 # ---------------------------------------------------------------------------
 
 
-@takes_muon_options()
+@takes_muon_options(changed={"eps": "eps is the Newton-Schulz floor here (torch.optim.Muon's eps, default "
+                                    "1e-7); it was the row normaliser's epsilon in earlier muonfx versions, which "
+                                    "is row_eps now (default 1e-10). Pass row_eps= for that."})
 def normuon(*, beta2: float = 0.95, row_eps: float = 1e-10, **muon_options: Any) -> GradientTransformation:
     """NorMuon (Li et al., 2025, "NorMuon: Making Muon more efficient and scalable").
 
