@@ -313,23 +313,37 @@ class NewtonSchulz:
                     "gram" if gram_pays_off(m, n, len(schedule.steps), restart) else "standard")
             else:
                 method = "gram" if low and gram_pays_off(m, n, len(schedule.steps), restart) else "standard"
-        if torch.compiler.is_compiling():
-            if g.device.type == "cpu" and not triton_ns.available(g):
-                # traced on the CPU (the executor's compiled step): normalisation and iteration
-                # are one opaque operator that runs the eager code, so the compiled step
-                # computes what the eager one does, bit for bit (inductor would keep the norm
-                # in float32 and split the fused products: 1e-2 apart in bf16, not torch's)
-                x = torch.ops.muonfx.newton_schulz(g, [float(c) for abc in schedule.steps for c in abc],
-                                                   float(schedule.safety), float(self.eps), cdtype, method,
-                                                   int(restart or 0))
+        if torch.compiler.is_compiling() and g.device.type == "cpu" and not triton_ns.available(g):
+            # traced on the CPU (the executor's compiled step): normalisation, iteration and
+            # cast are one opaque operator that runs the eager code, so the compiled step
+            # computes what the eager one does, bit for bit (inductor would keep the norm
+            # in float32 and split the fused products: 1e-2 apart in bf16, not torch's)
+            return torch.ops.muonfx.newton_schulz(g, [float(c) for abc in schedule.steps for c in abc],
+                                                  float(schedule.safety), float(self.eps), cdtype, method,
+                                                  int(restart or 0))
+        # one batched call; the normalised input is handed over in a list (see _standard), so
+        # the iteration holds the only reference and frees it with its first new iterate
+        tall = g.shape[-2] > g.shape[-1]
+        steps, safety, eps = schedule.steps, schedule.safety, self.eps
+        x = None
+        if method == "spectral":
+            x = _spectral([_normalized(g, safety, eps, cdtype, tall)], steps)
+        elif low and triton_ns.takes(g, cdtype, restart, method == "gram"):
+            # the same iteration with symmetric Triton products (CUDA); None: use torch's
+            x = triton_ns.orthogonalize([_normalized(g, safety, eps, cdtype, tall)], steps, restart, method == "gram")
+        if x is None:
+            if method == "gram":
+                x = _gram([_normalized(g, safety, eps, cdtype, tall)], steps, restart)
             else:
-                x = _orthogonalize(g, schedule.steps, schedule.safety, self.eps, cdtype, method, restart)
-            # the cast stays a pointwise op that the compiler fuses into whatever reads the
-            # result (scale, decay, the parameter update), so no float32 copy of the batch is
-            # written and read back; the layout is the compiler's to choose (measured on the
-            # CPU, MoE set: the step's elementwise kernels 22.8 -> 14.5 ms)
+                x = _standard([_normalized(g, safety, eps, cdtype, tall)], steps)
+        if tall:
+            x = x.mT
+        if torch.compiler.is_compiling():
+            # traced (the executor's compiled step on CUDA): the cast stays a pointwise op that
+            # the compiler fuses into whatever reads the result (scale, decay, the parameter
+            # update), so no float32 copy of the batch is written and read back; the layout
+            # is the compiler's to choose
             return x.to(g.dtype)
-        x = _orthogonalize(g, schedule.steps, schedule.safety, self.eps, cdtype, method, restart)
         if x.dtype == g.dtype:
             return x.contiguous()
         # one pass: cast back and lay out contiguously (a transposed result would otherwise
@@ -337,41 +351,20 @@ class NewtonSchulz:
         return torch.empty(x.shape, dtype=g.dtype, device=x.device).copy_(x)
 
 
-def _orthogonalize(g: torch.Tensor, steps, safety: float, eps: float, cdtype: torch.dtype, method: str,
-                   restart: int | None) -> torch.Tensor:
-    """The iteration ``method`` (``"standard"``, ``"gram"`` or ``"spectral"``) on the batch
-    ``g``, normalised, in ``cdtype``; the result in ``cdtype``, in ``g``'s orientation (a
-    transposed view for a tall batch). One batched call: the normalised input is handed
-    over in a list (see :func:`_standard`), so the iteration holds the only reference and
-    frees it with its first new iterate."""
-    tall = g.shape[-2] > g.shape[-1]
-    x = None
-    if method == "spectral":
-        x = _spectral([_normalized(g, safety, eps, cdtype, tall)], steps)
-    elif cdtype in (torch.bfloat16, torch.float16) and triton_ns.takes(g, cdtype, restart, method == "gram"):
-        # the same iteration with symmetric Triton products (CUDA); None: use torch's
-        x = triton_ns.orthogonalize([_normalized(g, safety, eps, cdtype, tall)], steps, restart, method == "gram")
-    if x is None:
-        if method == "gram":
-            x = _gram([_normalized(g, safety, eps, cdtype, tall)], steps, restart)
-        else:
-            x = _standard([_normalized(g, safety, eps, cdtype, tall)], steps)
-    return x.mT if tall else x
-
-
 @torch.library.custom_op("muonfx::newton_schulz", mutates_args=())
 def _newton_schulz_op(g: torch.Tensor, coefficients: list[float], safety: float, eps: float, dtype: torch.dtype,
                       method: str, restart: int) -> torch.Tensor:
-    """The operator ``torch.compile`` sees on the CPU: :func:`_orthogonalize` (``coefficients``
-    are the ``(a, b, c)`` triples flattened, ``restart`` 0 for none), laid out contiguously."""
-    steps = [tuple(coefficients[i:i + 3]) for i in range(0, len(coefficients), 3)]
-    return _orthogonalize(g, steps, safety, eps, dtype, method, restart or None).contiguous()
+    """The operator ``torch.compile`` sees on the CPU: :class:`NewtonSchulz`'s eager call
+    (``coefficients`` are the ``(a, b, c)`` triples flattened, ``method`` resolved, ``restart``
+    0 for none); the result in ``g``'s dtype, contiguous."""
+    steps = tuple(tuple(coefficients[i:i + 3]) for i in range(0, len(coefficients), 3))
+    return NewtonSchulz(Schedule(steps, safety), eps, dtype, method, restart or None)(g)
 
 
 @_newton_schulz_op.register_fake
 def _(g: torch.Tensor, coefficients: list[float], safety: float, eps: float, dtype: torch.dtype, method: str,
       restart: int) -> torch.Tensor:
-    return g.new_empty(g.shape, dtype=dtype)  # contiguous
+    return g.new_empty(g.shape)  # contiguous, g's dtype
 
 
 def _normalized(g: torch.Tensor, safety: float, eps: float, cdtype: torch.dtype, tall: bool) -> torch.Tensor:

@@ -10,7 +10,7 @@ from tensordict import TensorDict
 
 from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
 from ..hyperparams import check, check_float_dtype
-from ._dtypes import cast, dtypes, wider
+from ._dtypes import narrow, widen
 
 
 class ScaleByAdamState(NamedTuple):
@@ -74,11 +74,11 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         vs = aligned(state.nu, keys, "adam state (nu)")
         # each moment's arithmetic in the wider of its dtype and the update's (float32
         # moments of bf16 gradients accumulate in float32); the output in the update's
-        wide = wider(ms, gs)
-        gs_c = cast(gs, wide)
+        ms_c, gs_c, back = widen(ms, gs)
+        vs_c = vs if back is None else narrow(vs, [m.dtype for m in ms_c])
         t = state.count + 1
-        new_m = foreach("lerp", cast(ms, wide), gs_c, 1.0 - b1)
-        new_v = foreach("mul", cast(vs, wide), b2)
+        new_m = foreach("lerp", ms_c, gs_c, 1.0 - b1)
+        new_v = foreach("mul", vs_c, b2)
         foreach("addcmul_", new_v, gs_c, gs_c, value=1.0 - b2)  # new_v is this update's own tensor
         # out = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps) = (sqrt(bc2) / bc1) * m / (sqrt(v) + eps * sqrt(bc2))
         bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
@@ -91,7 +91,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
             num = new_m
         out = foreach("div", num, den)
         foreach("mul_", out, math.sqrt(bc2) / bc1)
-        return build(keys, cast(out, dtypes(gs))), ScaleByAdamState(
-            t, build(keys, cast(new_m, dtypes(ms))), build(keys, cast(new_v, dtypes(vs))))
+        if back is not None:
+            out, new_m, new_v = narrow(out, back[1]), narrow(new_m, back[0]), narrow(new_v, back[0])
+        return build(keys, out), ScaleByAdamState(t, build(keys, new_m), build(keys, new_v))
 
     return LeafwiseTransformation(init_fn, update_fn)

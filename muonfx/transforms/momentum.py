@@ -9,7 +9,7 @@ from tensordict import TensorDict
 
 from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
 from ..hyperparams import check, check_float_dtype
-from ._dtypes import cast, dtypes, wider
+from ._dtypes import narrow, widen
 
 
 class MomentumState(NamedTuple):
@@ -59,11 +59,13 @@ def momentum(beta: float = 0.95, nesterov: bool = False, mu_dtype: torch.dtype |
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
         ms = aligned(state.mu, keys, "momentum state (mu)", like=gs)
-        wide = wider(ms, gs)  # the buffer's arithmetic in the wider dtype (float32 mu of bf16 grads: float32)
-        gs_c = cast(gs, wide)
-        new_m = foreach("ema", cast(ms, wide), gs_c, beta)  # lerp(m, g, 1 - beta)
+        # the buffer's arithmetic in the wider dtype (float32 mu of bf16 grads: float32)
+        ms_c, gs_c, back = widen(ms, gs)
+        new_m = foreach("ema", ms_c, gs_c, beta)  # lerp(m, g, 1 - beta)
         out = foreach("lerp", gs_c, new_m, beta) if nesterov else new_m
-        return build(keys, cast(out, dtypes(gs))), MomentumState(build(keys, cast(new_m, dtypes(ms))))
+        if back is not None:  # the buffer in its dtype, the output in the update's
+            out, new_m = narrow(out, back[1]), narrow(new_m, back[0])
+        return build(keys, out), MomentumState(build(keys, new_m))
 
     return LeafwiseTransformation(init_fn, update_fn)
 
@@ -130,15 +132,16 @@ def bias_corrected_momentum(beta: float = 0.95, nesterov: bool = True,
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
         ms = aligned(state.mu, keys, "bias_corrected_momentum state (mu)")
-        wide = wider(ms, gs)  # as in momentum: the buffer's arithmetic in the wider dtype
-        gs_c = cast(gs, wide)
+        ms_c, gs_c, back = widen(ms, gs)  # as in momentum: the buffer's arithmetic in the wider dtype
         t = state.count + 1
-        new_m = foreach("lerp", cast(ms, wide), gs_c, 1.0 - beta)
+        new_m = foreach("lerp", ms_c, gs_c, 1.0 - beta)
         if nesterov:
             out = foreach("mul", new_m, beta / (1.0 - beta ** (t + 1)))
             foreach("add_", out, gs_c, alpha=(1.0 - beta) / (1.0 - beta**t))
         else:
             out = foreach("mul", new_m, 1.0 / (1.0 - beta**t))
-        return build(keys, cast(out, dtypes(gs))), BiasCorrectedMomentumState(t, build(keys, cast(new_m, dtypes(ms))))
+        if back is not None:
+            out, new_m = narrow(out, back[1]), narrow(new_m, back[0])
+        return build(keys, out), BiasCorrectedMomentumState(t, build(keys, new_m))
 
     return LeafwiseTransformation(init_fn, update_fn)

@@ -10,7 +10,7 @@ from tensordict import TensorDict
 from .. import seam
 from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
 from ..hyperparams import check, check_float_dtype
-from ._dtypes import cast, wider
+from ._dtypes import widen
 from ._matrix import matrix_dims
 
 
@@ -97,12 +97,12 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows",
         # per-row sums of squares, then per-matrix [||O||^2, ||P||^2]: two seam reductions
         # for all leaves (on shards: one collective each at most, none for row shards' rows)
         # the statistics' arithmetic in the wider of their dtype and the update's
-        wide = wider(vs, os_)
-        row_sq = seam.sum_over([o.square() if o.dtype == w else o.to(w).square() for o, w in zip(os_, wide)], (-1,))
+        vs_c, os_c, _ = widen(vs, os_)
+        row_sq = seam.sum_over([o.square() for o in os_c], (-1,))
         new_vs, scales, pairs = [], [], []
         # v <- lerp(v, mean_sq, 1 - beta2) as foreach's "ema": traced, beta2 stays an operand
         # (a schedule of it recompiles nothing on torch 2.10 / 2.11)
-        nvs = foreach("ema", cast(vs, wide), [rs.squeeze(-1) / o.shape[-1] for o, rs in zip(os_, row_sq)], beta2)
+        nvs = foreach("ema", vs_c, [rs.squeeze(-1) / o.shape[-1] for o, rs in zip(os_, row_sq)], beta2)
         for o, v, rs, nv in zip(os_, vs, row_sq, nvs):
             s = (nv.sqrt() + eps).unsqueeze(-1)
             new_vs.append(nv.to(v.dtype))
