@@ -217,8 +217,10 @@ def test_muon_with_momentum_warmup_uses_the_scheduled_momentum(step, expected):
 
 def test_split_newton_schulz_equals_ns_per_block():
     torch.manual_seed(0)
-    rows = td(qkv=torch.randn(24, 8), gqa=torch.randn(16, 8))       # q, k, v of 8 rows; q 8, k 4, v 4
-    cols = td(w=torch.randn(6, 12))
+    # float64: the point is the formula (split blocks are batched with others, so float32
+    # would compare two kernels' rounding)
+    rows = td(qkv=torch.randn(24, 8, dtype=torch.float64), gqa=torch.randn(16, 8, dtype=torch.float64))
+    cols = td(w=torch.randn(6, 12, dtype=torch.float64))
     ns = mfx.newton_schulz()
     cases = [(rows, {"qkv": 8, "gqa": [8, 4, 4]}, 0), (cols, {"w": [4, 8]}, 1)]
     for g, split, dim in cases:
@@ -226,7 +228,7 @@ def test_split_newton_schulz_equals_ns_per_block():
             out, _ = mfx.split_newton_schulz(sizes, dim=dim).update(td(x=g[key]), mfx.EmptyState())
             blocks = g[key].split(sizes, dim=dim)
             ref = torch.cat([ns.update(td(x=b.contiguous()), mfx.EmptyState())[0]["x"] for b in blocks], dim=dim)
-            torch.testing.assert_close(out["x"], ref, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(out["x"], ref, rtol=1e-12, atol=1e-14)
             whole, _ = ns.update(td(x=g[key]), mfx.EmptyState())
             assert not torch.allclose(out["x"], whole["x"], atol=1e-2)
 
@@ -327,7 +329,9 @@ def test_muon_on_expert_stack_equals_per_expert_muon():
     # each expert is normalised on its own: all have the same update norm despite 1e4-fold grads
     no_decay, _ = run(mfx.muon(lr=1.0), grads, stacked)
     norms = no_decay["experts"].flatten(1).norm(dim=1)
-    torch.testing.assert_close(norms, norms.mean().expand_as(norms), rtol=0.05, atol=0.0)
+    # (the 5-step keller schedule leaves singular values in [0.68, 1.13], so the norms differ
+    # a little: measured 4.8 % here, against the 1e4-fold gradients)
+    torch.testing.assert_close(norms, norms.mean().expand_as(norms), rtol=0.1, atol=0.0)
     # scale_by_shape uses each expert's (m, n), not (E*m, n)
     u = td(experts=torch.ones(e, m, n))
     for mode, s in [("original", math.sqrt(m / n)), ("match_rms_adamw", 0.2 * math.sqrt(m)), ("spectral", math.sqrt(m / n))]:
