@@ -11,6 +11,7 @@ gloo on the CPU; the curves would not match.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -345,3 +346,25 @@ def test_report_helpers(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if matplotlib were missing
     note = plot_losses(runs, tmp_path / "fallback.png", "t")
     assert "pip install matplotlib" in note and (tmp_path / "fallback.png").read_bytes()[:8] == PNG
+
+
+def test_ns_method_reaches_the_muon_groups_and_is_a_run_setting():
+    """``--ns-method`` sets the Muon presets' ns_method (every group that has one); a resumed
+    run must share it; a checkpoint from before the option resumes with ``"auto"``, the
+    default then."""
+    from muonfx.cli.args import RUN_KEYS, check_settings, resolve
+
+    model = GPT(GPTConfig(layers=1, d=16, heads=2, context=8, vocab=12))
+    for name, method in (("muon_adamw", "gram"), ("muon", "auto")):
+        opt = build_optimizer(name, model, None, 3e-3, 0.01, method)
+        methods = [g["ns_method"] for g in opt.param_groups if "ns_method" in g]
+        assert methods and set(methods) == {method}, (name, methods)
+    assert all(g.get("ns_method", "standard") == "standard"
+               for g in build_optimizer("muon_adamw", model, None, 3e-3, 0.01).param_groups)
+    assert "ns_method" in RUN_KEYS
+    assert "'ns_method' must be one of standard, gram, auto" in check_settings({"ns_method": "fast"})
+    old = resolve(argparse.Namespace(**{k: None for k in ("optimizer", "model", "lr", "context", "ns_method")}),
+                  {"optimizer": "muon_adamw"})
+    assert old.ns_method == "auto"
+    new = resolve(argparse.Namespace(**{k: None for k in ("optimizer", "model", "lr", "context", "ns_method")}))
+    assert new.ns_method == "standard"

@@ -40,7 +40,8 @@ def _never(*_):
     ("AuthenticAMD", {"avx512f", "avx512_bf16"}, "AVX512_CORE", "x86_64", _never, torch.float32),
     ("AuthenticAMD", {"avx512f", "avx512_bf16"}, "avx512_core_bf16", "x86_64", _never, torch.bfloat16),
     ("GenuineIntel", {"avx2", "fma"}, None, "x86_64", _never, torch.float32),
-    ("GenuineIntel", {"avx512_bf16", "amx_bf16"}, "AVX512_CORE_BF16", "x86_64", _never, torch.bfloat16),
+    ("GenuineIntel", {"avx512_bf16", "amx_bf16"}, "AVX512_CORE_BF16", "x86_64", _never, torch.float32),
+    ("GenuineIntel", {"avx512_bf16"}, None, "x86_64", _never, torch.float32),  # AVX512-BF16 without AMX
     ("GenuineIntel", {"avx512_bf16", "amx_bf16"}, None, "x86_64", lambda: True, torch.bfloat16),
     ("GenuineIntel", {"avx512_bf16", "amx_bf16"}, None, "x86_64", lambda: False, torch.float32),
     ("GenuineIntel", {"avx512_bf16", "amx_bf16"}, "AVX512_CORE_AMX", "x86_64", lambda: False, torch.float32),
@@ -48,7 +49,8 @@ def _never(*_):
     ("", set(), None, "arm64", _never, torch.float32),  # no /proc/cpuinfo (macOS)
 ])
 def test_cpu_rule(vendor, flags, cap, machine, probe, want):
-    """bf16 where the CPU announces native bf16 and oneDNN's cap leaves it on; a probe
+    """bf16 where the CPU announces native bf16 and oneDNN's cap leaves it on, on Intel
+    only with AMX (without it oneDNN's AVX512-BF16 matmul ran slower than float32); a probe
     process only where oneDNN might pick AMX (Intel, uncapped or capped at AMX); float32
     when that probe fails (SIGILL in a VM that forbids AMX)."""
     choice = precision._decide_cpu((vendor, flags), cap, machine, bf16_runs=probe)
@@ -67,9 +69,11 @@ def test_this_cpu_is_decided_once(unpinned, monkeypatch):
     assert cpu_ns_choice() is first and ns_dtype_for(CPU) == first.dtype
     vendor, flags = precision._cpu_flags()
     if flags:  # Linux: the choice follows the flags read here
-        native = bool({"avx512_bf16", "amx_bf16", "bf16"} & flags)
-        assert (first.dtype == torch.bfloat16) == (native and precision._isa_cap_allows_bf16(
-            __import__("os").environ.get("ONEDNN_MAX_CPU_ISA"))), first
+        cap = __import__("os").environ.get("ONEDNN_MAX_CPU_ISA")
+        native = bool({"avx512_bf16", "amx_bf16", "bf16"} & flags) and precision._isa_cap_allows_bf16(cap)
+        if vendor == "GenuineIntel":  # AMX or nothing (the probe passes where the cap allows AMX)
+            native = native and "amx_bf16" in flags and precision._may_pick_amx(vendor, "x86_64", cap)
+        assert (first.dtype == torch.bfloat16) == native, first
 
 
 def test_overrides_in_order_of_precedence(unpinned, monkeypatch):
