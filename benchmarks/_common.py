@@ -23,26 +23,15 @@ import torch  # noqa: E402
 
 
 def cpu_kind() -> str:
-    """The CPU's model name and its matmul-relevant flags (``/proc/cpuinfo``), e.g.
-    ``AMD EPYC (avx512f, avx512_bf16)`` or ``Intel(R) Xeon(R) Platinum 8480+ (avx512f,
-    avx512_bf16, amx_bf16)``; the platform's processor name where there is no
-    ``/proc/cpuinfo``."""
-    name, flags = "", set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and not name:
-                    name = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = set(value.split())
-                if name and flags:
-                    break
-    except OSError:
-        pass
+    """The CPU's model name and its matmul-relevant flags, e.g. ``AMD EPYC (avx2, avx512f,
+    avx512_bf16)`` or ``Intel(R) Xeon(R) Platinum 8480+ (avx2, avx512f, avx512_bf16, amx_bf16)``
+    (read as ``muonfx info`` and the Newton-Schulz dtype rule read them)."""
+    from muonfx.cli.info import _cpu_name
+    from muonfx.linalg.precision import _cpu_flags
+
+    _, flags = _cpu_flags()
     shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "bf16") if f in flags]
-    return f"{name or platform.processor() or platform.machine()} ({', '.join(shown) or 'no AVX2'})"
+    return f"{_cpu_name()} ({', '.join(shown) or 'no AVX2'})"
 
 
 def load() -> str:
