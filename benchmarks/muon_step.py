@@ -86,8 +86,8 @@ def distinct_variants(device: torch.device) -> dict[str, dict]:
         method = kw.get("ns_method", "standard")
         # no dtype given (and none pinned): the device's default, with bf16's accuracy
         accuracy = "bf16" if "ns_dtype" not in kw and pinned_ns_dtype() is None else "dtype"
-        if method == "auto" and not auto_takes_gram(dtype, accuracy):
-            method, accuracy = "standard", "dtype"
+        if method != "auto" or not auto_takes_gram(dtype, accuracy):  # the accuracy only steers "auto"
+            method, accuracy = ("standard" if method == "auto" else method), "dtype"
         if (dtype, method, accuracy) not in seen:
             seen.add((dtype, method, accuracy))
             out[name] = kw
