@@ -22,11 +22,57 @@ import torch  # noqa: E402
 
 
 
+def cpu_kind() -> str:
+    """The CPU's model name and its matmul-relevant flags, e.g. ``AMD EPYC (avx2, avx512f,
+    avx512_bf16)`` or ``Intel(R) Xeon(R) Platinum 8480+ (avx2, avx512f, avx512_bf16, amx_bf16)``
+    (read as ``muonfx info`` and the Newton-Schulz dtype rule read them)."""
+    from muonfx.cli.info import _cpu_name
+    from muonfx.linalg.precision import _cpu_flags
+
+    _, flags = _cpu_flags()
+    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "bf16") if f in flags]
+    return f"{_cpu_name()} ({', '.join(shown) or 'no AVX2'})"
+
+
+def load() -> str:
+    """The load average now and the cores it competes for: ``load 5.3/6.1/6.0 on 2 cores``."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except OSError:
+        return "load unknown"
+    return f"load {one:.1f}/{five:.1f}/{fifteen:.1f} on {os.cpu_count()} cores"
+
+
 def machine() -> str:
+    """Where a table was measured: the device (on the CPU: its kind, threads, oneDNN's ISA
+    cap and the load average when the table is printed), torch's version."""
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads, "
-            f"torch {torch.__version__}, ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}")
+    return (f"{cpu_kind()}, {torch.get_num_threads()} threads, {load()}, torch {torch.__version__}, "
+            f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}")
+
+
+class busy:
+    """``with busy(n):`` ``n`` processes that spin on the CPU for the duration: a machine
+    with more runnable threads than cores, on purpose (``--busy N`` of the step benchmarks).
+    ``n = 0`` starts nothing."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.procs = n, []
+
+    def __enter__(self) -> "busy":
+        import subprocess
+        import sys
+
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        time.sleep(0.5 if self.n else 0)  # let the scheduler see them
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
 
 
 def sync(device: torch.device) -> None:

@@ -183,7 +183,7 @@ def bench(args, device: torch.device) -> None:
 
     if rank == 0:
         print(f"\nFSDP2 optimizer step, world size {W}, {device.type}, {n_mat} hidden matrices "
-              f"({args.layers} layers, d={args.dim}), {E / 1e6:.2f} M matrix elements")
+              f"({args.layers} layers, d={args.dim}), {E / 1e6:.2f} M matrix elements ({_common.machine()})")
         print(f"{'optimizer':<18} {'step ms':>9} {'MB recv/rank':>13} {'collectives':>12} {'muonfx / this':>14}")
         base = results["muonfx"][0]
         for name, (t, b, c) in results.items():

@@ -5,6 +5,7 @@
     python benchmarks/muon_step.py --device cuda --sets llama1b,moe32   # the GPU sets, full size
     python benchmarks/muon_step.py --sets llama1b,moe32 --layers 1 --shrink 8   # their shape, on a CPU
     python benchmarks/muon_step.py --variants default  # only the default row next to torch
+    python benchmarks/muon_step.py --variants default --busy 2   # two spinning processes beside it
 
 Matrix sets (one parameter per matrix for torch; torch.optim.Muon takes 2-D only):
 
@@ -19,13 +20,15 @@ parameter per expert. ``--layers`` overrides every set's default; ``--shrink K``
 every matrix dimension by K (a quick look at a GPU set on a CPU).
 
 Both optimizers get the same gradients; steps are timed in alternating rounds (median).
-muonfx runs its defaults for the device (Newton-Schulz in bf16 on CUDA and on CPUs with
-native bf16 matmul, float32 elsewhere: ``muonfx.linalg.ns_dtype_for``; ``ns_method="auto"``:
-the Gram iteration on rectangular matrices, in float32 too where float32 is the device's
-default) and, as extra rows, float32 NS (given: the standard form), bf16
-standard NS (torch.optim.Muon's arithmetic), bf16 auto, and bf16 with the Gram iteration
-on every matrix (restarts every 3 steps); a row that computes exactly what an earlier row
-computes on this device is left out. torch.optim.Muon runs its bf16 standard NS.
+muonfx runs its defaults for the device (the standard iteration, torch's, in bf16 on CUDA
+and on CPUs with native bf16 matmul, float32 elsewhere: ``muonfx.linalg.ns_dtype_for``)
+and, as extra rows, float32 NS, bf16 NS (torch.optim.Muon's arithmetic), ``ns_method="auto"``
+(the Gram iteration on rectangular matrices; where float32 is the device's default also the
+spectral form on large ones) and bf16 Gram on every matrix (restarts every 3 steps); a row
+that computes exactly what an earlier row computes on this device is left out.
+torch.optim.Muon runs its bf16 standard NS. The header names the CPU kind (model, bf16
+flags, oneDNN's cap), the threads and the load average; ``--busy N`` starts N processes
+that spin for the whole run (more runnable threads than cores, on purpose).
 
 Before the timed rounds every muonfx optimizer is stepped until its executor has made
 its measured choice between the eager and the compiled step (the ``path`` column), so the
@@ -57,8 +60,8 @@ SETS: dict[str, tuple[tuple[tuple[str, tuple[int, ...]], ...], int]] = {
 }
 
 VARIANTS = {"muonfx default": {}, "muonfx float32": {"ns_dtype": torch.float32},
-            "muonfx bf16 standard": {"ns_dtype": torch.bfloat16, "ns_method": "standard"},
-            "muonfx bf16 auto": {"ns_dtype": torch.bfloat16},
+            "muonfx bf16": {"ns_dtype": torch.bfloat16},
+            "muonfx auto": {"ns_method": "auto"},
             "muonfx bf16 gram": {"ns_dtype": torch.bfloat16, "ns_method": "gram"}}
 
 
@@ -80,13 +83,13 @@ def distinct_variants(device: torch.device) -> dict[str, dict]:
     out, seen = {}, set()
     for name, kw in VARIANTS.items():
         dtype = kw.get("ns_dtype", default_dtype)
-        method = kw.get("ns_method", "auto")
+        method = kw.get("ns_method", "standard")
         # no dtype given (and none pinned): the device's default, with bf16's accuracy
         accuracy = "bf16" if "ns_dtype" not in kw and pinned_ns_dtype() is None else "dtype"
-        if method == "auto" and not auto_takes_gram(dtype, accuracy):
-            method = "standard"
-        if (dtype, method) not in seen:
-            seen.add((dtype, method))
+        if method != "auto" or not auto_takes_gram(dtype, accuracy):  # the accuracy only steers "auto"
+            method, accuracy = ("standard" if method == "auto" else method), "dtype"
+        if (dtype, method, accuracy) not in seen:
+            seen.add((dtype, method, accuracy))
             out[name] = kw
     return out
 
@@ -123,7 +126,7 @@ def run(kind: str, layers: int | None, shrink: int, device: torch.device, repeat
     # what "auto" computes on this set with the default dtype (bf16's accuracy unless pinned)
     accuracy = "bf16" if pinned_ns_dtype() is None else "dtype"
     forms = sorted({auto_method(*s[-2:], ns_dtype_for(device), accuracy, device) for s in shapes.values()})
-    label = {name: f"{name} ({', '.join(forms)})" if name == "muonfx default" else name for name in variants}
+    label = {name: f"{name} ({', '.join(forms)})" if name == "muonfx auto" else name for name in variants}
     what = f"{len({k.split('.')[0] for k in shapes})} layers, {n} matrices, {numel / 1e6:.1f} M"
     return [[kind, what, label[name], paths[name], f"{t[name] * 1e3:.0f}", f"{t['torch'] * 1e3:.0f}",
              f"{t[name] / t['torch']:.2f}", _common.fmt_bytes(mem[name]), _common.fmt_bytes(mem["torch"])]
@@ -139,6 +142,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--busy", type=int, default=0, metavar="N",
+                    help="start N processes that spin on the CPU for the whole run (default 0)")
     ap.add_argument("--variants", default=None,
                     help="comma-separated muonfx rows to run, from: " + ", ".join(k.removeprefix("muonfx ") for k in VARIANTS)
                          + " (default: every row that computes differently on the device)")
@@ -155,14 +160,18 @@ def main(argv=None) -> None:
     for k in kinds:
         matrices(k)  # unknown names fail before anything runs
     rows = []
-    for k in kinds:
-        rows += run(k, args.layers, args.shrink, device, args.repeats, args.warmup, only)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    print(f"\nMuon step, muonfx vs torch.optim.Muon ({_common.machine()})")
+    before = _common.load()
+    with _common.busy(args.busy):
+        for k in kinds:
+            rows += run(k, args.layers, args.shrink, device, args.repeats, args.warmup, only)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        print(f"\nMuon step, muonfx vs torch.optim.Muon ({_common.machine()})")
+    print(f"{before} at the start; {args.busy} spinning process(es) started by --busy")
     why = cpu_ns_choice().reason if device.type == "cpu" else f"the {device.type} default"
     print(f"muonfx default Newton-Schulz dtype here: {str(ns_dtype_for(device)).replace('torch.', '')} ({why}); "
-          "method auto (the default row names the forms it computes on the set: muonfx.linalg.auto_method)")
+          "method standard (torch's iteration); the auto row names the forms it computes on the set "
+          "(muonfx.linalg.auto_method)")
     print(_common.table(["set", "matrices", "muonfx variant", "path", "muonfx ms", "torch ms", "muonfx/torch",
                          "muonfx extra mem", "torch extra mem"], rows))
     print("path: the executor's measured choice, made before the timed rounds (eager or compiled); "

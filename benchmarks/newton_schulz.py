@@ -1,7 +1,7 @@
 """Newton-Schulz: achieved GFLOP/s against this machine's matmul peak, and accuracy.
 
     python benchmarks/newton_schulz.py                # both tables
-    python benchmarks/newton_schulz.py --only speed   # or: --only accuracy, restarts, spectral, blocks
+    python benchmarks/newton_schulz.py --only speed   # or: --only accuracy, restarts, spectral, gram
 
 Speed: the batched NS (muonfx.linalg.newton_schulz_batched) on same-shape groups of
 matrices, standard and Gram forms: on the CPU GPT-2-small matrices in float32 and bf16;
@@ -25,9 +25,9 @@ iteration (standard or Gram), by the smaller matrix side: the measurement behind
 ``muonfx.linalg.SPECTRAL_MIN_DIM``; and its relative error to the float64 iteration on
 an ill-conditioned input (condition 1e6) next to float32 Gram's and standard bf16's.
 
-Blocks (CPU): the iterations with their symmetric products computed by block rows up to
-the diagonal (``muonfx.linalg.blocked``) against the plain batched products, by size,
-dtype and number of blocks: the measurement behind ``muonfx.linalg.blocked.block_count``.
+Gram (CPU): the bf16 Gram iteration (``ns_method="gram"``) against the standard bf16
+iteration (torch.optim.Muon's arithmetic), by shape and schedule: relative error of each
+to the float64 iteration, their ratio, and the time of each.
 
 Restarts: the Gram iteration in bf16 by restart pattern (segment length 2 = 2+2+1, 3 = 3+2
 (the default), 5 = no restart) against the standard bf16 iteration, as relative
@@ -41,8 +41,7 @@ import argparse
 import _common
 import torch
 
-from muonfx.linalg import PRESETS, SPECTRAL_MIN_DIM, blocked, newton_schulz_batched, resolve, triton_ns
-from muonfx.linalg.newton_schulz import _gram, _normalized, _standard, gram_pays_off
+from muonfx.linalg import PRESETS, SPECTRAL_MIN_DIM, newton_schulz_batched, resolve, triton_ns
 
 
 def flops(m: int, n: int, steps: int = 5) -> int:
@@ -178,31 +177,6 @@ def spectral(repeats: int, sides=(128, 256, 320, 384, 512, 768), ratios=(1, 2, 4
                       "relF: to the float64 iteration, on a matrix of condition 1e6"])
 
 
-BLOCK_SHAPES = ((4, 512, 1024), (1, 640, 1280), (3, 768, 768), (1, 768, 2304), (1, 768, 3072), (2, 1024, 2048))
-
-
-def blocks(repeats: int, shapes=BLOCK_SHAPES) -> str:
-    """Block-row symmetric products against the plain ones (CPU), per size and dtype."""
-    sched = resolve("keller", 5)
-    rows = []
-    for dtype in (torch.bfloat16, torch.float32):
-        for count, m, n in shapes:
-            restart = 3 if dtype == torch.bfloat16 else None
-            gram = gram_pays_off(m, n, 5, restart)
-            x = _normalized(torch.randn(count, m, n), sched, 1e-7, dtype, False)
-            fns = {1: (lambda: _gram(x, sched.steps, restart) if gram else _standard(x, sched.steps))}
-            for k in (2, 3, 4):
-                fns[k] = lambda k=k: blocked.orthogonalize(x, sched.steps, restart, gram, k)
-            t = _common.interleaved(fns, repeats, 1, torch.device("cpu"))
-            rows.append([str(dtype).replace("torch.", ""), f"{count}x{m}x{n}", "gram" if gram else "standard",
-                         f"{t[1] * 1e3:.1f}"] + [f"{t[k] / t[1]:.2f}" for k in (2, 3, 4)]
-                        + [str(blocked.block_count(m, "cpu", dtype))])
-    return "\n".join([f"\nBlock-row symmetric products vs plain, keller 5 steps ({_common.machine()})",
-                      _common.table(["dtype", "batch", "form", "plain ms", "2 blocks", "3 blocks", "4 blocks",
-                                     "rule takes"], rows),
-                      "time relative to the plain products, same run (median)"])
-
-
 def restarts(m: int, n: int, count: int = 4) -> str:
     gen = torch.Generator().manual_seed(0)
     gauss = torch.randn(count, m, n, generator=gen, dtype=torch.float64)
@@ -224,9 +198,48 @@ def restarts(m: int, n: int, count: int = 4) -> str:
                       _common.table(["schedule", "input", "standard", "gram 2+2+1", "gram 3+2 (default)", "gram, none"], rows)])
 
 
+GRAM_SHAPES = ((8, 16, 48), (4, 64, 256), (4, 128, 512), (2, 256, 1024), (2, 512, 2048), (2, 768, 2304),
+               (2, 768, 3072))
+
+
+def gram(repeats: int, shapes=GRAM_SHAPES, schedules=("keller", "polar_express", "you")) -> str:
+    """bf16 Gram (``ns_method="gram"``, restarts every 3 steps) against the standard bf16
+    iteration (torch.optim.Muon's arithmetic): relative Frobenius error of each to the
+    float64 standard iteration (the same function, exactly computed), worst over the
+    batch's matrices, on Gaussian inputs and on a power-law spectrum (condition 1e3); and
+    the time of one batch, standard and Gram, same run (median)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for count, m, n in shapes:
+        gauss = torch.randn(count, m, n, generator=gen, dtype=torch.float64)
+        q1 = torch.linalg.qr(torch.randn(count, m, m, generator=gen, dtype=torch.float64))[0]
+        q2 = torch.linalg.qr(torch.randn(count, n, m, generator=gen, dtype=torch.float64))[0]
+        power = (q1 * torch.logspace(0, -3, m, dtype=torch.float64)) @ q2.mT
+        x = gauss.float()
+        t = _common.interleaved({meth: (lambda meth=meth: newton_schulz_batched(x, resolve("keller", 5),
+                                                                               dtype=torch.bfloat16, method=meth))
+                                 for meth in ("standard", "gram")}, repeats, 1, torch.device("cpu"))
+        for name in schedules:
+            sched = resolve(name, 5)
+            for label, inp in (("gaussian", gauss), ("power-law 1e3", power)):
+                ref = newton_schulz_batched(inp, sched, dtype=torch.float64, method="standard")
+
+                def err(meth):
+                    o = newton_schulz_batched(inp.float(), sched, dtype=torch.bfloat16, method=meth).double()
+                    return max(((o[i] - ref[i]).norm() / ref[i].norm()).item() for i in range(count))
+
+                std, grm = err("standard"), err("gram")
+                rows.append([f"{count}x{m}x{n}", name, label, f"{std:.1e}", f"{grm:.1e}", f"{grm / std:.1f}",
+                             f"{t['standard'] * 1e3:.1f}", f"{t['gram'] / t['standard']:.2f}"])
+    return "\n".join([f"\nbf16 Gram vs standard Newton-Schulz, 5 steps ({_common.machine()})",
+                      _common.table(["batch", "schedule", "input", "standard relF", "gram relF", "gram/standard",
+                                     "standard ms", "gram time / standard"], rows),
+                      "relF: to the float64 standard iteration, worst matrix of the batch; times: keller, Gaussian"])
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["speed", "accuracy", "restarts", "spectral", "blocks"], default=None)
+    ap.add_argument("--only", choices=["speed", "accuracy", "restarts", "spectral", "gram"], default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--size", default="512x2048", help="accuracy matrix size MxN")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -238,10 +251,10 @@ def main(argv=None) -> None:
         print(accuracy(m, n))
     if args.only in (None, "restarts"):
         print(restarts(768, 3072))
+    if args.only in (None, "gram") and args.device == "cpu":
+        print(gram(args.repeats))
     if args.only in (None, "spectral") and args.device == "cpu":
         print(spectral(args.repeats))
-    if args.only in (None, "blocks") and args.device == "cpu":
-        print(blocks(args.repeats))
 
 
 if __name__ == "__main__":

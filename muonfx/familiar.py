@@ -9,7 +9,7 @@ from typing import Any, Callable, Hashable, Iterable
 import torch
 
 from .optim import TransformOptimizer
-from .options import takes_muon_options
+from .options import MeaningChangedWarning, takes_muon_options
 from .presets import adamw, default_muon_labels, muon
 
 __all__ = ["MuonOptimizer", "create_hybrid_optimizer", "model_labels", "MeaningChangedWarning"]
@@ -30,13 +30,6 @@ def model_labels(model: torch.nn.Module) -> Callable[[str, torch.Tensor], Hashab
         return "adamw" if id(p) in embedding_params else default_muon_labels(name, p)
 
     return labels
-
-
-class MeaningChangedWarning(UserWarning):
-    """An argument that the predecessor ``muon_fsdp`` read one way and muonfx reads
-    another (e.g. ``FSDPMuonOptimizer(beta2=0.99)``). Raised once per call site by
-    Python's default warning filter; silence it with
-    ``warnings.filterwarnings("ignore", category=mfx.MeaningChangedWarning)``."""
 
 
 #: The defaults of :class:`MuonOptimizer`'s AdamW fallback (:func:`create_hybrid_optimizer`'s).
@@ -88,7 +81,7 @@ class MuonOptimizer(TransformOptimizer):
 
     ``MuonOptimizer(params, lr=0.02, *, momentum=0.95, nesterov=False, ns_steps=5,
     ns_coefficients="keller", weight_decay=0.0, adjust_lr="original", eps=1e-7,
-    ns_dtype=None, ns_method="auto", mu_dtype=None, strict=False, adamw_lr=1e-3,
+    ns_dtype=None, ns_method="standard", mu_dtype=None, strict=False, adamw_lr=1e-3,
     adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=0.01)``.
 
     ``params`` is what the predecessor took (``model.parameters()``,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import warnings
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import torch
@@ -30,9 +31,17 @@ from .linalg import CoefficientSpec
 from .schedules import ScalarOrSchedule
 from .transforms import decoupled_decay, momentum as _momentum, newton_schulz, scale_by_learning_rate, scale_by_shape
 
-__all__ = ["MuonOptions", "takes_muon_options", "muon_options_of", "insert_step"]
+__all__ = ["MuonOptions", "takes_muon_options", "muon_options_of", "insert_step", "MeaningChangedWarning"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class MeaningChangedWarning(UserWarning):
+    """An argument that an earlier API read one way and muonfx reads another: the
+    predecessor ``muon_fsdp`` (e.g. ``FSDPMuonOptimizer(beta2=0.99)``) or an earlier
+    muonfx (``moonlight(eps=)``, once Adam's epsilon). Raised once per call site by
+    Python's default warning filter; silence it with
+    ``warnings.filterwarnings("ignore", category=mfx.MeaningChangedWarning)``."""
 
 Steps = dict[str, GradientTransformation]
 
@@ -57,9 +66,10 @@ class MuonOptions:
         ns_dtype: Newton-Schulz compute dtype; ``None``: the device's default
             (bfloat16 on CUDA and on CPUs with native bf16 matmul, float32 elsewhere;
             :func:`muonfx.linalg.ns_dtype_for`).
-        ns_method: ``"auto"`` (default: the fastest accurate-enough form for the shape,
-            dtype and device, :func:`muonfx.linalg.auto_method`), ``"standard"``,
-            ``"gram"`` or ``"spectral"`` (see :func:`~muonfx.newton_schulz`).
+        ns_method: ``"standard"`` (default: torch.optim.Muon's iteration), ``"gram"``,
+            ``"spectral"`` or ``"auto"`` (the fastest form for the shape, dtype and
+            device that keeps about bf16's accuracy, :func:`muonfx.linalg.auto_method`;
+            see :func:`~muonfx.newton_schulz` and ``docs/evidence.md``).
         mu_dtype: dtype of the momentum buffer (``None``: the parameter's).
 
     :meth:`steps` is Muon's named chain built from them; ``muon(**opts)`` is
@@ -83,7 +93,7 @@ class MuonOptions:
     adjust_lr: str | None = "original"
     eps: float = 1e-7
     ns_dtype: torch.dtype | None = None
-    ns_method: str = "auto"
+    ns_method: str = "standard"
     mu_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
@@ -158,6 +168,7 @@ def takes_muon_options(
     positional: bool = False,
     legacy_order: Iterable[str] = (),
     legacy_name: str = "",
+    changed: Mapping[str, str] | None = None,
 ) -> Callable[[F], F]:
     """Decorator: give a builder declared as ``f(<own params>, **options)`` the Muon options.
 
@@ -179,6 +190,12 @@ def takes_muon_options(
     ones that are still positional here: a call with too many positional arguments then raises a
     ``TypeError`` that says which keyword each extra argument must become.
 
+    ``changed`` names (by their public names) the keywords this builder once took with
+    another meaning, each with a note saying what it means now and which keyword took
+    over the old meaning: passing one with a value other than its default warns
+    (:class:`MeaningChangedWarning`, once per call site by Python's default filter), so that code
+    written for the old meaning does not silently change what it computes.
+
     Example::
 
         >>> import inspect, muonfx as mfx
@@ -192,6 +209,7 @@ def takes_muon_options(
     """
     defaults = dict(defaults or {})
     rename = dict(rename or {})
+    changed = dict(changed or {})
     exclude = set(exclude)
     for what, names in (("defaults", defaults), ("rename", rename), ("exclude", exclude)):
         unknown = sorted(set(names) - set(_FIELDS))
@@ -239,6 +257,10 @@ def takes_muon_options(
                             f"{', '.join(old[:len(extra)])} next; here they are keyword-only, so that no "
                             f"argument silently changes meaning. Pass them by keyword: {fix}") from None
                 raise TypeError(f"{fn.__qualname__}() {e}") from None
+            for name, note in changed.items():
+                if name in kwargs and kwargs[name] != full.parameters[name].default:
+                    warnings.warn(f"{fn.__qualname__}({name}={kwargs[name]!r}): {note}", MeaningChangedWarning,
+                                  stacklevel=2)
             bound.apply_defaults()
             given = bound.arguments
             return fn(*[given[n] for n in leading],

@@ -26,7 +26,7 @@ def muon(**options: Any) -> GradientTransformation:
     """Muon for matrix parameters (2-D, 3-D expert stacks, conv weights).
 
     ``muon(lr=0.02, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients="keller",
-    weight_decay=0.0, adjust_lr="original", eps=1e-7, ns_dtype=None, ns_method="auto",
+    weight_decay=0.0, adjust_lr="original", eps=1e-7, ns_dtype=None, ns_method="standard",
     mu_dtype=None)``: the options are :class:`~muonfx.MuonOptions`, defined once and
     forwarded by every builder that runs Muon. The chain, as torch.optim.Muon computes it::
 
@@ -39,11 +39,13 @@ def muon(**options: Any) -> GradientTransformation:
     meaning). Defaults follow Keller Jordan's Muon (lr 0.02, no weight decay);
     torch.optim.Muon's own defaults are lr 1e-3, weight_decay 0.1. ``ns_dtype=None``
     computes in the device's fastest accurate-enough dtype (bfloat16 on CUDA and on CPUs
-    with native bf16 matmul, float32 elsewhere: :func:`muonfx.linalg.ns_dtype_for`);
-    ``ns_method="auto"`` takes the Gram-matrix iteration (the same function, fewer flops)
-    for rectangular matrices where it pays off (see :func:`newton_schulz`). Pass
-    ``ns_dtype=torch.bfloat16, ns_method="standard"`` to reproduce torch.optim.Muon's
-    arithmetic exactly.
+    with native bf16 matmul, float32 elsewhere: :func:`muonfx.linalg.ns_dtype_for`)
+    and ``ns_method="standard"`` is torch.optim.Muon's iteration: where the default dtype
+    is bf16 (and with ``ns_dtype=torch.bfloat16`` anywhere) the Newton-Schulz output is
+    torch's bit for bit on the CPU; where it is float32 the same iteration is computed
+    with less rounding. ``ns_method="gram"`` (or ``"auto"``) takes the Gram-matrix
+    iteration, the same function in fewer flops on rectangular matrices, at up to 4x
+    bf16's rounding error (see :func:`newton_schulz` and ``docs/evidence.md``).
     State: one momentum buffer per matrix, in ``mu_dtype`` (e.g. ``torch.bfloat16`` to
     halve it) or the parameter's dtype.
 

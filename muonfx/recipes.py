@@ -60,7 +60,10 @@ __all__ = ["moonlight", "normuon", "cautious_decay", "muon_cautious", "momentum_
 # ---------------------------------------------------------------------------
 
 
-@takes_muon_options(defaults={"lr": 1e-3, "weight_decay": 0.1, "adjust_lr": "match_rms_adamw"})
+@takes_muon_options(defaults={"lr": 1e-3, "weight_decay": 0.1, "adjust_lr": "match_rms_adamw"},
+                    changed={"eps": "eps is the Newton-Schulz floor here (torch.optim.Muon's eps, default 1e-7); "
+                                    "it was Adam's epsilon in earlier muonfx versions, which is adamw_eps now "
+                                    "(default 1e-8). Pass adamw_eps= for Adam's epsilon."})
 def moonlight(
     *,
     betas: tuple[float, float] = (0.9, 0.95),
@@ -119,7 +122,9 @@ def moonlight(
 # ---------------------------------------------------------------------------
 
 
-@takes_muon_options()
+@takes_muon_options(changed={"eps": "eps is the Newton-Schulz floor here (torch.optim.Muon's eps, default "
+                                    "1e-7); it was the row normaliser's epsilon in earlier muonfx versions, which "
+                                    "is row_eps now (default 1e-10). Pass row_eps= for that."})
 def normuon(*, beta2: float = 0.95, row_eps: float = 1e-10, **muon_options: Any) -> GradientTransformation:
     """NorMuon (Li et al., 2025, "NorMuon: Making Muon more efficient and scalable").
 
@@ -128,13 +133,14 @@ def normuon(*, beta2: float = 0.95, row_eps: float = 1e-10, **muon_options: Any)
 
         "momentum"       momentum(momentum, nesterov)
         "orthogonalize"  newton_schulz(ns_steps, ns_coefficients, eps, ns_dtype)
-        "row_normalize"  row_normalize(beta2, row_eps)  per-row RMS equalised, ||.||_F kept
+        "row_normalize"  row_normalize(beta2, row_eps, mu_dtype)  per-row RMS equalised, ||.||_F kept
         "scale_by_shape" scale_by_shape(adjust_lr)
         "weight_decay"   decoupled_decay(weight_decay)
         "lr"             scale_by_learning_rate(lr)
 
     ``eps`` is the Newton-Schulz floor (as in ``muon``); ``row_eps`` is the
-    row normaliser's. Defaults follow the authors' reference ``NorMuon`` optimizer
+    row normaliser's; ``mu_dtype`` is the dtype of the momentum buffer and of the row
+    statistics. Defaults follow the authors' reference ``NorMuon`` optimizer
     (lr 0.02, momentum and beta2 0.95, Nesterov, row epsilon 1e-10, no weight decay,
     Keller's shape scale). Muon's orthogonalised update can leave rows (neurons) with
     very different magnitudes; NorMuon divides each row by the EMA of its RMS and
@@ -150,8 +156,9 @@ def normuon(*, beta2: float = 0.95, row_eps: float = 1e-10, **muon_options: Any)
         >>> list(tx.init(TensorDict({"w": torch.zeros(4, 8)}, [])))
         ['momentum', 'orthogonalize', 'row_normalize', 'scale_by_shape', 'weight_decay', 'lr']
     """
-    steps = MuonOptions(**muon_options).steps()
-    return named_chain(*insert_step(steps, "orthogonalize", "row_normalize", row_normalize(beta2, row_eps)).items())
+    opts = MuonOptions(**muon_options)
+    rows = row_normalize(beta2, row_eps, mu_dtype=opts.mu_dtype)
+    return named_chain(*insert_step(opts.steps(), "orthogonalize", "row_normalize", rows).items())
 
 
 # ---------------------------------------------------------------------------
@@ -538,7 +545,8 @@ def modded_nanogpt_normuon(*, beta2: float = 0.95, row_eps: float = 1e-10, **muo
     if callable(opts.lr):
         raise ValueError("modded_nanogpt_normuon: lr must be a number (the weight decay is scaled by lr^2); "
                          "drive it with an lr scheduler on TransformOptimizer instead of a schedule")
-    steps = insert_step(opts.steps(), "orthogonalize", "row_normalize", row_normalize(beta2, row_eps, axis="larger"))
+    steps = insert_step(opts.steps(), "orthogonalize", "row_normalize", row_normalize(beta2, row_eps, axis="larger",
+                                                                                    mu_dtype=opts.mu_dtype))
     order = ("momentum", "orthogonalize", "row_normalize", "weight_decay", "scale_by_shape", "lr")
     steps["weight_decay"] = cautious_decay(opts.weight_decay * opts.lr)
     return named_chain(*((name, steps[name]) for name in order))

@@ -567,6 +567,7 @@ def test_checkpoints_of_the_previous_release_load_and_resume(name):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore::muonfx.MeaningChangedWarning")  # the renamed floor, on purpose
 def test_checkpoints_with_the_old_epsilon_names_load_into_the_renamed_options():
     """0.1 renamed moonlight's ``eps``/``ns_eps`` to ``adamw_eps``/``eps`` and normuon's
     ``eps``/``ns_eps`` to ``row_eps``/``eps``; fsdp_muon's row ``eps`` is ``row_eps``."""

@@ -11,6 +11,7 @@ gloo on the CPU; the curves would not match.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -88,13 +89,11 @@ def test_info_prints_versions_devices_backends(env):
     # the default Newton-Schulz dtype and the method rule that goes with it
     choice = muonfx.linalg.cpu_ns_choice().dtype
     assert f"ns dtype    CPU {str(choice).replace('torch.', '')}" in out
-    rule = ("auto: the Gram iteration on rectangular m x n matrices (bf16, restarting every 3 steps"
-            if choice == torch.bfloat16 else
-            f"auto: float32, this CPU's default: bf16's accuracy kept; the spectral form (eigh of X X^T) on "
-            f"matrices whose smaller side is at least {muonfx.linalg.SPECTRAL_MIN_DIM}")
-    assert f"ns method   {rule}" in out, out
-    side, blocks = muonfx.linalg.blocked.BLOCK_ROWS[choice.itemsize]
-    assert f"ns products CPU: symmetric products by {blocks} block rows from m = {side}" in out, out
+    assert "ns method   standard (torch.optim.Muon's iteration; the default); ns_method='auto' takes " in out, out
+    auto = ("the Gram iteration on rectangular m x n matrices (bf16" if choice == torch.bfloat16 else
+            f"float32 at bf16's accuracy: the spectral form (eigh of X X^T) on matrices whose smaller side is at "
+            f"least {muonfx.linalg.SPECTRAL_MIN_DIM}")
+    assert auto in out, out
 
 
 def test_info_into_a_pipe_that_closes_early_ends_quietly(env):
@@ -402,3 +401,25 @@ def test_report_helpers(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if matplotlib were missing
     note = plot_losses(runs, tmp_path / "fallback.png", "t")
     assert "pip install matplotlib" in note and (tmp_path / "fallback.png").read_bytes()[:8] == PNG
+
+
+def test_ns_method_reaches_the_muon_groups_and_is_a_run_setting():
+    """``--ns-method`` sets the Muon presets' ns_method (every group that has one); a resumed
+    run must share it; a checkpoint from before the option resumes with ``"auto"``, the
+    default then."""
+    from muonfx.cli.args import RUN_KEYS, check_settings, resolve
+
+    model = GPT(GPTConfig(layers=1, d=16, heads=2, context=8, vocab=12))
+    for name, method in (("muon_adamw", "gram"), ("muon", "auto")):
+        opt = build_optimizer(name, model, None, 3e-3, 0.01, method)
+        methods = [g["ns_method"] for g in opt.param_groups if "ns_method" in g]
+        assert methods and set(methods) == {method}, (name, methods)
+    assert all(g.get("ns_method", "standard") == "standard"
+               for g in build_optimizer("muon_adamw", model, None, 3e-3, 0.01).param_groups)
+    assert "ns_method" in RUN_KEYS
+    assert "'ns_method' must be one of standard, gram, auto" in check_settings({"ns_method": "fast"})
+    old = resolve(argparse.Namespace(**{k: None for k in ("optimizer", "model", "lr", "context", "ns_method")}),
+                  {"optimizer": "muon_adamw"})
+    assert old.ns_method == "auto"
+    new = resolve(argparse.Namespace(**{k: None for k in ("optimizer", "model", "lr", "context", "ns_method")}))
+    assert new.ns_method == "standard"

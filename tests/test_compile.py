@@ -62,8 +62,13 @@ def test_update_compiles_once_and_matches_eager(name):
         u_c, s_comp = compiled(grads, s_comp, p_comp)
         p_eager, p_comp = mfx.apply_updates(p_eager, u_e), mfx.apply_updates(p_comp, u_c)
     assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames"
+    # the traced foreach ops round differently from the eager ones (a + (b - a) * w for
+    # lerp: an ulp here and there); Newton-Schulz passes that on. Measured (ratio to the
+    # tolerance): adamw 0, muon 0.18, muon_adamw 0.21 at rtol 1e-6 / atol 1e-7; the spectral
+    # form's float32 eigenvectors amplify it ~5x more (0.99 there): 10x its tolerance
+    rtol, atol = (1e-5, 1e-6) if name == "muon_spectral" else (1e-6, 1e-7)
     for k in p_eager.keys(True, True):
-        torch.testing.assert_close(p_comp[k], p_eager[k], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(p_comp[k], p_eager[k], rtol=rtol, atol=atol)
 
 
 def test_adapter_compile_follows_the_scheduler_without_recompiling():
@@ -536,8 +541,10 @@ def test_stateful_public_transforms_compiled_by_inductor_train_as_eager(name, mo
     eager, _ = _train_public(build, None, 6)
     compiled, opt = _train_public(build, "inductor", 6)
     assert not opt.executor._fell_back
+    # measured up to 0.34 of rtol 1e-5 / atol 1e-6 here; inductor's vector code (and its
+    # contractions into fused multiply-adds) follows the CPU's ISA: ~10x margin
     for a, b in zip(eager, compiled):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b, a, rtol=3e-5, atol=3e-6)
 
 
 def _warmup_lambda(step):

@@ -99,19 +99,33 @@ def test_a_transform_the_compiler_cannot_take_is_reported_as_stepped_eagerly():
                                          "examples"), report["compiled"]
 
 
+def _bf16_inside():
+    """A float32 transform that computes in bf16 inside: ``3 u + 1`` with bf16 operands
+    (eagerly rounded after the product and after the sum, by inductor once at the end)."""
+    def init_fn(params):
+        return mfx.EmptyState()
+
+    def update_fn(updates, state, params=None):
+        return updates.apply(lambda u: (u.bfloat16() * 3.0 + 1.0).to(u.dtype)), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
 @pytest.mark.slow
 def test_low_precision_inside_a_float32_transform_needs_its_own_tolerance():
-    """Newton-Schulz in bf16 on float32 parameters differs between two fusions by 1e-2 to
-    5e-2 of the step (measured on ten examples): beyond the default tolerance (a float32
-    transform's reorderings stay below 1e-5 of the step), within ``rtol=0.1``; with
-    float32 Newton-Schulz the default passes."""
+    """Elementwise bf16 arithmetic inside a float32 transform differs between two fusions
+    by a bf16 rounding (~4e-3 of the step): beyond the default tolerance (a float32
+    transform's reorderings stay below 1e-5 of the step), within ``rtol=0.1``. Muon with
+    bf16 Newton-Schulz needs no such tolerance on the CPU: its Newton-Schulz is one opaque
+    operator in the compiled step, the eager code bit for bit."""
     assert COMPILED_RTOL == 1e-4
-    args = dict(max_examples=3, derandomize=True, laws=["compiled"],
+    args = dict(max_examples=2, derandomize=True, laws=["compiled"],
                 params=params_and_grads(dtypes=(torch.float32,), min_ndim=2, max_ndim=2, min_leaves=2, max_leaves=2))
     assert check_transform(mfx.muon(ns_dtype=torch.float32), **args)["compiled"] == "ok"
-    assert check_transform(mfx.muon(ns_dtype=torch.bfloat16), rtol=0.1, **args)["compiled"] == "ok"
+    assert check_transform(mfx.muon(ns_dtype=torch.bfloat16), **args)["compiled"] == "ok"
+    assert check_transform(_bf16_inside(), rtol=0.1, **args)["compiled"] == "ok"
     with pytest.raises(ConformanceError, match="pass rtol= if the transform computes in a lower precision"):
-        check_transform(mfx.muon(ns_dtype=torch.bfloat16), **args)
+        check_transform(_bf16_inside(), **args)
 
 
 def test_the_backend_is_checked_before_anything_runs():

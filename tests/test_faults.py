@@ -510,10 +510,12 @@ def test_compiled_normalisation_of_huge_and_plain_matrices_is_the_eager_one(dtyp
     sched = resolve("keller", 5)
     run = torch.compile(lambda t: newton_schulz_batched(t, sched, dtype=dtype), fullgraph=True)
     out = run(huge)
-    # bf16: inductor rounds to bf16 where it stores, eager after every op; and the huge
-    # matrix rounds to other bf16 values than the plain one
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out, newton_schulz_batched(huge, sched, dtype=dtype), rtol=0, atol=tol)
+    # on the CPU the compiled Newton-Schulz is one operator running the eager code: the same bits
+    torch.testing.assert_close(out, newton_schulz_batched(huge, sched, dtype=dtype), rtol=0, atol=0)
+    # the huge matrix, scaled by 2**-100, normalises to other roundings than the plain one,
+    # which the iteration amplifies: measured 7.2e-7 (float32) and 1.2e-2 (bf16, one bf16
+    # step of the largest entries) here; another CPU's kernels round differently: ~5x
+    tol = 5e-6 if dtype == torch.float32 else 6e-2
     torch.testing.assert_close(out, run(g), rtol=0, atol=tol)
     assert out.abs().amax(dim=(-2, -1)).min() > 0.1  # no matrix zeroed
 

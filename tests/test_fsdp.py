@@ -40,10 +40,15 @@ from dist_harness import (COLLECTIVE_TIMEOUT_S, RankError, WorldTimeout, run_wor
 from muonfx.distributed import assign_owners, shard_sizes  # noqa: E402
 
 WORLD_TIMEOUT_S = 240  # a whole world (spawn + every check); hangs fail instead of stalling
-PARITY_TOL = 1e-6  # float32, standard NS iteration; see test_parity for the measured values
-# The default NS method ("auto": the Gram iteration for rectangular float32 matrices)
-# amplifies rounding noise more; measured values next to each use.
-DEFAULT_NS_TOL = 2e-5
+# float32, standard NS iteration: FSDP's reduction order (chunk sums against one sum)
+# against the single process, amplified by Newton-Schulz; measured up to 7.3e-7 (next to
+# each use). Another CPU's float32 kernels round the products differently (their own
+# 1e-6-scale floor, tests/test_parity.py): tolerance ~7x.
+PARITY_TOL = 5e-6
+# The Gram iteration (ns_method="auto" where it is taken) amplifies that noise more; and
+# the runs that average gradients over ranks or normalise rows: measured up to 4.9e-6
+# (next to each use), tolerance ~10x.
+DEFAULT_NS_TOL = 5e-5
 NS_STEPS_PER_STEP = 8  # Muon matrices in fw.Net: (qkv, proj, fc, out) x 2 blocks
 
 SHARED_TASKS = ["parity", "mixed", "odd", "ns", "global", "bad"]
@@ -132,11 +137,11 @@ def test_parity_fully_shard_transformer(request, W):
     Measured (max over parameters, this CPU, 1 thread per rank):
 
     * ``mfx.muon_adamw(ns_dtype=float32)`` (standard NS iteration, the default):
-      W=2 7.3e-7, W=3 6.2e-7 (blocks.*.proj.weight) -- tolerance 1e-6;
+      W=2 7.3e-7, W=3 6.2e-7 (blocks.*.proj.weight) -- tolerance PARITY_TOL;
     * torch.optim.AdamW, the floor: W=2 4.05e-7, W=3 3.54e-7 (blocks.0.ln.bias);
     * the same with ``ns_method="auto"`` (Gram iteration for the rectangular
       qkv/fc/out matrices): W=2 4.9e-6, W=3 4.1e-6 (blocks.*.qkv.weight) -- tolerance
-      2e-5. With identical data on every rank it is bit-exact at W=2, so this is FSDP's
+      DEFAULT_NS_TOL. With identical data on every rank it is bit-exact at W=2, so this is FSDP's
       reduction-order noise (chunk sums vs one sum), which the Gram iteration amplifies
       ~7x more than the standard one (why the standard iteration is the default).
     """
@@ -381,8 +386,8 @@ def test_hsdp_2x2_mesh(world4):
 # The floor, measured as the uninterrupted W=2 FSDP run (6 steps) vs the single process:
 # 4.2e-6 (blocks.1.qkv.weight); resumed runs measured 4.2e-6 (W=2 -> 1), 3.7e-6
 # (W=2 -> 3), 3.0e-6 (W=3 -> 2), i.e. at the floor: the reload itself is exact
-# (asserted with torch.equal). 1e-5 is ~2.4x the floor.
-CKPT_TOL = 1e-5
+# (asserted with torch.equal). Tolerance ~12x the floor (another CPU's kernels: see PARITY_TOL).
+CKPT_TOL = 5e-5
 
 
 def _assert_same_state(a: dict, b: dict, what: str) -> None:

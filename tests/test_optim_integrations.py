@@ -51,9 +51,11 @@ def clone_params(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> list[tupl
 # ---------------------------------------------------------------------------
 
 # Measured (torch 2.13 CPU, identical gradients): max over params of
-# max|p_mfx - p_torch| / max|p_torch| after 10 steps: AdamW 2.1e-7; Muon (bf16 Newton-Schulz)
-# 2.9e-7 with weight decay 0.1, 1.8e-8 without. Tolerances: 5x and 17x (as tests/test_parity.py).
-ADAMW_TOL = 1e-6
+# max|p_mfx - p_torch| / max|p_torch| after 10 steps: AdamW 2.9e-7; Muon (bf16 Newton-Schulz)
+# 2.9e-7 with weight decay 0.1, 1.8e-8 without: float32 rounding of algebraically equal
+# arithmetic, which another CPU's vector width rounds a little differently. Tolerances
+# ~17x, as tests/test_parity.py.
+ADAMW_TOL = 5e-6
 MUON_TOL = 5e-6
 
 ADAMW_SHAPES = {"w": (16, 8), "b": (8,), "s": (), "conv": (4, 3, 3, 3)}

@@ -153,7 +153,7 @@ def test_newton_schulz_routes_16_bit_work_to_the_kernels(interpreter, monkeypatc
     wide = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(5))
     out = newton_schulz_batched(square, sched, dtype=torch.bfloat16)
     assert calls == ["standard"] and out.dtype == torch.float32
-    newton_schulz_batched(wide, sched, dtype=torch.bfloat16)  # "auto": Gram pays off at n = 4m
+    newton_schulz_batched(wide, sched, dtype=torch.bfloat16, method="auto")  # Gram pays off at n = 4m
     assert calls == ["standard", "gram"]
     newton_schulz_batched(square, sched, dtype=torch.float32)  # float32: torch's products
     assert calls == ["standard", "gram"]
@@ -253,27 +253,27 @@ def test_the_first_batch_of_a_shape_measures_the_kernels_against_torch(interpret
     wide = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(11))
     with monkeypatch.context() as m:  # what each route computes
         m.setattr(triton_ns, "_switch", True)
-        kernels = {k: newton_schulz_batched(g, sched, dtype=torch.bfloat16) for k, g in (("sq", square), ("w", wide))}
+        kernels = {k: newton_schulz_batched(g, sched, dtype=torch.bfloat16, method="auto") for k, g in (("sq", square), ("w", wide))}
         m.setattr(triton_ns, "_switch", False)
-        torch_ = {k: newton_schulz_batched(g, sched, dtype=torch.bfloat16) for k, g in (("sq", square), ("w", wide))}
+        torch_ = {k: newton_schulz_batched(g, sched, dtype=torch.bfloat16, method="auto") for k, g in (("sq", square), ("w", wide))}
     calls.clear()
 
     speed.update(triton_run=2.0, torch_run=1.0)  # torch's products faster for the square shape
     with caplog.at_level(logging.INFO, logger="muonfx"):
-        first = newton_schulz_batched(square, sched, dtype=torch.bfloat16)
+        first = newton_schulz_batched(square, sched, dtype=torch.bfloat16, method="auto")
     assert torch.equal(first, kernels["sq"]) and timed == ["triton_run", "torch_run"] * triton_ns._ROUNDS
     assert triton_ns.choices() == {("cpu", torch.bfloat16, 24, 24, False, None): False}
     assert any("24 x 24" in r.getMessage() and "torch's from now on" in r.getMessage() for r in caplog.records)
     calls.clear(), timed.clear()
-    assert torch.equal(newton_schulz_batched(square, sched, dtype=torch.bfloat16), torch_["sq"])
+    assert torch.equal(newton_schulz_batched(square, sched, dtype=torch.bfloat16, method="auto"), torch_["sq"])
     assert calls == [] and timed == []
     assert not triton_ns.takes(square, torch.bfloat16, 3, False)
 
     speed.update(triton_run=1.0, torch_run=2.0)  # the kernels faster for the wide one (Gram form)
-    assert torch.equal(newton_schulz_batched(wide, sched, dtype=torch.bfloat16), kernels["w"])
+    assert torch.equal(newton_schulz_batched(wide, sched, dtype=torch.bfloat16, method="auto"), kernels["w"])
     assert triton_ns.choices()[("cpu", torch.bfloat16, 16, 64, True, 3)] is True
     calls.clear(), timed.clear()
-    assert torch.equal(newton_schulz_batched(wide, sched, dtype=torch.bfloat16), kernels["w"])
+    assert torch.equal(newton_schulz_batched(wide, sched, dtype=torch.bfloat16, method="auto"), kernels["w"])
     assert calls == ["gram_sym"] and timed == []
     # the tall orientation of the same matrices shares the choice
     assert triton_ns.takes(wide.mT, torch.bfloat16, 3, True)

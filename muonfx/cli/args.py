@@ -18,13 +18,16 @@ __all__ = ["DEFAULTS", "RUN_KEYS", "add_train_args", "resolve", "fill_lr", "vali
 DEFAULTS = dict(
     optimizer="muon_adamw", steps=300, lr=None, adamw_lr=3e-3, weight_decay=0.01, batch_size=32, model="tiny",
     context=None, seed=0, warmup=20, grad_clip=0.0, compare=None, device="auto", eval_every=50, eval_batches=16,
-    out=None, save=None, resume=None, stop_at=None, threads=0, cache_dir=None, amp="auto",
+    out=None, save=None, resume=None, stop_at=None, threads=0, cache_dir=None, amp="auto", ns_method="standard",
 )
+
+#: ``--ns-method``'s choices (the Muon presets' ``ns_method``)
+NS_METHODS = ("standard", "gram", "auto")
 
 #: settings a resumed run must share with its checkpoint (they shape the model, the
 #: optimizer state, the schedule or the data stream)
 RUN_KEYS = ("optimizer", "lr", "adamw_lr", "weight_decay", "batch_size", "model", "context", "seed", "warmup",
-            "grad_clip")
+            "grad_clip", "ns_method")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -49,6 +52,10 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"linear warm-up steps, then linear decay to 0 (default {d['warmup']})")
     g.add_argument("--grad-clip", type=float, metavar="NORM", help="clip the global gradient norm (default 0: off)")
     g.add_argument("--seed", type=int, help="model init and data order (default 0)")
+    g.add_argument("--ns-method", choices=NS_METHODS,
+                   help="Newton-Schulz form of the Muon presets: standard (torch.optim.Muon's iteration, the "
+                        "default), gram (the Gram iteration on rectangular matrices: fewer flops, up to 4x bf16's "
+                        "rounding; docs/evidence.md) or auto")
     g.add_argument("--compare", metavar="NAME",
                    help="also train NAME (e.g. adamw) with the same seed and data; write loss.png and summary.json")
     g = p.add_argument_group("where and how")
@@ -80,7 +87,7 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 #: the type of each numeric or named setting (``--resume`` reads them from a file)
 _INTS = ("steps", "batch_size", "context", "seed", "warmup", "eval_every", "eval_batches", "threads", "stop_at")
 _FLOATS = ("lr", "adamw_lr", "weight_decay", "grad_clip")
-_STRS = ("optimizer", "model", "amp", "compare")
+_STRS = ("optimizer", "model", "amp", "compare", "ns_method")
 
 
 def _type_error(k: str, v) -> str | None:
@@ -109,6 +116,8 @@ def check_settings(saved: dict) -> str | None:
                 return f"the checkpoint's setting {k!r} {err}"
     if "amp" in saved and saved["amp"] not in ("auto", "bf16", "off"):
         return f"the checkpoint's setting 'amp' must be auto, bf16 or off, got {saved['amp']!r}"
+    if "ns_method" in saved and saved["ns_method"] not in NS_METHODS:
+        return f"the checkpoint's setting 'ns_method' must be one of {', '.join(NS_METHODS)}, got {saved['ns_method']!r}"
     if "model" in saved and saved["model"] not in MODELS:
         return f"the checkpoint's setting 'model' names no model: {saved['model']!r} (known: {', '.join(sorted(MODELS))})"
     return None
@@ -116,7 +125,10 @@ def check_settings(saved: dict) -> str | None:
 
 def resolve(args: argparse.Namespace, saved: dict | None = None) -> argparse.Namespace:
     """Fill options not given: from the checkpoint's settings ``saved``, then from DEFAULTS
-    (``--lr`` stays None: :func:`fill_lr` sets it once the options are valid)."""
+    (``--lr`` stays None: :func:`fill_lr` sets it once the options are valid; a checkpoint
+    saved before ``--ns-method`` existed ran ``"auto"``, the default then)."""
+    if saved is not None and "ns_method" not in saved and getattr(args, "ns_method", None) is None:
+        args.ns_method = "auto"
     for k, v in DEFAULTS.items():
         if getattr(args, k, None) is None:
             if saved is not None and k in saved and k in RUN_KEYS + ("steps", "eval_every", "eval_batches", "amp"):

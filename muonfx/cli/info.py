@@ -194,19 +194,11 @@ def run_info(args) -> int:
     from ..linalg import SPECTRAL_MIN_DIM
 
     if choice.dtype == torch.bfloat16:
-        rule = ("the Gram iteration on rectangular m x n matrices (bf16, restarting every 3 steps, where "
-                "n > 1.5 m)")
+        auto = "the Gram iteration on rectangular m x n matrices (bf16, restarting every 3 steps, where n > 1.5 m)"
     else:
-        rule = (f"float32, this CPU's default: bf16's accuracy kept; the spectral form (eigh of X X^T) on "
-                f"matrices whose smaller side is at least {SPECTRAL_MIN_DIM}, the Gram iteration on smaller "
-                "rectangular m x n ones (no restarts, where n > 1.2 m)")
-    print(f"ns method   auto: {rule}; the standard one on the others and wherever float32 is asked for "
-          "(ns_dtype=, MUONFX_NS_DTYPE)")
-    from ..linalg.blocked import BLOCK_ROWS
-
-    side, blocks = BLOCK_ROWS[choice.dtype.itemsize]
-    print(f"ns products CPU: symmetric products by {blocks} block rows from m = {side} "
-          f"({str(choice.dtype).replace('torch.', '')}; linalg.blocked), plain below")
+        auto = (f"float32 at bf16's accuracy: the spectral form (eigh of X X^T) on matrices whose smaller side is at "
+                f"least {SPECTRAL_MIN_DIM}, the Gram iteration on smaller rectangular m x n ones (n > 1.2 m)")
+    print("ns method   standard (torch.optim.Muon's iteration; the default); ns_method='auto' takes " + auto)
     if not torch.cuda.is_available():
         cuda_products = "no GPU here"
     elif importlib.util.find_spec("triton") is None:

@@ -68,28 +68,30 @@ def default_lr(name: str, adamw_lr: float) -> float:
 
 
 def build_optimizer(name: str, model: torch.nn.Module, lr: float | None, adamw_lr: float,
-                    weight_decay: float) -> TransformOptimizer:
-    """The optimizer ``--optimizer name`` stands for, on ``model``."""
+                    weight_decay: float, ns_method: str = "standard") -> TransformOptimizer:
+    """The optimizer ``--optimizer name`` stands for, on ``model`` (``ns_method``: the
+    Newton-Schulz form of its Muon part, where it has one)."""
     err = check_optimizer(name)
     if err:
         raise ValueError(err)
     lr = default_lr(name, adamw_lr) if lr is None else lr
     if name == "muon_adamw":
         return create_hybrid_optimizer(model, muon_lr=lr, adamw_lr=adamw_lr, adamw_betas=ADAMW_BETAS,
-                                       adamw_weight_decay=weight_decay)
+                                       adamw_weight_decay=weight_decay, ns_method=ns_method)
     if name == "adamw":
         return TransformOptimizer(model.named_parameters(), presets.adamw, lr=lr, betas=ADAMW_BETAS,
                                   weight_decay=weight_decay)
     factory = getattr(presets, name)
     sig = inspect.signature(factory).parameters
+    muon_kw = {"ns_method": ns_method} if "ns_method" in sig else {}
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if "adamw_lr" in sig:  # a whole-model preset (like muon_adamw)
         extra = {"adamw_betas": ADAMW_BETAS, "adamw_weight_decay": weight_decay}
         kw = {k: v for k, v in extra.items() if k in sig}
-        return TransformOptimizer(named, factory, lr=lr, adamw_lr=adamw_lr, **kw)
+        return TransformOptimizer(named, factory, lr=lr, adamw_lr=adamw_lr, **kw, **muon_kw)
     matrices = [(n, p) for n, p in named if p.ndim >= 2]
     rest = [(n, p) for n, p in named if p.ndim < 2]
-    groups = [dict(params=matrices, tx=factory, lr=lr)]
+    groups = [dict(params=matrices, tx=factory, lr=lr, **muon_kw)]
     if rest:
         groups.append(dict(params=rest, tx=presets.adamw, lr=adamw_lr, betas=ADAMW_BETAS, weight_decay=weight_decay))
     return TransformOptimizer(groups, factory)

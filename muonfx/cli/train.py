@@ -94,7 +94,7 @@ def evaluate(model: GPT, corpus: Corpus, batches: int, batch_size: int, context:
 
 def _settings(args, name: str) -> dict:
     keys = ("lr", "adamw_lr", "weight_decay", "batch_size", "model", "context", "seed", "warmup", "grad_clip",
-            "steps", "eval_every", "eval_batches", "amp")
+            "steps", "eval_every", "eval_batches", "amp", "ns_method")
     s = {k: getattr(args, k) for k in keys}
     s["optimizer"] = name
     s["threads"] = torch.get_num_threads()  # the sums' rounding: --resume reuses it
@@ -133,7 +133,7 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
     n_params = model.num_params()
     if rt.fsdp:
         shard_model(model, rt)
-    opt = build_optimizer(name, model, lr, args.adamw_lr, args.weight_decay)
+    opt = build_optimizer(name, model, lr, args.adamw_lr, args.weight_decay, args.ns_method)
     groups = describe(opt)  # before the scheduler scales the lrs
     sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupLinear(args.warmup, args.steps))
     gen = torch.Generator().manual_seed(args.seed)

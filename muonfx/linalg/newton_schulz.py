@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .coefficients import Schedule
-from . import blocked, triton_ns
+from . import triton_ns
 from .precision import ns_dtype_for
 
 __all__ = ["newton_schulz_batched", "default_compute_dtype", "gram_pays_off", "gram_flops", "standard_flops",
@@ -89,7 +89,7 @@ def _gram(x: "torch.Tensor | list[torch.Tensor]", steps, restart: int | None) ->
     return x
 
 
-def _spectral(x: "torch.Tensor | list[torch.Tensor]", steps, blocks: int = 1) -> torch.Tensor:
+def _spectral(x: "torch.Tensor | list[torch.Tensor]", steps) -> torch.Tensor:
     """The iteration's result computed from the eigendecomposition of ``R = X X^T``.
 
     Every step maps a singular value ``s`` of ``X`` to ``p(s^2) s`` with
@@ -101,11 +101,10 @@ def _spectral(x: "torch.Tensor | list[torch.Tensor]", steps, blocks: int = 1) ->
     the exact iteration on matrices of 320 and more, ~1e-2 on a 48 x 128 matrix of
     condition 1e6, where bf16 is 0.1-1.7 away). The eigendecomposition runs in float32
     (float64 for float64 input). A matrix with a non-finite entry gives NaN, as the
-    iterations do (LAPACK would refuse it). ``blocks > 1``: the two symmetric products
-    (``R`` and ``V diag(h) V^T``) by block rows (:mod:`muonfx.linalg.blocked`).
+    iterations do (LAPACK would refuse it).
     """
     x = x.pop() if isinstance(x, list) else x  # as in _standard
-    r = blocked.product(x, x, blocks)
+    r = torch.bmm(x, x.mT)
     finite = torch.isfinite(r).all(dim=-1).all(dim=-1)
     edtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     lam, v = torch.linalg.eigh(torch.where(finite[:, None, None], r, 0).to(edtype))
@@ -117,7 +116,7 @@ def _spectral(x: "torch.Tensor | list[torch.Tensor]", steps, blocks: int = 1) ->
         h = h * p
         lam = lam * p * p
     h = torch.where(finite[:, None], h, float("nan"))
-    q = blocked.product(v * h.unsqueeze(-2), v, blocks).to(x.dtype)
+    q = torch.bmm(v * h.unsqueeze(-2), v.mT).to(x.dtype)
     return torch.bmm(q, x)
 
 
@@ -182,8 +181,10 @@ def default_restart(dtype: torch.dtype) -> int | None:
     steps is as accurate as every 2 (the published bf16 pattern) with the default keller
     schedule (relative error to the float64 iteration, 4x768x3072: 1.8e-2 vs 2.0e-2 on
     Gaussian inputs, 4.1e-2 vs 4.4e-2 at condition 1e3; standard bf16 1.0e-2 and 4.6e-2),
-    and within 2.5x of standard bf16 with polar_express; and it costs 0.84-0.86x of the
-    2+2+1 pattern's time (``benchmarks/newton_schulz.py --only restarts``)."""
+    and it costs 0.84-0.86x of the 2+2+1 pattern's time (``benchmarks/newton_schulz.py
+    --only restarts``). Against standard bf16 the error is 0.8-2.7x with keller and up to
+    4.2x with polar_express on 16 x 48 to 768 x 3072 matrices, and polar_express diverges on
+    small ill-conditioned ones (16 x 48, condition 1e3: 47 vs 0.19; ``--only gram``)."""
     return 3 if dtype in (torch.bfloat16, torch.float16) else None
 
 
@@ -222,7 +223,7 @@ def newton_schulz_batched(
     schedule: Schedule,
     eps: float = 1e-7,
     dtype: torch.dtype | None = None,
-    method: str = "auto",
+    method: str = "standard",
     restart: int | None = None,
     accuracy: str = "dtype",
 ) -> torch.Tensor:
@@ -232,16 +233,19 @@ def newton_schulz_batched(
     (:func:`muonfx.linalg.ns_dtype_for`: bfloat16 on CUDA and on CPUs with native bf16
     matmul, float32 elsewhere, float64 for float64 input).
 
-    ``method``: ``"standard"`` (the iteration above), ``"gram"`` (iterate on the
+    ``method``: ``"standard"`` (default: the iteration above, torch.optim.Muon's
+    products, bit for bit its result in bf16 on the CPU), ``"gram"`` (iterate on the
     ``m x m`` Gram matrix, mathematically the same function), ``"spectral"`` (the same
     function evaluated on the eigendecomposition of the Gram matrix, see
     :func:`_spectral`; float32 or float64 eigenvectors whatever the compute dtype), or
-    ``"auto"`` (default, :func:`auto_method`: in 16-bit dtypes the Gram form where it
-    needs fewer flops counting its restarts, see :func:`gram_pays_off`, i.e. rectangular
-    matrices with ``n > 1.5 m``; there it is within 2.5x of the standard form's rounding
-    error. In float32 and float64 the standard form, unless ``accuracy="bf16"``: there
-    the Gram and spectral forms' errors (up to ~1e-3 relative to the exact iteration;
-    standard float32 ~1e-5) are far above the dtype's own).
+    ``"auto"`` (:func:`auto_method`: in 16-bit dtypes the Gram form where it needs fewer
+    flops counting its restarts, see :func:`gram_pays_off`, i.e. rectangular matrices
+    with ``n > 1.5 m``. Its rounding error in bf16 is 0.8-4.2x the standard form's on
+    the shapes measured, and with ``polar_express`` on small ill-conditioned matrices it
+    can diverge: ``benchmarks/newton_schulz.py --only gram``. In float32 and float64 the
+    standard form, unless ``accuracy="bf16"``: there the Gram and spectral forms' errors
+    (up to ~1e-3 relative to the exact iteration; standard float32 ~1e-5) are far above
+    the dtype's own).
 
     ``accuracy``: the accuracy ``"auto"`` must keep. ``"dtype"`` (default): that of the
     compute dtype, as above. ``"bf16"``: bfloat16's, what ``torch.optim.Muon`` computes:
@@ -284,7 +288,7 @@ class NewtonSchulz:
     """
 
     def __init__(self, schedule: Schedule, eps: float = 1e-7, dtype: torch.dtype | None = None,
-                 method: str = "auto", restart: int | None = None, accuracy: str = "dtype") -> None:
+                 method: str = "standard", restart: int | None = None, accuracy: str = "dtype") -> None:
         if method not in METHODS:
             raise ValueError(f"unknown Newton-Schulz method {method!r}; use 'standard', 'gram', 'spectral' or 'auto'")
         if accuracy not in ACCURACIES:
@@ -309,39 +313,36 @@ class NewtonSchulz:
                     "gram" if gram_pays_off(m, n, len(schedule.steps), restart) else "standard")
             else:
                 method = "gram" if low and gram_pays_off(m, n, len(schedule.steps), restart) else "standard"
-        use_gram = method == "gram"
+        if torch.compiler.is_compiling() and g.device.type == "cpu" and not triton_ns.available(g):
+            # traced on the CPU (the executor's compiled step): normalisation, iteration and
+            # cast are one opaque operator that runs the eager code, so the compiled step
+            # computes what the eager one does, bit for bit (inductor would keep the norm
+            # in float32 and split the fused products: 1e-2 apart in bf16, not torch's)
+            return torch.ops.muonfx.newton_schulz(g, [float(c) for abc in schedule.steps for c in abc],
+                                                  float(schedule.safety), float(self.eps), cdtype, method,
+                                                  int(restart or 0))
         # one batched call; the normalised input is handed over in a list (see _standard), so
         # the iteration holds the only reference and frees it with its first new iterate
         tall = g.shape[-2] > g.shape[-1]
-        # blocked.block_count(min(m, n), device, cdtype), inline (hot path): how many block
-        # rows the symmetric products take (1: the plain batched products)
-        side, blocks = blocked.BLOCK_ROWS.get(cdtype.itemsize, blocked.BLOCK_ROWS[4])
-        if g.device.type != "cpu" or min(g.shape[-2], g.shape[-1]) < side:
-            blocks = 1
+        steps, safety, eps = schedule.steps, schedule.safety, self.eps
         x = None
         if method == "spectral":
-            x = _spectral([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps, blocks)
-        elif low and triton_ns.takes(g, cdtype, restart, use_gram):
+            x = _spectral([_normalized(g, safety, eps, cdtype, tall)], steps)
+        elif low and triton_ns.takes(g, cdtype, restart, method == "gram"):
             # the same iteration with symmetric Triton products (CUDA); None: use torch's
-            x = triton_ns.orthogonalize([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps, restart,
-                                        use_gram)
+            x = triton_ns.orthogonalize([_normalized(g, safety, eps, cdtype, tall)], steps, restart, method == "gram")
         if x is None:
-            if blocks > 1:
-                # large CPU matrices: the symmetric products by block rows, up to the diagonal
-                x = blocked.orthogonalize([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps,
-                                          restart, use_gram, blocks)
-            elif use_gram:
-                x = _gram([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps, restart)
+            if method == "gram":
+                x = _gram([_normalized(g, safety, eps, cdtype, tall)], steps, restart)
             else:
-                x = _standard([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps)
+                x = _standard([_normalized(g, safety, eps, cdtype, tall)], steps)
         if tall:
             x = x.mT
         if torch.compiler.is_compiling():
-            # traced (the executor's compiled step): the cast stays a pointwise op that the
-            # compiler fuses into whatever reads the result (scale, decay, the parameter
+            # traced (the executor's compiled step on CUDA): the cast stays a pointwise op that
+            # the compiler fuses into whatever reads the result (scale, decay, the parameter
             # update), so no float32 copy of the batch is written and read back; the layout
-            # is the compiler's to choose (measured on the CPU, MoE set: the step's
-            # elementwise kernels 22.8 -> 14.5 ms)
+            # is the compiler's to choose
             return x.to(g.dtype)
         if x.dtype == g.dtype:
             return x.contiguous()
@@ -350,7 +351,23 @@ class NewtonSchulz:
         return torch.empty(x.shape, dtype=g.dtype, device=x.device).copy_(x)
 
 
-def _normalized(g: torch.Tensor, schedule: Schedule, eps: float, cdtype: torch.dtype, tall: bool) -> torch.Tensor:
+@torch.library.custom_op("muonfx::newton_schulz", mutates_args=())
+def _newton_schulz_op(g: torch.Tensor, coefficients: list[float], safety: float, eps: float, dtype: torch.dtype,
+                      method: str, restart: int) -> torch.Tensor:
+    """The operator ``torch.compile`` sees on the CPU: :class:`NewtonSchulz`'s eager call
+    (``coefficients`` are the ``(a, b, c)`` triples flattened, ``method`` resolved, ``restart``
+    0 for none); the result in ``g``'s dtype, contiguous."""
+    steps = tuple(tuple(coefficients[i:i + 3]) for i in range(0, len(coefficients), 3))
+    return NewtonSchulz(Schedule(steps, safety), eps, dtype, method, restart or None)(g)
+
+
+@_newton_schulz_op.register_fake
+def _(g: torch.Tensor, coefficients: list[float], safety: float, eps: float, dtype: torch.dtype, method: str,
+      restart: int) -> torch.Tensor:
+    return g.new_empty(g.shape)  # contiguous, g's dtype
+
+
+def _normalized(g: torch.Tensor, safety: float, eps: float, cdtype: torch.dtype, tall: bool) -> torch.Tensor:
     """``g`` in ``cdtype``, wide, divided by ``max(||g||_F * safety, eps)``: a new tensor.
 
     A float16 batch's norms are taken in float32: float16's range (65504) is too small
@@ -369,7 +386,7 @@ def _normalized(g: torch.Tensor, schedule: Schedule, eps: float, cdtype: torch.d
         down = torch.where(torch.isinf(norm), 2.0 ** -100, 1.0).to(x.dtype)
         x = x * down  # a new tensor: x may alias g when no cast happened
         norm = torch.where(down < 1, torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=wide), norm)
-        den = norm * schedule.safety
+        den = norm * safety
         return x.div_(torch.where(down < 1, den, den.clamp_min(eps)))
     # out-of-place division: x may alias g when no cast happened
-    return x / (norm * schedule.safety).clamp_min(eps)
+    return x / (norm * safety).clamp_min(eps)

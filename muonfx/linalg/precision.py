@@ -5,13 +5,18 @@ bfloat16 everywhere; muonfx runs them in bfloat16 where bfloat16 matmul is fast 
 float32 where it is not:
 
 * CUDA: bfloat16 (tensor cores; several times float32's rate).
-* CPU: decided once per process. bfloat16 when this CPU multiplies bfloat16 matrices
-  natively (it announces AVX512-BF16, AMX-BF16 or Arm BF16, and ``ONEDNN_MAX_CPU_ISA``
-  does not cap oneDNN below them: about 2x float32's rate there), float32 where bf16 would
-  be emulated (about half float32's rate) or is unsafe. On an Intel CPU whose oneDNN might
-  pick AMX instructions that its virtual machine forbids (SIGILL), a bf16 ``bmm`` is
-  first tried in a subprocess (about a second, once), so the check can never kill the
-  caller. No timing: the default must not depend on the machine's load.
+* CPU: decided once per process, bfloat16 where oneDNN's bf16 matmul is the faster one:
+
+  - AMD and Arm CPUs that announce native bf16 (AVX512-BF16, Arm BF16) and whose
+    ``ONEDNN_MAX_CPU_ISA`` leaves it on: bf16 (about 2x float32's rate on an AMD EPYC);
+  - Intel CPUs: bf16 only with AMX (AMX-BF16 announced, oneDNN not capped below it, and a
+    bf16 ``bmm`` that runs in a probe process: a VM that forbids AMX kills it with SIGILL,
+    so the check can never kill the caller). Without AMX, oneDNN's AVX512-BF16 matmul ran
+    slower than float32 (a Sapphire Rapids capped at ``AVX512_CORE_BF16``: 14.4 against
+    8.8 ms for 1024 x 1024), so float32 there;
+  - everywhere else float32 (bf16 would be emulated: about half float32's rate).
+
+  No timing: the default must not depend on the machine's load.
 * float64 input: float64 (a reference computation asked for it).
 * any other device: float32.
 
@@ -167,22 +172,27 @@ def _isa_cap_allows_bf16(cap: str | None) -> bool:
     return cap in ("ALL", "DEFAULT") or any(word in cap for word in ("BF16", "FP16", "AMX", "AVX10"))
 
 
-def _may_pick_amx(vendor: str, machine: str, cap: str | None) -> bool:
-    """Whether oneDNN might use AMX here: an Intel x86 CPU with no cap below AMX."""
+def _may_pick_amx(vendor: str, machine: str, cap: str | None, flags: set[str] | None = None) -> bool:
+    """Whether oneDNN might use AMX here: an Intel x86 CPU (announcing AMX-BF16, where the
+    flags are given) with no cap below AMX."""
     if vendor != "GenuineIntel" or machine not in ("x86_64", "AMD64"):
+        return False
+    if flags is not None and "amx_bf16" not in flags:
         return False
     return not cap or cap.upper() in ("ALL", "DEFAULT") or "AMX" in cap.upper() or "AVX10" in cap.upper()
 
 
 def _decide_cpu(cpu: tuple[str, set[str]], onednn_isa: str | None, machine: str,
                 bf16_runs=None) -> CpuChoice:
-    """The rule: native bf16 (the CPU announces it and oneDNN's cap leaves it on) -> bf16,
-    after a subprocess check where oneDNN might pick AMX that a VM forbids; else float32.
+    """The rule: bf16 where oneDNN's bf16 matmul is native and fast (AMD's and Arm's native
+    bf16; Intel's only with AMX, after a subprocess check that the VM allows AMX); else
+    float32.
 
     A flag rule, not a timing: the default must not change with the machine's load (a
     timing under load can flip it, and training would silently change numerics). On the
-    CPUs measured, native bf16 matmul runs at about 2x float32 and emulated bf16 at about
-    half (docs/performance.md); ``muonfx info`` times both on the machine at hand.
+    CPUs measured, AMD's native bf16 matmul runs at about 2x float32, Intel's AVX512-BF16
+    without AMX below float32, emulated bf16 at about half; ``muonfx info`` times both on
+    the machine at hand.
     """
     vendor, flags = cpu
     if not _NATIVE_FLAGS & flags:
@@ -191,12 +201,15 @@ def _decide_cpu(cpu: tuple[str, set[str]], onednn_isa: str | None, machine: str,
     if not _isa_cap_allows_bf16(onednn_isa):
         return CpuChoice(torch.float32, f"ONEDNN_MAX_CPU_ISA={onednn_isa} turns native bf16 kernels off: "
                                         "bf16 would be emulated")
-    if _may_pick_amx(vendor, machine, onednn_isa):
-        runs = (bf16_runs or _bf16_runs_in_subprocess)()
-        if not runs:
+    if vendor == "GenuineIntel" and machine in ("x86_64", "AMD64"):
+        if not _may_pick_amx(vendor, machine, onednn_isa, flags):
+            why = (f"ONEDNN_MAX_CPU_ISA={onednn_isa} keeps AMX off" if "amx_bf16" in flags
+                   else "this Intel CPU has no AMX")
+            return CpuChoice(torch.float32, f"{why}: Intel's AVX512-BF16 matmul without AMX ran slower than float32")
+        if not (bf16_runs or _bf16_runs_in_subprocess)():
             return CpuChoice(torch.float32, "bf16 matmul failed in a probe process (an AMX-capable CPU whose VM "
-                                            "forbids AMX? set ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16)")
-        return CpuChoice(torch.bfloat16, "native bf16 matmul (checked in a probe process)")
+                                            "forbids AMX? ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 avoids the crash)")
+        return CpuChoice(torch.bfloat16, "native bf16 matmul with AMX (checked in a probe process)")
     return CpuChoice(torch.bfloat16, "native bf16 matmul (" + ", ".join(sorted(_NATIVE_FLAGS & flags)) + ")")
 
 

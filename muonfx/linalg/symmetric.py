@@ -9,9 +9,9 @@ Every ``m x m`` product of the iterations is symmetric:
 
 A *symmetric product* is a function ``product(x, y=None, alpha=1.0, beta=0.0, c0=None)``
 returning ``alpha * X Y^T + beta * C0`` for batches ``[B, m, k]`` (``y`` defaults to
-``x``; ``c0`` is ``[B, m, m]``) whose result is known to be symmetric. Two exist: the
-Triton tiles of :mod:`muonfx.linalg.triton_ns` (CUDA) and the block rows of
-:mod:`muonfx.linalg.blocked` (CPU). :func:`standard` and :func:`gram` are the iterations of
+``x``; ``c0`` is ``[B, m, m]``) whose result is known to be symmetric: the Triton tiles of
+:mod:`muonfx.linalg.triton_ns` (CUDA), and :func:`plain`, the full product (the
+reference). :func:`standard` and :func:`gram` are the iterations of
 :mod:`muonfx.linalg.newton_schulz` (same order of operations) on any of them.
 """
 

@@ -10,6 +10,7 @@ from tensordict import TensorDict
 
 from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
 from ..hyperparams import check, check_float_dtype
+from ._dtypes import narrow, widen
 
 
 class ScaleByAdamState(NamedTuple):
@@ -36,7 +37,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         m <- lerp(m, g, 1 - b1);   v <- b2 * v + (1 - b2) * g * g
         out = m_hat / (sqrt(v) / sqrt(1 - b2^t) + eps),    m_hat = m / (1 - b1^t)
 
-    Defaults are torch's. ``mu_dtype`` stores both moments in that dtype. Two
+    Defaults are torch's. ``mu_dtype`` stores both moments in that dtype; each moment's
+    arithmetic runs in the wider of it and the update's dtype (float32 moments of bf16
+    parameters accumulate in float32), the output has the update's dtype. Two
     variants other libraries compute, by name:
 
     * ``nesterov=True``: NAdam as optax computes it (``optax.nadamw``, and the 1-D
@@ -69,24 +72,27 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         keys, gs = leaves(updates)
         ms = aligned(state.mu, keys, "adam state (mu)", like=gs)
         vs = aligned(state.nu, keys, "adam state (nu)")
-        ms_c = [m if m.dtype == g.dtype else m.to(g.dtype) for m, g in zip(ms, gs)]
-        vs_c = [v if v.dtype == g.dtype else v.to(g.dtype) for v, g in zip(vs, gs)]
+        # each moment's arithmetic in the wider of its dtype and the update's (float32
+        # moments of bf16 gradients accumulate in float32); the output in the update's
+        ms_c, gs_c, back = widen(ms, gs)
+        vs_c = vs if back is None else narrow(vs, [m.dtype for m in ms_c])
         t = state.count + 1
-        new_m = foreach("lerp", ms_c, gs, 1.0 - b1)
+        new_m = foreach("lerp", ms_c, gs_c, 1.0 - b1)
         new_v = foreach("mul", vs_c, b2)
-        foreach("addcmul_", new_v, gs, gs, value=1.0 - b2)  # new_v is this update's own tensor
+        foreach("addcmul_", new_v, gs_c, gs_c, value=1.0 - b2)  # new_v is this update's own tensor
         # out = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps) = (sqrt(bc2) / bc1) * m / (sqrt(v) + eps * sqrt(bc2))
         bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
         den = foreach("sqrt", new_v)
         foreach("add_", den, eps if eps_before_bias_correction else eps * math.sqrt(bc2))
         if nesterov:  # bc1 * m_hat = b1 * m * bc1 / (1 - b1^(t+1)) + (1 - b1) * g
             num = foreach("mul", new_m, b1 * bc1 / (1.0 - b1 ** (t + 1)))
-            foreach("add_", num, gs, alpha=1.0 - b1)
+            foreach("add_", num, gs_c, alpha=1.0 - b1)
         else:
             num = new_m
         out = foreach("div", num, den)
         foreach("mul_", out, math.sqrt(bc2) / bc1)
-        store = lambda new, old: [n if n.dtype == o.dtype else n.to(o.dtype) for n, o in zip(new, old)]  # noqa: E731
-        return build(keys, out), ScaleByAdamState(t, build(keys, store(new_m, ms)), build(keys, store(new_v, vs)))
+        if back is not None:
+            out, new_m, new_v = narrow(out, back[1]), narrow(new_m, back[0]), narrow(new_v, back[0])
+        return build(keys, out), ScaleByAdamState(t, build(keys, new_m), build(keys, new_v))
 
     return LeafwiseTransformation(init_fn, update_fn)

@@ -9,6 +9,7 @@ from tensordict import TensorDict
 
 from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
 from ..hyperparams import check, check_float_dtype
+from ._dtypes import narrow, widen
 
 
 class MomentumState(NamedTuple):
@@ -31,9 +32,12 @@ def momentum(beta: float = 0.95, nesterov: bool = False, mu_dtype: torch.dtype |
         out = m                       (nesterov=False)
         out = lerp(g, m, beta)        (nesterov=True, the torch.optim.Muon form)
 
-    Defaults follow torch.optim.Muon (``beta=0.95``). With ``mu_dtype`` (e.g.
-    ``torch.bfloat16``) the buffer is stored in that dtype and the arithmetic runs
-    in the update's dtype.
+    Defaults follow torch.optim.Muon (``beta=0.95``). With ``mu_dtype`` the buffer is
+    stored in that dtype and its arithmetic runs in the wider of it and the update's
+    dtype: ``torch.float32`` with bf16 parameters accumulates in float32 (a bf16 EMA
+    stops moving once ``(1 - beta) (g - m)`` is below half a bf16 step);
+    ``torch.bfloat16`` with float32 parameters halves the buffer, computed in float32
+    and rounded once when stored. The output has the update's dtype.
 
     Example::
 
@@ -55,11 +59,13 @@ def momentum(beta: float = 0.95, nesterov: bool = False, mu_dtype: torch.dtype |
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
         ms = aligned(state.mu, keys, "momentum state (mu)", like=gs)
-        ms_c = [m if m.dtype == g.dtype else m.to(g.dtype) for m, g in zip(ms, gs)]
-        new_m = foreach("ema", ms_c, gs, beta)  # lerp(m, g, 1 - beta)
-        out = foreach("lerp", gs, new_m, beta) if nesterov else new_m
-        stored = [n if n.dtype == m.dtype else n.to(m.dtype) for n, m in zip(new_m, ms)]
-        return build(keys, out), MomentumState(build(keys, stored))
+        # the buffer's arithmetic in the wider dtype (float32 mu of bf16 grads: float32)
+        ms_c, gs_c, back = widen(ms, gs)
+        new_m = foreach("ema", ms_c, gs_c, beta)  # lerp(m, g, 1 - beta)
+        out = foreach("lerp", gs_c, new_m, beta) if nesterov else new_m
+        if back is not None:  # the buffer in its dtype, the output in the update's
+            out, new_m = narrow(out, back[1]), narrow(new_m, back[0])
+        return build(keys, out), MomentumState(build(keys, new_m))
 
     return LeafwiseTransformation(init_fn, update_fn)
 
@@ -126,15 +132,16 @@ def bias_corrected_momentum(beta: float = 0.95, nesterov: bool = True,
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
         ms = aligned(state.mu, keys, "bias_corrected_momentum state (mu)")
-        ms_c = [m if m.dtype == g.dtype else m.to(g.dtype) for m, g in zip(ms, gs)]
+        ms_c, gs_c, back = widen(ms, gs)  # as in momentum: the buffer's arithmetic in the wider dtype
         t = state.count + 1
-        new_m = foreach("lerp", ms_c, gs, 1.0 - beta)
+        new_m = foreach("lerp", ms_c, gs_c, 1.0 - beta)
         if nesterov:
             out = foreach("mul", new_m, beta / (1.0 - beta ** (t + 1)))
-            foreach("add_", out, gs, alpha=(1.0 - beta) / (1.0 - beta**t))
+            foreach("add_", out, gs_c, alpha=(1.0 - beta) / (1.0 - beta**t))
         else:
             out = foreach("mul", new_m, 1.0 / (1.0 - beta**t))
-        stored = [n if n.dtype == m.dtype else n.to(m.dtype) for n, m in zip(new_m, ms)]
-        return build(keys, out), BiasCorrectedMomentumState(t, build(keys, stored))
+        if back is not None:
+            out, new_m = narrow(out, back[1]), narrow(new_m, back[0])
+        return build(keys, out), BiasCorrectedMomentumState(t, build(keys, new_m))
 
     return LeafwiseTransformation(init_fn, update_fn)

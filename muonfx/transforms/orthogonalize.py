@@ -37,7 +37,7 @@ def newton_schulz(
     eps: float = 1e-7,
     dtype: torch.dtype | None = None,
     safety: float | None = None,
-    method: str = "auto",
+    method: str = "standard",
 ) -> GradientTransformation:
     """Replace each matrix by an approximate polar factor (``U V^T`` of its SVD).
 
@@ -61,17 +61,22 @@ def newton_schulz(
             apply to transforms built later). The output keeps the update's dtype.
         safety: normalisation safety factor; ``None`` uses the preset's (1.02 for
             polar_express, else 1).
-        method: ``"auto"`` (default), ``"standard"``, ``"gram"`` or ``"spectral"``.
+        method: ``"standard"`` (default), ``"gram"``, ``"spectral"`` or ``"auto"``.
+            ``"standard"`` is torch.optim.Muon's iteration: in bf16 on the CPU its
+            result bit for bit (the same fused products), eagerly and compiled.
             ``"gram"`` iterates on the small ``m x m`` Gram matrix; ``"spectral"``
             evaluates the same function on the Gram matrix's eigendecomposition (each
             eigenvalue goes through the schedule's polynomials, then one product
             applies the result). ``"auto"`` (:func:`muonfx.linalg.auto_method`) takes
             the fastest of them that keeps the accuracy of the precision it runs in:
 
-            * bf16/fp16 (given or the device's default): rectangular matrices with
-              ``n > 1.5 m`` (restarting every 3 steps). It differs from the exact
-              iteration by ~2e-2 against standard bf16's ~1e-2, both 5-20x below the
-              5-step schedule's own distance to the exact polar factor (0.09-0.45).
+            * bf16/fp16 (given or the device's default): the Gram form on rectangular
+              matrices with ``n > 1.5 m`` (restarting every 3 steps). Its distance to
+              the exact iteration is 0.8-2.7x standard bf16's with keller, up to 4.2x
+              with polar_express (16 x 48 to 768 x 3072), below the 5-step schedule's
+              own distance to the exact polar factor (0.09-0.45); polar_express on
+              small ill-conditioned matrices can diverge (``benchmarks/newton_schulz.py
+              --only gram``). It needs 70-93 % of the standard flops there.
             * float32 as the device's default (``dtype=None`` and no process-wide pin,
               on a CPU that emulates bf16): the spectral form on matrices whose
               smaller side is at least 320 (:data:`muonfx.linalg.SPECTRAL_MIN_DIM`;
@@ -86,8 +91,7 @@ def newton_schulz(
               amplifies small input perturbations more (FSDP2 reduction-order noise
               grows from ~7e-7 to ~5e-6 over 10 steps).
 
-            ``"standard"`` computes what torch.optim.Muon computes. See
-            :func:`muonfx.linalg.newton_schulz_batched` and
+            See :func:`muonfx.linalg.newton_schulz_batched` and
             :func:`muonfx.linalg.auto_method`.
 
     A matrix whose float32 (or bfloat16) norm overflows (entries of ~1e19 and more) is
@@ -120,7 +124,7 @@ def newton_schulz(
     # the transform computes the same thing at every step whatever the setting later says
     pinned = pinned_ns_dtype() if dtype is None else None
     # no dtype asked for: the device's default, which promises bf16's accuracy (what
-    # torch.optim.Muon computes), so "auto" may take the Gram form in float32 too
+    # torch.optim.Muon computes), so "auto" (asked for) may take the Gram form in float32 too
     accuracy = "bf16" if dtype is None and pinned is None else "dtype"
 
     def init_fn(params):

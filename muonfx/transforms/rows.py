@@ -9,7 +9,8 @@ from tensordict import TensorDict
 
 from .. import seam
 from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
-from ..hyperparams import check
+from ..hyperparams import check, check_float_dtype
+from ._dtypes import widen
 from ._matrix import matrix_dims
 
 
@@ -40,7 +41,8 @@ def _reduce_dim(axis: str, view: torch.Tensor) -> int:
     return -2 if axis == "larger" and view.shape[-2] < view.shape[-1] else -1
 
 
-def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows") -> GradientTransformation:
+def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows",
+                  mu_dtype: torch.dtype | None = None) -> GradientTransformation:
     """NorMuon-style neuron-wise normalisation of an orthogonalised update.
 
     Formula, per matrix ``O`` (rows ``i``)::
@@ -48,6 +50,10 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows")
         v_i <- lerp(v_i, mean_j O_ij^2, 1 - beta2)
         P   =  O / (sqrt(v) + eps)                 (row-wise)
         out =  P * ||O||_F / ||P||_F               (keeps Muon's update norm)
+
+    ``mu_dtype`` stores the statistics ``v`` in that dtype (``None``: the parameter's);
+    they are computed in the wider of it and the update's dtype (float32 statistics of
+    bf16 parameters accumulate in float32), the output has the update's dtype.
 
     ``axis="larger"`` keeps one statistic per index of the larger dimension, as
     modded-nanogpt's NorMuon does: per row for tall and square matrices, per column
@@ -72,13 +78,15 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows")
         torch.Size([8, 16])
     """
     beta2, eps = check("beta2", beta2), check("eps", eps)
+    check_float_dtype("mu_dtype", mu_dtype)
     if axis not in AXES:
         raise ValueError(f"row_normalize: axis must be one of {AXES}, got {axis!r}")
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
         views = [_rows_view(k, p) for k, p in zip(keys, ps)]
-        return RowNormalizeState(build(keys, [torch.zeros_like(v.select(_reduce_dim(axis, v), 0)) for v in views]))
+        return RowNormalizeState(build(keys, [torch.zeros_like(v.select(_reduce_dim(axis, v), 0), dtype=mu_dtype)
+                                              for v in views]))
 
     def update_fn(updates, state, params=None):
         keys, us = leaves(updates)
@@ -88,12 +96,13 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows")
         os_ = [_rows_view(k, u).mT if f else _rows_view(k, u) for k, u, f in zip(keys, us, flips)]
         # per-row sums of squares, then per-matrix [||O||^2, ||P||^2]: two seam reductions
         # for all leaves (on shards: one collective each at most, none for row shards' rows)
-        row_sq = seam.sum_over([o.square() for o in os_], (-1,))
+        # the statistics' arithmetic in the wider of their dtype and the update's
+        vs_c, os_c, _ = widen(vs, os_)
+        row_sq = seam.sum_over([o.square() for o in os_c], (-1,))
         new_vs, scales, pairs = [], [], []
         # v <- lerp(v, mean_sq, 1 - beta2) as foreach's "ema": traced, beta2 stays an operand
         # (a schedule of it recompiles nothing on torch 2.10 / 2.11)
-        nvs = foreach("ema", [v.to(o.dtype) for o, v in zip(os_, vs)],
-                      [rs.squeeze(-1) / o.shape[-1] for o, rs in zip(os_, row_sq)], beta2)
+        nvs = foreach("ema", vs_c, [rs.squeeze(-1) / o.shape[-1] for o, rs in zip(os_, row_sq)], beta2)
         for o, v, rs, nv in zip(os_, vs, row_sq, nvs):
             s = (nv.sqrt() + eps).unsqueeze(-1)
             new_vs.append(nv.to(v.dtype))
@@ -104,6 +113,7 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows")
         for k, u, o, s, tot, f in zip(keys, us, os_, scales, totals, flips):
             ratio = tot[..., :1].sqrt() / tot[..., 1:].sqrt().clamp_min(torch.finfo(o.dtype).tiny)
             out = o / s * ratio
+            out = out if out.dtype == u.dtype else out.to(u.dtype)
             outs.append((out.mT if f else out).reshape(u.shape))
         return build(keys, outs), RowNormalizeState(build(keys, new_vs))
 
