@@ -14,15 +14,16 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from .. import seam
-from .plan import assign_owners, shard_sizes
+from .overview import describe
+from .plan import assign_owners, ns_flops, shard_sizes
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
     from .backend import CommStats, DTensorBackend
 
-__all__ = ["install", "uninstall", "check_params", "comm_stats", "pick_backend", "BACKEND", "CommStats",
-           "DTensorBackend", "assign_owners", "shard_sizes"]
+__all__ = ["install", "uninstall", "check_params", "comm_stats", "pick_backend", "describe", "BACKEND",
+           "CommStats", "DTensorBackend", "assign_owners", "ns_flops", "shard_sizes"]
 
 _LAZY = ("BACKEND", "CommStats", "DTensorBackend")
 
@@ -77,19 +78,25 @@ def comm_stats() -> CommStats:
 
 
 def _ranks(t: DTensor) -> tuple[int, ...]:
-    return tuple(sorted(t.device_mesh.mesh.flatten().tolist()))
+    """The ranks of the mesh ``t``'s matrices are exchanged over (see ``layout.lifted``)."""
+    from .layout import lifted
+
+    return tuple(sorted(lifted(t.device_mesh, t.placements)[0].mesh.flatten().tolist()))
 
 
 def check_params(names: Sequence[str], params: Sequence[torch.Tensor], reference: DTensor | None = None) -> DTensor | None:
     """Refuse DTensor parameters the adapter cannot serve, naming the parameter.
 
-    Served: placements made of ``Shard(d)`` and ``Replicate()`` on meshes that span
-    the same ranks. Refused (``ValueError``): ``Partial`` placements, strided shards
-    from nested parallelism, and meshes over different rank sets. Every rank raises
-    the same error before any communication, so none hangs. Returns the first
-    DTensor seen (the reference for later groups).
+    Served: placements made of ``Shard(d)``, ``_StridedShard(d)`` (``fully_shard`` on
+    top of tensor parallelism) and ``Replicate()``, on meshes of any number of dims
+    that span the same ranks, or are named slices of one such mesh (``mesh["dp"]``). Refused (``ValueError``): ``Partial`` placements and
+    meshes over different rank sets. Every rank raises the same error before any
+    communication, so none hangs. Returns the first DTensor seen (the reference for
+    later groups).
     """
     from torch.distributed.tensor import DTensor
+
+    from .layout import placement_key
 
     for name, p in zip(names, params):
         if not isinstance(p, DTensor):
@@ -98,11 +105,10 @@ def check_params(names: Sequence[str], params: Sequence[torch.Tensor], reference
             if pl.is_partial():
                 raise ValueError(f"parameter {name!r} has a Partial placement {p.placements}; "
                                  "muonfx needs Shard/Replicate parameters (reduce the Partial first)")
-            if pl.is_shard() and type(pl).__name__ != "Shard":
-                raise ValueError(f"parameter {name!r} has placement {pl!r} ({type(pl).__name__}), which "
-                                 "muonfx cannot map to whole matrices; use plain Shard/Replicate placements")
-            if not (pl.is_shard() or pl.is_replicate()):
-                raise ValueError(f"parameter {name!r} has unsupported placement {pl!r}")
+            try:
+                placement_key(pl)
+            except ValueError:
+                raise ValueError(f"parameter {name!r} has unsupported placement {pl!r}") from None
         if reference is None:
             reference = p
         elif _ranks(p) != _ranks(reference):
