@@ -23,6 +23,7 @@ Per-rank traffic and work are counted in :attr:`DTensorBackend.stats`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -45,9 +46,11 @@ class CommStats:
 
     ``bytes_sent`` / ``bytes_received`` count what crossed to or from other ranks in
     the matrix exchange (in the exchange dtype); ``collectives`` its all-to-alls (two
-    per bucket); ``buckets`` the buckets; ``reductions`` the all-reduces of
-    :meth:`DTensorBackend.sum_over`; ``plans`` the exchange plans made (once per set of
-    stacks); ``matrices_orthogonalized`` the matrices this rank transformed."""
+    per bucket); ``buckets`` the buckets; ``wait_seconds`` the time this rank spent
+    blocked waiting for them (what the overlap did not hide); ``reductions`` the
+    all-reduces of :meth:`DTensorBackend.sum_over`; ``plans`` the exchange plans made
+    (once per set of stacks); ``matrices_orthogonalized`` the matrices this rank
+    transformed."""
 
     elements_sent: int = 0
     elements_received: int = 0
@@ -55,6 +58,7 @@ class CommStats:
     bytes_received: int = 0
     collectives: int = 0
     buckets: int = 0
+    wait_seconds: float = 0.0
     reductions: int = 0
     plans: int = 0
     matrices_orthogonalized: int = 0
@@ -63,6 +67,7 @@ class CommStats:
     def reset(self) -> None:
         self.elements_sent = self.elements_received = self.bytes_sent = self.bytes_received = 0
         self.collectives = self.buckets = self.reductions = self.plans = self.matrices_orthogonalized = 0
+        self.wait_seconds = 0.0
         self.shapes = []
 
 
@@ -176,8 +181,14 @@ class DTensorBackend:
         plan, prog, group = self.planned(stacks, views, dtype)
         locals_ = [s.to_local() for s in stacks]
         outs = [torch.empty_like(loc) for loc in locals_]
-        # each wait is bounded by the process group's timeout (the one the user set)
-        run_program(prog, fn, stacks, locals_, outs, dtype, group, self.stats, lambda work: work.wait())
+        stats = self.stats
+
+        def wait(work) -> None:  # bounded by the process group's timeout (the one the user set)
+            t0 = time.perf_counter()
+            work.wait()
+            stats.wait_seconds += time.perf_counter() - t0
+
+        run_program(prog, fn, stacks, locals_, outs, dtype, group, stats, wait)
         self.stats.buckets += plan.buckets
         return [_from_local(o, s) for o, s in zip(outs, stacks)]
 
