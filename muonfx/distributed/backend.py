@@ -97,6 +97,14 @@ def mesh_group(mesh) -> tuple[Any, tuple[int, ...]]:
     return group, ranks
 
 
+def comm_device(mesh) -> torch.device:
+    """Where the collectives over ``mesh`` run: this rank's GPU for a CUDA mesh (also
+    when FSDP2 keeps the shards on the host, ``CPUOffloadPolicy``), else the CPU."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 @dataclass
 class _Planned:
     plan: ExchangePlan
@@ -158,7 +166,7 @@ class DTensorBackend:
             layouts.append(stack_layout(tuple(s.shape), tuple(mesh.mesh.shape), keys))
             ranks.append([dist.get_group_rank(group, r) for r in mesh_group(mesh)[1]])
         # every rank checks the layouts against every rank's local shapes (once per plan)
-        device = stacks[0].to_local().device
+        device = comm_device(views[0][0])
         mine = torch.tensor([d for s in stacks for d in s.to_local().shape], dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine, group=group)
@@ -188,7 +196,7 @@ class DTensorBackend:
             work.wait()
             stats.wait_seconds += time.perf_counter() - t0
 
-        run_program(prog, fn, stacks, locals_, outs, dtype, group, stats, wait)
+        run_program(prog, fn, stacks, locals_, outs, dtype, group, stats, wait, comm_device(views[0][0]))
         self.stats.buckets += plan.buckets
         return [_from_local(o, s) for o, s in zip(outs, stacks)]
 
@@ -207,8 +215,11 @@ class DTensorBackend:
             parts = [fn(t.to_local()) for t in ts]
             dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
             s = torch.stack([p.to(dtype) for p in parts]).sum()
+            if dims:
+                s = s.to(comm_device(mesh))
             for md in dims:
                 dist.all_reduce(s, group=mesh.get_group(md))
+            s = s.to(parts[0].device)
             total = s if total is None else total + s.to(total.device)
         return total if total is not None else torch.zeros(())
 
@@ -219,6 +230,7 @@ class DTensorBackend:
         are sharded; the summed dims come back replicated, the other placements kept."""
         parts = []  # (local sum, mesh, placements, logical shape)
         pending: dict = {}
+        devices: dict = {}
         for i, t in enumerate(tensors):
             nd = t.ndim
             ds = tuple(sorted({d % nd for d in dims}))
@@ -235,10 +247,14 @@ class DTensorBackend:
             parts.append((local, t.device_mesh, placements, shape))
             for md in over:
                 pg = t.device_mesh.get_group(md)
-                pending.setdefault((id(pg), local.dtype, local.device), (pg, []))[1].append(i)
-        for pg, idx in pending.values():
-            flat = torch.cat([parts[i][0].reshape(-1) for i in idx])
+                key = (id(pg), local.dtype, local.device)
+                pending.setdefault(key, (pg, []))[1].append(i)
+                devices[key] = comm_device(t.device_mesh)
+        for (pg, idx), dev in zip(pending.values(), devices.values()):
+            home = parts[idx[0]][0].device
+            flat = torch.cat([parts[i][0].reshape(-1) for i in idx]).to(dev)
             dist.all_reduce(flat, group=pg)
+            flat = flat.to(home)
             self.stats.reductions += 1
             for i, piece in zip(idx, flat.split([parts[i][0].numel() for i in idx])):
                 parts[i] = (piece.view(parts[i][0].shape),) + parts[i][1:]

@@ -139,17 +139,18 @@ class _Counter:
 
 def run_program(prog: RankProgram, fn: MatrixFn, stacks: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor],
                 outs: Sequence[torch.Tensor], dtype: torch.dtype, group, stats,
-                wait: Callable[[object], None]) -> None:
+                wait: Callable[[object], None], device: torch.device) -> None:
     """Transform the matrices of ``locals_`` (the stacks' local tensors) as ``prog``
     says, writing this rank's pieces of the results into ``outs`` (tensors shaped like
-    ``locals_``); ``dtype`` is the exchange dtype, ``wait(work)`` waits for a collective."""
-    device = locals_[0].device if locals_ else torch.device("cpu")
+    ``locals_``); ``dtype`` is the exchange dtype, ``wait(work)`` waits for a collective,
+    ``device`` the one the collectives and the owners' work run on (the mesh's: a GPU
+    under NCCL also when FSDP2 offloads the shards to the host)."""
     count = _Counter(stats, prog.me, torch.empty((), dtype=dtype).element_size())
     W = prog.world
 
     def a2a(parts: list[torch.Tensor], send_splits: list[int], recv_splits: list[int]):
         if parts:
-            send = torch.cat([p if p.dtype == dtype else p.to(dtype) for p in parts])
+            send = torch.cat([p.to(device=device, dtype=dtype) for p in parts])
         else:
             send = torch.empty(0, dtype=dtype, device=device)
         recv = torch.empty(sum(recv_splits), dtype=dtype, device=device)
@@ -168,13 +169,14 @@ def run_program(prog: RankProgram, fn: MatrixFn, stacks: Sequence[torch.Tensor],
         parts = []
         for s, js in prog.local:
             loc = locals_[s]
-            parts.append(loc if len(js) == loc.shape[0] else loc[torch.tensor(js, device=loc.device)])
+            part = loc if len(js) == loc.shape[0] else loc[torch.tensor(js, device=loc.device)]
+            parts.append(part.to(device))
         results = local_map_matrices(fn, parts)
         for (s, js), res in zip(prog.local, results):
             if len(js) == outs[s].shape[0]:
                 outs[s].copy_(res)
             else:
-                outs[s][torch.tensor(js, device=res.device)] = res.to(outs[s].dtype)
+                outs[s][torch.tensor(js, device=outs[s].device)] = res.to(device=outs[s].device, dtype=outs[s].dtype)
         stats.matrices_orthogonalized += sum(len(js) for _, js in prog.local)
 
     backs: list = []
