@@ -33,7 +33,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from muonfx.distributed.layout import stack_layout  # noqa: E402
-from muonfx.distributed.plan import ns_flops, plan_exchange  # noqa: E402
+from muonfx.distributed.plan import plan_exchange  # noqa: E402
 
 NVLINK = 450e9  # bytes/s per direction per GPU (H100 SXM, NVLink 4)
 IB = 50e9  # bytes/s per direction per GPU (NDR 400 Gb/s)

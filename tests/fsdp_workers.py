@@ -459,7 +459,7 @@ def task_bad(rank: int, world: int) -> dict:
 
     mesh2 = init_device_mesh("cpu", (world, 1), mesh_dim_names=("all", "solo"))
     mesh = mesh2["all"]
-    solo = mesh2["solo"]  # a 1-rank slice: {rank}; lifted to mesh2, it is a replica over "all"
+    solo = mesh2["solo"]  # a 1-rank slice: {rank}; next to parameters on mesh2, a replica over "all"
     first = DeviceMesh("cpu", [0])  # a mesh over rank 0 alone, sliced from nothing
     out: dict = {}
 
@@ -490,9 +490,9 @@ def task_bad(rank: int, world: int) -> dict:
     except ValueError as e:
         out["meshes_fsdp_muon"] = str(e)
 
-    # a 1-rank named slice next to the whole mesh: served (replicated over "all")
+    # a 1-rank named slice of mesh2 next to a parameter on mesh2: served (replicated over "all")
     sliced = nn.Module()
-    sliced.shared = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]))
+    sliced.shared = nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh2, [Shard(0), Replicate()]))
     sliced.lonely = nn.Parameter(distribute_tensor(torch.ones(4, 4), solo, [Replicate()]))
     opt = mfx.TransformOptimizer(sliced.named_parameters(), mfx.muon, lr=0.02, ns_dtype=torch.float32)
     for p in sliced.parameters():

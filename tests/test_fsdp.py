@@ -557,9 +557,9 @@ def test_checkpoint_across_world_sizes(world2, world3, world2_resume, ckpt_root)
 def test_refused_parameters_raise_on_every_rank(request, W):
     """A Partial placement, and a mesh over rank 0 alone next to the full mesh: a
     ValueError naming the parameter on every rank, before any collective (the world
-    finished: nobody hung). A 1-rank *named slice* of the full mesh is served instead:
-    it is the same tensor replicated over the other mesh dim (one step of muon on a
-    ones gradient moves every entry alike, on every rank)."""
+    finished: nobody hung). A 1-rank *named slice* of a mesh that other parameters live
+    on is served instead: it is the same tensor replicated over the other mesh dim (one
+    step of muon on a ones gradient moves every entry alike, on every rank)."""
     res = get_world(request, W)
     for r in range(W):
         bad = res[r]["bad"]

@@ -105,14 +105,14 @@ def _raise(err: BaseException | None, failed: list[int], what: str, group) -> No
 
 def step_group(ref) -> tuple[Any, torch.device] | None:
     """The process group and flag device of a step's agreement for an optimizer whose
-    first DTensor parameter is ``ref``; None where there is nothing to agree (no
+    DTensor parameter on the largest mesh is ``ref``
+    (:func:`muonfx.distributed.check_params`); None where there is nothing to agree (no
     DTensor, no process group, or one rank)."""
     if ref is None or not dist.is_initialized():
         return None
     from .backend import mesh_group
-    from .layout import lifted
 
-    group, ranks = mesh_group(lifted(ref.device_mesh, ref.placements)[0])
+    group, ranks = mesh_group(ref.device_mesh)
     if len(set(ranks)) == 1:
         return None
     if ref.device_mesh.device_type == "cuda":

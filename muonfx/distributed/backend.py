@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from ..linalg.batching import batch_bytes
 from ..seam import MatrixFn, ScalarFn, compute_dtype
 from .exchange import RankProgram, rank_program, run_program
-from .layout import is_cut, lifted, stack_layout
+from .layout import is_cut, largest, lifted, mesh_ranks, stack_layout
 from .plan import ExchangePlan, plan_exchange
 
 __all__ = ["DTensorBackend", "CommStats", "BACKEND", "mesh_group"]
@@ -86,7 +86,7 @@ def mesh_group(mesh) -> tuple[Any, tuple[int, ...]]:
     hit = _GROUPS.get(id(mesh))
     if hit is not None and hit[0] is mesh:
         return hit[1], hit[2]
-    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    ranks = mesh_ranks(mesh)
     if sorted(ranks) == list(range(dist.get_world_size())):
         group = dist.group.WORLD
     elif mesh.ndim == 1:
@@ -128,11 +128,12 @@ class DTensorBackend:
         # of first appearance (the same on every rank: the stacks are)
         jobs: dict[tuple, list[int]] = {}
         views = []
+        onto = largest([s.device_mesh for s in stacks])
         for i, s in enumerate(stacks):
             if any(p.is_partial() for p in s.placements):
                 raise ValueError(f"map_matrices: Partial placements {s.placements} cannot be orthogonalised; "
                                  "reduce them first")
-            mesh, keys = lifted(s.device_mesh, s.placements)
+            mesh, keys = lifted(s.device_mesh, s.placements, onto)
             views.append((mesh, keys))
             # sent both ways in the dtype fn computes in where it is narrower (seam.compute_dtype:
             # bf16 Newton-Schulz on float32 shards sends half the bytes, same results)
@@ -196,7 +197,7 @@ class DTensorBackend:
             work.wait()
             stats.wait_seconds += time.perf_counter() - t0
 
-        run_program(prog, fn, stacks, locals_, outs, dtype, group, stats, wait, comm_device(views[0][0]))
+        run_program(prog, fn, locals_, outs, dtype, group, stats, wait, comm_device(views[0][0]))
         self.stats.buckets += plan.buckets
         return [_from_local(o, s) for o, s in zip(outs, stacks)]
 

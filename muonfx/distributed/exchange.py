@@ -137,9 +137,8 @@ class _Counter:
         st.collectives += 1
 
 
-def run_program(prog: RankProgram, fn: MatrixFn, stacks: Sequence[torch.Tensor], locals_: Sequence[torch.Tensor],
-                outs: Sequence[torch.Tensor], dtype: torch.dtype, group, stats,
-                wait: Callable[[object], None], device: torch.device) -> None:
+def run_program(prog: RankProgram, fn: MatrixFn, locals_: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                dtype: torch.dtype, group, stats, wait: Callable[[object], None], device: torch.device) -> None:
     """Transform the matrices of ``locals_`` (the stacks' local tensors) as ``prog``
     says, writing this rank's pieces of the results into ``outs`` (tensors shaped like
     ``locals_``); ``dtype`` is the exchange dtype, ``wait(work)`` waits for a collective,

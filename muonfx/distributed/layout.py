@@ -23,7 +23,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["Runs", "StackLayout", "stack_layout", "placement_key", "is_cut", "runs_len", "root_mesh", "lifted"]
+__all__ = ["Runs", "StackLayout", "stack_layout", "placement_key", "is_cut", "runs_len", "root_mesh", "mesh_ranks",
+           "is_slice_of", "largest", "lifted"]
 
 #: contiguous index runs ``((start, stop), ...)`` in local order
 Runs = tuple[tuple[int, int], ...]
@@ -160,28 +161,55 @@ def root_mesh(mesh):
     return _mesh_resources.get_root_mesh(mesh)
 
 
-def lifted(mesh, placements: Sequence) -> tuple[object, tuple[tuple, ...]]:
-    """``mesh`` and the :func:`placement_key` of ``placements``, lifted to the mesh it was
-    sliced from where the slice's dims are named dims of it: a parameter that
-    ``fully_shard`` placed on the ``"dp"`` slice of a ``("dp", "tp")`` mesh is the same
-    tensor as one placed on the whole mesh with ``Replicate()`` on ``"tp"``. Its matrices
+def mesh_ranks(mesh) -> tuple[int, ...]:
+    """The global ranks of ``mesh``, in its flattened (row-major) order."""
+    return tuple(int(r) for r in mesh.mesh.flatten().tolist())
+
+
+def is_slice_of(mesh, onto) -> bool:
+    """True when ``mesh`` is a named slice of ``onto`` (or ``onto`` itself): sliced from the
+    same mesh, its dim names among ``onto``'s, its ranks among ``onto``'s."""
+    if mesh is onto:
+        return True
+    names, onto_names = getattr(mesh, "mesh_dim_names", None), getattr(onto, "mesh_dim_names", None)
+    if not names or not onto_names or len(set(names)) != len(names) or not set(names) <= set(onto_names):
+        return False
+    return root_mesh(mesh) is root_mesh(onto) and set(mesh_ranks(mesh)) <= set(mesh_ranks(onto))
+
+
+def largest(meshes: Sequence) -> object:
+    """The mesh with the most ranks (then the most dims; then the first): the one the
+    others are lifted onto (:func:`lifted`). The same on every rank."""
+    best = None
+    for m in meshes:
+        if best is None or (m.mesh.numel(), m.ndim) > (best.mesh.numel(), best.ndim):
+            best = m
+    return best
+
+
+def lifted(mesh, placements: Sequence, onto=None) -> tuple[object, tuple[tuple, ...]]:
+    """``mesh`` and the :func:`placement_key` of ``placements``, lifted onto the mesh
+    ``onto`` where ``mesh`` is a named slice of it (:func:`is_slice_of`): a parameter that
+    ``fully_shard`` placed on the ``"dp"`` slice of a ``("dp", "tp")`` mesh, next to
+    tensor-parallel parameters on the whole mesh, is the same tensor on every ``"tp"``
+    rank, i.e. one placed on the whole mesh with ``Replicate()`` on ``"tp"``. Its matrices
     then join the exchange over the whole mesh (each transformed once in the world)
-    instead of being repeated by every ``"tp"`` replica. Other meshes stay as they are.
+    instead of being repeated by every ``"tp"`` replica. ``onto`` is the largest mesh of
+    the parameters served together (never a mesh none of them is on: ranks of another
+    pipeline stage hold other parameters). Other meshes stay as they are.
 
-    Example (the slices are made up of names only)::
+    Example (meshes made up of names and ranks only)::
 
+        >>> import torch
         >>> from types import SimpleNamespace as NS
-        >>> root = NS(mesh_dim_names=("dp", "tp"), _get_root_mesh=lambda: root)
-        >>> dp = NS(mesh_dim_names=("dp",), _get_root_mesh=lambda: root)
-        >>> lifted(dp, [("S", 0)])[1]
+        >>> root = NS(mesh_dim_names=("dp", "tp"), mesh=torch.arange(4).view(2, 2), ndim=2)
+        >>> root._get_root_mesh = lambda: root
+        >>> dp = NS(mesh_dim_names=("dp",), mesh=torch.tensor([0, 2]), ndim=1, _get_root_mesh=lambda: root)
+        >>> lifted(dp, [("S", 0)], onto=root)[1]
         (('S', 0), ('R',))
     """
     keys = tuple(p if isinstance(p, tuple) else placement_key(p) for p in placements)
-    root = root_mesh(mesh)
-    if root is mesh:
+    if onto is None or mesh is onto or not is_slice_of(mesh, onto):
         return mesh, keys
-    names, root_names = getattr(mesh, "mesh_dim_names", None), getattr(root, "mesh_dim_names", None)
-    if not names or not root_names or not set(names) <= set(root_names) or len(set(names)) != len(names):
-        return mesh, keys
-    by_name = dict(zip(names, keys))
-    return root, tuple(by_name.get(n, ("R",)) for n in root_names)
+    by_name = dict(zip(mesh.mesh_dim_names, keys))
+    return onto, tuple(by_name.get(n, ("R",)) for n in onto.mesh_dim_names)

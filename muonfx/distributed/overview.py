@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..linalg.batching import batch_bytes
-from .layout import lifted, stack_layout
+from .layout import largest, lifted, stack_layout
 from .plan import ExchangePlan, plan_exchange
 
 __all__ = ["describe", "Description"]
@@ -116,6 +116,8 @@ def describe(source: torch.optim.Optimizer | torch.nn.Module | Iterable[tuple[st
     world = 1
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         world = torch.distributed.get_world_size()
+    onto = largest([p.device_mesh for n, p in named if type(p).__name__ == "DTensor" and p.ndim >= 2
+                    and label(n, p) == "muon"])
     for name, p in named:
         row: dict[str, Any] = {"parameter": name, "shape": tuple(p.shape)}
         is_dt = type(p).__name__ == "DTensor"
@@ -142,7 +144,7 @@ def describe(source: torch.optim.Optimizer | torch.nn.Module | Iterable[tuple[st
             row["Newton-Schulz"] = "its matrix view cuts a flattened dim: redistributed by DTensor first"
             rows.append(row)
             continue
-        mesh, keys = lifted(p.device_mesh, keys)
+        mesh, keys = lifted(p.device_mesh, keys, onto)
         device_type = mesh.device_type
         ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
         world = max(world, max(ranks) + 1)

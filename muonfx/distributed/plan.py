@@ -185,10 +185,10 @@ def plan_exchange(layouts: Sequence[StackLayout], ranks: Sequence[Sequence[int]]
                 _, rows, cols = lay.pieces[pos]
                 if rows and cols:
                     pieces.append(Piece(ranks[si][pos], lj, rows, cols))
-            mats.append((si, j, m, n, pieces, lay, si))
-    weights = [ns_flops(m, n) for (_, _, m, n, _, _, _) in mats]
+            mats.append((si, j, m, n, pieces, lay))
+    weights = [ns_flops(m, n) for (_, _, m, n, _, _) in mats]
     candidates, held = [], []
-    for (_, _, m, n, pieces, _, _) in mats:
+    for (_, _, m, n, pieces, _) in mats:
         whole = sorted({p.rank for p in pieces if p.numel == m * n})
         any_ = sorted({p.rank for p in pieces})
         candidates.append(whole or any_)
@@ -199,7 +199,7 @@ def plan_exchange(layouts: Sequence[StackLayout], ranks: Sequence[Sequence[int]]
     owners = _lpt(weights, candidates, world, held)
 
     plans = []
-    for (si, j, m, n, pieces, lay, _), owner in zip(mats, owners):
+    for (si, j, m, n, pieces, lay), owner in zip(mats, owners):
         own = next((p for p in pieces if p.rank == owner), None)
         coords_of = {ranks[si][pos]: lay.coords(pos) for pos in range(len(lay.pieces))}
         distinct: dict[tuple, list[Piece]] = {}
