@@ -14,6 +14,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
 
 import muonfx as mfx  # noqa: E402
 
@@ -117,6 +118,8 @@ def step_faults(rank: int, world: int, bad_rank: int = 1) -> dict:
     * ``ns_steps``: ``ns_steps=0`` in its param group (a number its transform refuses);
     * ``ns_method``: ``ns_method="bogus"`` (a static setting: the transform cannot be built);
     * ``grad_none``: ``grad=None`` for ``0.weight`` while the other ranks have one;
+    * ``grad_layout``: a gradient for ``0.weight`` laid out otherwise than the parameter
+      (replicated where the parameter is a row shard: same shape, another local piece);
     then ``none_everywhere``: ``grad=None`` for ``0.weight`` on every rank (a consistent
     skip: that parameter does not move, the others do)."""
     model = _model(world)
@@ -126,15 +129,19 @@ def step_faults(rank: int, world: int, bad_rank: int = 1) -> dict:
     opt.zero_grad()
     out: dict = {}
     for fault, key, value in (("ns_steps", "ns_steps", 0), ("ns_method", "ns_method", "bogus"),
-                              ("grad_none", None, None)):
+                              ("grad_none", None, None), ("grad_layout", None, None)):
         _backward(model, rank)
         group = opt.param_groups[0]
         old = group.get(key) if key else None
         if rank == bad_rank:
             if key:
                 group[key] = value
-            else:
+            elif fault == "grad_none":
                 model[0].weight.grad = None
+            else:  # the whole gradient, replicated, where the parameter is a row shard
+                w = model[0].weight
+                model[0].weight.grad = DTensor.from_local(torch.zeros(w.shape), w.device_mesh,
+                                                          [Replicate()], run_check=False)
         out[fault] = _attempt(opt, model)
         if key:
             group[key] = old

@@ -626,6 +626,8 @@ def test_rank_local_faults_raise_on_every_rank_before_any_collective():
       RankFailed naming rank 1, within 10 s (measured: a few ms; before, rank 0 waited in
       the all-to-all until gloo's timeout);
     * ``ns_method="bogus"`` (its transform cannot be built): the same;
+    * a gradient for ``0.weight`` replicated where the parameter is a row shard (the same
+      shape, another local piece): the same, the error naming the parameter and the shapes;
     * ``grad=None`` for ``0.weight`` while rank 0 has a gradient (was gloo's "collective
       mismatch" abort): both ranks raise GradientsDiffer with the same message, naming the
       parameter and the ranks.
@@ -637,12 +639,13 @@ def test_rank_local_faults_raise_on_every_rank_before_any_collective():
     import fault_workers as fw
 
     res = run_world(fw.step_faults, 2, timeout=180)
-    for fault, match in (("ns_steps", "ns steps must be an int"), ("ns_method", "unknown method 'bogus'")):
+    for fault, match in (("ns_steps", "ns steps must be an int"), ("ns_method", "unknown method 'bogus'"),
+                         ("grad_layout", "parameter '0.weight': this rank's gradient shard has shape (16, 16)")):
         kind, msg = res[1][fault]["error"]
         assert kind == "ValueError" and match in msg, res[1][fault]
         kind, msg = res[0][fault]["error"]
         assert kind == "RankFailed" and "step() failed on rank(s) [1]" in msg, res[0][fault]
-    for fault in ("ns_steps", "ns_method", "grad_none"):
+    for fault in ("ns_steps", "ns_method", "grad_none", "grad_layout"):
         for r in range(2):
             got = res[r][fault]
             assert got["unchanged"] and got["seconds"] < 10 and got["next_step_moved"], (r, fault, got)
