@@ -9,7 +9,8 @@ them): the tests compare with single-process CPU references. Multi-rank runs on 
 * ``worker`` is a *top-level* (picklable) function ``worker(rank, world_size, *args,
   **kwargs)``; it runs in a fresh ``spawn``-ed process per rank, inside an initialised
   gloo process group (rendezvous through a ``FileStore`` in a temporary directory,
-  collective timeout 60 s so a mismatched collective errors instead of hanging).
+  collective timeout 60 s, or ``collective_timeout``, so a mismatched collective errors
+  instead of hanging).
 * Each rank's return value is ``torch.save``-d and handed back: ``results[rank]``.
 * If a rank raises, its traceback is re-raised in the parent as :class:`RankError`
   (the other ranks get a few seconds to finish or fail, then are killed).
@@ -60,7 +61,8 @@ class WorldTimeout(RuntimeError):
     """The world did not finish in time; every rank was killed."""
 
 
-def _entry(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, args: tuple, kwargs: dict) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, args: tuple, kwargs: dict,
+           collective_timeout: float = COLLECTIVE_TIMEOUT_S) -> None:
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     # The worlds are gloo on the CPU whatever the machine: hide GPUs from the ranks (before
     # anything initialises CUDA), so that no default (FSDP2's mesh, torch.accelerator) picks
@@ -72,7 +74,7 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, arg
     try:
         store = dist.FileStore(os.path.join(workdir, "store"), world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                                timeout=timedelta(seconds=collective_timeout))
         try:
             result = fn(rank, world_size, *args, **kwargs)
             tmp_path = os.path.join(workdir, f"result_{rank}.pt.tmp")
@@ -89,14 +91,16 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, workdir: str, arg
     os._exit(code)  # skip interpreter teardown (atexit handlers of torch/gloo)
 
 
-def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+              collective_timeout: float = COLLECTIVE_TIMEOUT_S, **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return
-    the ranks' results in rank order. See the module docstring."""
+    the ranks' results in rank order. ``collective_timeout``: the process group's timeout
+    (seconds). See the module docstring."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     workdir = tempfile.mkdtemp(prefix="mfx_world_")
     ctx = tmp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, workdir, args, kwargs), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, workdir, args, kwargs, collective_timeout), daemon=True)
              for r in range(world_size)]
     try:
         for p in procs:

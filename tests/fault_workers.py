@@ -1,5 +1,5 @@
-"""Rank functions for the distributed cases of ``test_faults_cli.py`` (run with
-``dist_harness.run_world``; gloo on the CPU)."""
+"""Rank functions for the distributed cases of ``test_faults_cli.py`` and
+``test_faults.py`` (run with ``dist_harness.run_world``; gloo on the CPU)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
 
 import muonfx as mfx  # noqa: E402
 
@@ -64,6 +65,35 @@ def rank_local_error(rank: int, world: int, bad_rank: int, hold_s: float) -> dic
     _backward(model, rank)
     if rank == bad_rank:
         opt.param_groups[0]["lr"] = "abc"
+    out = _attempt(opt, model)
+    if rank == bad_rank:
+        time.sleep(hold_s)
+    return out
+
+
+def agreement_cost(rank: int, world: int, steps: int = 30, d: int = 64) -> dict:
+    """Seconds of the step's agreement (gather, checks and the one all-reduce) and of a
+    whole step of TransformOptimizer(mfx.muon_adamw) on an FSDP2 model, median of ``steps``."""
+    from muonfx.distributed.agree import agreed_work, step_group
+
+    model = _model(world, d)
+    opt = mfx.TransformOptimizer(model.named_parameters(), mfx.muon_adamw, lr=0.02)
+    _backward(model, rank, d)
+    group = step_group(opt._dtensor_ref)
+    times: dict = {"agree": [], "step": []}
+    for i in range(2 * steps + 2):
+        which = "agree" if i % 2 else "step"
+        dist.barrier()
+        t0 = time.perf_counter()
+        agreed_work(opt.records, opt.param_groups, *group) if which == "agree" else opt.step()
+        if i >= 2:
+            times[which].append(time.perf_counter() - t0)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def _attempt(opt, model) -> dict:
+    """One ``opt.step()``: its error (type name, message) or None, its seconds, and
+    whether every parameter and state tensor stayed as it was."""
     before = _locals(model)
     state_before = _state_locals(opt)
     t0 = time.perf_counter()
@@ -78,27 +108,74 @@ def rank_local_error(rank: int, world: int, bad_rank: int, hold_s: float) -> dic
     out["unchanged"] = (all(torch.equal(before[n], p.to_local()) for n, p in model.named_parameters())
                         and state_before.keys() == state_after.keys()
                         and all(torch.equal(state_before[k], state_after[k]) for k in state_before))
-    if rank == bad_rank:
-        time.sleep(hold_s)
     return out
 
 
-def agreement_cost(rank: int, world: int, steps: int = 30, d: int = 64) -> dict:
-    """Seconds per FSDPMuonOptimizer step with and without the error agreement (the
-    flag all-reduce), interleaved, median of ``steps`` steps each."""
-    model = _model(world, d)
-    opt = mfx.FSDPMuonOptimizer(model, lr=0.02)
-    _backward(model, rank, d)
-    plain = type(opt).__mro__[1].step  # TransformOptimizer.step: no agreement
-    times: dict = {"agree": [], "plain": []}
-    for i in range(2 * steps + 2):
-        which = "agree" if i % 2 else "plain"
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.step() if which == "agree" else plain(opt)
-        if i >= 2:
-            times[which].append(time.perf_counter() - t0)
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+def step_faults(rank: int, world: int, bad_rank: int = 1) -> dict:
+    """TransformOptimizer(mfx.muon_adamw) on an FSDP2 model (4 Linear layers), one good
+    step, then faults on ``bad_rank`` alone, each followed by a good step:
+
+    * ``ns_steps``: ``ns_steps=0`` in its param group (a number its transform refuses);
+    * ``ns_method``: ``ns_method="bogus"`` (a static setting: the transform cannot be built);
+    * ``grad_none``: ``grad=None`` for ``0.weight`` while the other ranks have one;
+    * ``grad_layout``: a gradient for ``0.weight`` laid out otherwise than the parameter
+      (replicated where the parameter is a row shard: same shape, another local piece);
+    then ``none_everywhere``: ``grad=None`` for ``0.weight`` on every rank (a consistent
+    skip: that parameter does not move, the others do)."""
+    model = _model(world)
+    opt = mfx.TransformOptimizer(model.named_parameters(), mfx.muon_adamw, lr=0.02)
+    _backward(model, rank)
+    opt.step()
+    opt.zero_grad()
+    out: dict = {}
+    for fault, key, value in (("ns_steps", "ns_steps", 0), ("ns_method", "ns_method", "bogus"),
+                              ("grad_none", None, None), ("grad_layout", None, None)):
+        _backward(model, rank)
+        group = opt.param_groups[0]
+        old = group.get(key) if key else None
+        if rank == bad_rank:
+            if key:
+                group[key] = value
+            elif fault == "grad_none":
+                model[0].weight.grad = None
+            else:  # the whole gradient, replicated, where the parameter is a row shard
+                w = model[0].weight
+                model[0].weight.grad = DTensor.from_local(torch.zeros(w.shape), w.device_mesh,
+                                                          [Replicate()], run_check=False)
+        out[fault] = _attempt(opt, model)
+        if key:
+            group[key] = old
+        opt.zero_grad()
+        _backward(model, rank)  # fresh gradients on every rank (a forward is collective under FSDP2)
+        before = _locals(model)
+        opt.step()  # the step after a refused one runs on every rank
+        opt.zero_grad()
+        out[fault]["next_step_moved"] = all(not torch.equal(before[n], p.to_local())
+                                            for n, p in model.named_parameters() if p.to_local().numel())
+    _backward(model, rank)
+    model[0].weight.grad = None
+    before = _locals(model)
+    opt.step()
+    out["none_everywhere"] = {n: not torch.equal(before[n], p.to_local()) for n, p in model.named_parameters()}
+    return out
+
+
+def user_timeout(rank: int, world: int, late_s: float) -> dict:
+    """Rank 1 reaches ``step()`` ``late_s`` seconds late (a hung data loader); the process
+    group's timeout (the harness's, set by the test) bounds rank 0's wait in the step's
+    first collective, the agreement."""
+    model = _model(world)
+    opt = mfx.TransformOptimizer(model.named_parameters(), mfx.muon_adamw, lr=0.02)
+    _backward(model, rank)
+    if rank == 1:
+        time.sleep(late_s)
+    t0 = time.perf_counter()
+    try:
+        opt.step()
+        err = None
+    except Exception as e:  # noqa: BLE001
+        err = type(e).__name__
+    return {"error": err, "seconds": time.perf_counter() - t0}
 
 
 def row_normalize_on_shards(rank: int, world: int, steps: int = 3, axis: str = "rows") -> dict:

@@ -613,3 +613,61 @@ def test_sparse_gradients_are_refused_naming_the_parameter():
     grads = TensorDict({"w": torch.randn(10, 4).to_sparse()}, [])
     refused(TypeError, r"updates leaf 'w' has layout torch.sparse_coo", lambda: tx.update(grads, state, params),
             state, params)
+
+
+# ---------------------------------------------------------------------------
+# distributed: rank-local faults are agreed before the step's collectives
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_rank_local_faults_raise_on_every_rank_before_any_collective():
+    """TransformOptimizer(mfx.muon_adamw) on an FSDP2 model, 2 gloo ranks; rank 1 alone:
+
+    * ``ns_steps=0`` in its param group: rank 1 raises the ValueError naming it, rank 0
+      RankFailed naming rank 1, within 10 s (measured: a few ms; before, rank 0 waited in
+      the all-to-all until gloo's timeout);
+    * ``ns_method="bogus"`` (its transform cannot be built): the same;
+    * a gradient for ``0.weight`` replicated where the parameter is a row shard (the same
+      shape, another local piece): the same, the error naming the parameter and the shapes;
+    * ``grad=None`` for ``0.weight`` while rank 0 has a gradient (was gloo's "collective
+      mismatch" abort): both ranks raise GradientsDiffer with the same message, naming the
+      parameter and the ranks.
+
+    Nothing changes on any rank, and the next step runs everywhere. ``grad=None`` for
+    ``0.weight`` on every rank is a consistent skip: it does not move, the rest does."""
+    from dist_harness import run_world
+
+    import fault_workers as fw
+
+    res = run_world(fw.step_faults, 2, timeout=180)
+    for fault, match in (("ns_steps", "ns steps must be an int"), ("ns_method", "unknown method 'bogus'"),
+                         ("grad_layout", "parameter '0.weight': this rank's gradient shard has shape (16, 16)")):
+        kind, msg = res[1][fault]["error"]
+        assert kind == "ValueError" and match in msg, res[1][fault]
+        kind, msg = res[0][fault]["error"]
+        assert kind == "RankFailed" and "step() failed on rank(s) [1]" in msg, res[0][fault]
+    for fault in ("ns_steps", "ns_method", "grad_none", "grad_layout"):
+        for r in range(2):
+            got = res[r][fault]
+            assert got["unchanged"] and got["seconds"] < 10 and got["next_step_moved"], (r, fault, got)
+    msgs = {res[r]["grad_none"]["error"] for r in range(2)}
+    assert len(msgs) == 1, msgs  # the same error on every rank
+    kind, msg = msgs.pop()
+    assert kind == "GradientsDiffer" and "'0.weight' has a gradient on rank(s) [0] and grad=None on rank(s) [1]" in msg
+    for r in range(2):
+        moved = res[r]["none_everywhere"]
+        assert moved.pop("0.weight") is False and all(moved.values()), moved
+
+
+@pytest.mark.slow
+def test_the_process_groups_timeout_bounds_the_wait_for_a_late_rank():
+    """The step's first collective (the agreement) waits at most the process group's
+    timeout the user set (3 s here): rank 1 reaches ``step()`` 6 s late, rank 0 raises
+    after about 3 s instead of waiting for it."""
+    from dist_harness import run_world
+
+    import fault_workers as fw
+
+    res = run_world(fw.user_timeout, 2, 6.0, timeout=120, collective_timeout=3)
+    assert res[0]["error"] is not None and 2.5 < res[0]["seconds"] < 5.5, res[0]

@@ -9,7 +9,8 @@ module-scoped fixtures:
   with FSDPMuonOptimizer, empty and uneven shards, the matrix exchange's work and
   bytes, global transforms, refused inputs, and a DCP checkpoint (saved at W=2; at
   W=3 loaded from W=2 and a new one saved);
-* ``world4``: HSDP on a 2 x 2 (replicate x shard) mesh;
+* ``world4``: HSDP on a 2 x 2 (replicate x shard) mesh; tensor parallel alone and under
+  FSDP2 (dp 2 x tp 2), HSDP and CPU offload on a residual MLP; expert-parallel stacks;
 * ``world2_resume``: loads the W=3 checkpoint at W=2.
 
 Numbers measured on this CPU (single process = the same model on the whole batch,
@@ -37,7 +38,9 @@ import fsdp_workers as fw  # noqa: E402
 from helpers import sweep  # noqa: E402
 from dist_harness import (COLLECTIVE_TIMEOUT_S, RankError, WorldTimeout, run_world,  # noqa: E402
                           selftest_hang, selftest_one_rank_fails)
-from muonfx.distributed import assign_owners, shard_sizes  # noqa: E402
+from muonfx.distributed import shard_sizes  # noqa: E402
+from muonfx.distributed.layout import stack_layout  # noqa: E402
+from muonfx.distributed.plan import plan_exchange  # noqa: E402
 
 WORLD_TIMEOUT_S = 240  # a whole world (spawn + every check); hangs fail instead of stalling
 # float32, standard NS iteration: FSDP's reduction order (chunk sums against one sum)
@@ -86,7 +89,7 @@ def world3(world2, ckpt_root):  # needs the W=2 checkpoint
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_world(fw.world_main, 4, ["hsdp"], timeout=WORLD_TIMEOUT_S)
+    return run_world(fw.world_main, 4, ["hsdp", "mesh", "ep"], timeout=WORLD_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -158,13 +161,13 @@ def test_parity_fully_shard_transformer(request, W):
     assert err < DEFAULT_NS_TOL, msg
     assert floor < PARITY_TOL, msg
     # each Muon matrix orthogonalised exactly once per step, somewhere; one all-to-all
-    # each way per step; never the gather-everywhere fallback
+    # each way per step (one bucket); one plan, made at the first step
     for opt in ("muon_adamw", "muon_adamw_gram_ns"):
         assert p[f"{opt}_ortho_total"] == NS_STEPS_PER_STEP * 10
         for r in range(W):
             st = res[r]["parity"][f"{opt}_stats"]
             assert st["collectives"] == 2 * 10, (r, st["collectives"])
-            assert st["fallback_gathers"] == 0
+            assert st["plans"] <= 1
     for r in range(W):
         assert res[r]["parity"]["torch_adamw_stats"]["collectives"] == 0
 
@@ -230,7 +233,7 @@ def test_empty_and_uneven_shards(request, W):
         assert min(res[0]["odd"][f"{opt}_moved"].values()) > 1e-2  # every parameter trained
         stats = [res[r]["odd"][f"{opt}_stats"] for r in range(W)]
         assert sum(st["matrices_orthogonalized"] for st in stats) == 4 * 6  # a, b, c, d x 6 steps
-        assert all(st["fallback_gathers"] == 0 and st["collectives"] == 2 * 6 for st in stats), stats
+        assert all(st["plans"] <= 1 and st["collectives"] == 2 * 6 for st in stats), stats
         # NorMuon's row statistics: row shards' rows are local; every matrix's norms are one
         # all-reduce per step (seam.sum_over), whatever the number of matrices
         assert all(st["reductions"] == (6 if opt == "fsdp_muon_normuon" else 0) for st in stats), stats
@@ -241,27 +244,16 @@ def test_empty_and_uneven_shards(request, W):
 # ---------------------------------------------------------------------------
 
 
-def expected_received(mats: list[tuple[int, int]], W: int) -> list[int]:
-    """Elements each rank receives in the owner exchange of ``mats`` ([(split, other)]:
-    the sharded dim's size and the other dim's size), from the plan's own functions:
-    forward, an owner receives every other rank's shard of each matrix it owns;
-    backward, every rank receives its shard of each matrix another rank owns."""
-    owners = assign_owners([s * o for s, o in mats], W)
-    out = []
-    for me in range(W):
-        got = 0
-        for (s, o), owner in zip(mats, owners):
-            sizes = shard_sizes(s, W)
-            if owner == me:
-                got += sum(sizes[r] * o for r in range(W) if r != me)
-            else:
-                got += sizes[me] * o
-        out.append(got)
-    return out
+def expected_received(stacks: list[tuple[tuple[int, int, int], int]], W: int) -> list[int]:
+    """Elements each rank receives in the exchange of ``stacks`` ([(stack shape, cut
+    dim)] on a 1-D mesh of W ranks), from the plan (:mod:`muonfx.distributed.plan`,
+    pure: computed here, in one process), which the ranks must follow exactly."""
+    lays = [stack_layout(shape, (W,), [("S", dim)]) for shape, dim in stacks]
+    return plan_exchange(lays, [list(range(W))] * len(lays), W, 1, 1 << 30).bytes_received()
 
 
 def owner_bound(n: int, split: int, other: int, W: int) -> float:
-    """The issue's bound for one same-shape group: 2 E (W-1) / W^2 per matrix, with the
+    """The bound for one same-shape group: 2 E (W-1) / W^2 per matrix, with the
     group padded to a multiple of W and the sharded dim padded to a multiple of W."""
     n_padded = math.ceil(n / W) * W
     E = math.ceil(split / W) * W * other
@@ -280,10 +272,11 @@ def test_exchange_work_and_bytes(request, W):
     inside a Shard(1) stack): W=3 [132, 132, 120] (bound 144). NS results equal the
     single-process ones bit for bit (measured 0.0 in every case)."""
     res = get_world(request, W)
-    # (n, split dim size, other dim size)
-    cases = {"rows": (5, 16, 24), "cols": (4, 10, 12), "experts_rows": (3, 8, 12)}
-    for case, (n, split, other) in cases.items():
-        exp = expected_received([(split, other)] * n, W)
+    # (n, split dim size, other dim size, the stacks as the transform sees them)
+    cases = {"rows": (5, 16, 24, [((1, 16, 24), 1)] * 5), "cols": (4, 10, 12, [((1, 12, 10), 2)] * 4),
+             "experts_rows": (3, 8, 12, [((3, 8, 12), 1)])}
+    for case, (n, split, other, stacks) in cases.items():
+        exp = expected_received(stacks, W)
         bound = owner_bound(n, split, other, W)
         got = [res[r]["ns"][case]["stats"]["elements_received"] for r in range(W)]
         print(f"W={W} {case}: received {got}, expected {exp}, bound {bound:g}")
@@ -291,13 +284,12 @@ def test_exchange_work_and_bytes(request, W):
         assert max(got) <= bound, (case, got, bound)
         for r in range(W):
             st = res[r]["ns"][case]["stats"]
-            assert st["collectives"] == 2, (case, r, st)  # one all-to-all each way, one shape group
-            assert st["fallback_gathers"] == 0
+            assert st["collectives"] == 2, (case, r, st)  # one bucket: one all-to-all each way
             assert st["bytes_received"] == 4 * st["elements_received"]  # float32
             assert st["ortho_total"] == n  # every matrix exactly once, over all ranks
     # mixed shapes, one of them with an empty shard at W=3, and a conv weight: still
     # one exchange each way; counts from the plan
-    mixed = [(30, 7), (2, 9), (9, 14), (9, 14), (5, 12)]  # tall, tiny, sq, sq2, conv [5, 3*2*2]
+    mixed = [((1, 30, 7), 1), ((1, 2, 9), 1), ((1, 9, 14), 1), ((1, 9, 14), 1), ((1, 5, 12), 1)]  # conv [5, 3*2*2]
     exp = expected_received(mixed, W)
     assert [res[r]["ns"]["mixed"]["stats"]["elements_received"] for r in range(W)] == exp
     for r in range(W):
@@ -311,13 +303,15 @@ def test_exchange_work_and_bytes(request, W):
         assert st["ortho_total"] == 5 + 2
     if W == 3:
         assert res[2]["ns"]["experts"]["local_shapes"]["e2"] == (0, 6, 6)
-    # replicated matrices: no communication, each transformed once (counted on one rank)
+    # a replicated matrix: transformed once in the world, its owner sends the result to the others
+    got = sorted(res[r]["ns"]["replicated"]["stats"]["elements_received"] for r in range(W))
+    assert got == [0] + [60] * (W - 1), got
     for r in range(W):
         st = res[r]["ns"]["replicated"]["stats"]
-        assert st["collectives"] == 0 and st["ortho_total"] == 1, st
+        assert st["collectives"] == 2 and st["ortho_total"] == 1, st
     # bf16 Newton-Schulz of float32 shards: the same elements, sent in bf16 (2 bytes each),
     # and results equal to single-process NS bit for bit (bf16 in, bf16 out, cast back)
-    exp = expected_received([(16, 24)] * 5, W)
+    exp = expected_received([((1, 16, 24), 1)] * 5, W)
     assert [res[r]["ns"]["rows_bf16"]["stats"]["elements_received"] for r in range(W)] == exp
     for r in range(W):
         st = res[r]["ns"]["rows_bf16"]["stats"]
@@ -345,7 +339,12 @@ def test_hsdp_2x2_mesh(world4):
       isolates the optimizer on HSDP shards. Measured: 0.0 (bit-identical).
     * each rank a quarter of the batch: measured 5.5e-6 (blocks.1.qkv.weight); plain
       FSDP on a 1-D mesh of 4 ranks gives the same order on the same data, so this is
-      reduction-order noise amplified by NS, not HSDP. Tolerance DEFAULT_NS_TOL.
+      reduction-order noise amplified by NS (fw.Net's attention gradients), not HSDP.
+      Tolerance DEFAULT_NS_TOL. (test_tensor_parallel_meshes holds HSDP to 2e-6 on a
+      net whose gradients have full rank.)
+
+    Newton-Schulz runs once per matrix in the world: the work is split over all 4 ranks
+    of replicate x shard, the results sent to both replicas.
     """
     res = world4
     h0 = res[0]["hsdp"]
@@ -355,27 +354,130 @@ def test_hsdp_2x2_mesh(world4):
     name, err = worst(h0["split_errors"])
     assert err < DEFAULT_NS_TOL, f"HSDP split data: {err:.3g} ({name})"
     for data in ("same", "split"):
-        # each replica (2) orthogonalises each matrix once per step
-        assert h0[f"{data}_ortho_total"] == 2 * NS_STEPS_PER_STEP * 10
+        assert h0[f"{data}_ortho_total"] == NS_STEPS_PER_STEP * 10
         for r in range(4):
             st = res[r]["hsdp"][f"{data}_stats"]
-            assert st["collectives"] == 2 * 10 and st["fallback_gathers"] == 0, st
-    # functional: (Replicate(), Shard(0)) and (Replicate(), Shard(1)) matrices: one
-    # exchange each way inside each replica; each replica transforms each matrix once
+            assert st["collectives"] == 2 * 10 and st["plans"] <= 1, st
+            assert st["matrices_orthogonalized"] == 2 * 10, st  # 8 matrices over 4 ranks
+    # functional: (Replicate(), Shard(0)) and (Replicate(), Shard(1)) matrices: one exchange
+    # each way over the 4 ranks, each matrix transformed once in the world
     for r in range(4):
         h = res[r]["hsdp"]
         name, err = worst(h["ns_errors"])
         assert err < PARITY_TOL, (r, name, err)
         assert h["ns_stats"]["collectives"] == 2
-        assert h["ns_ortho_total"] == 2 * 3
+        assert h["ns_ortho_total"] == 3
         assert abs(h["norm"] - h["norm_ref"]) <= 1e-6 * h["norm_ref"]
-        # (Shard(0), Shard(1)) on the 2 x 2 mesh: gathered, transformed, re-sharded
-        assert h["fallback_stats"]["fallback_gathers"] == 1, h["fallback_stats"]
-        assert h["fallback_placements"] == "(Shard(dim=0), Shard(dim=1))"
-        assert h["fallback_error"] < PARITY_TOL
-        # bf16 Newton-Schulz: gathered in bf16, the result equal to one process's bit for bit
-        assert h["fallback_bf16_gathers"] == 1 and h["fallback_bf16_error"] == 0.0, h
-        assert h["fallback_bf16_dtype"] == "torch.float32(Shard(dim=0), Shard(dim=1))"
+        # (Shard(0), Shard(1)) on the 2 x 2 mesh: the same exchange, pieces from 4 ranks
+        assert h["s2_stats"]["collectives"] == 2 and h["s2_ortho_total"] == 1, h["s2_stats"]
+        assert h["s2_placements"] == "(Shard(dim=0), Shard(dim=1))"
+        assert h["s2_error"] < PARITY_TOL
+        # bf16 Newton-Schulz: sent in bf16, the result equal to one process's bit for bit
+        st = h["s2_bf16_stats"]
+        assert st["bytes_received"] == 2 * st["elements_received"] and h["s2_bf16_error"] == 0.0, h
+        assert h["s2_bf16_dtype"] == "torch.float32(Shard(dim=0), Shard(dim=1))"
+
+
+# ---------------------------------------------------------------------------
+# 5b. tensor parallel alone and under FSDP2, HSDP, CPU offload, expert parallel (W=4)
+# ---------------------------------------------------------------------------
+
+MESH_TOL = 2e-6  # the target for these layouts; measured values in the docstring
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", fw.RES_LAYOUTS)
+def test_tensor_parallel_meshes(world4, layout):
+    """fw.ResMLP (an input matrix, 2 residual MLP blocks, a head), 8 steps of mfx.muon_adamw
+    on 4 gloo ranks vs one process on the whole batch:
+
+    * ``fsdp_tp``: dp 2 x tp 2, ``up`` colwise and ``down`` rowwise (parallelize_module),
+      then fully_shard over dp: ``_StridedShard(0) x Shard(0)``, ``Shard(0) x Shard(1)``,
+      and ``inp`` on the dp slice (lifted to ``Shard(0) x Replicate()``);
+    * ``tp``: tensor parallel alone over 4 ranks (every rank the whole batch);
+    * ``hsdp``: replicate 2 x shard 2; ``offload``: fully_shard with CPUOffloadPolicy.
+
+    Measured max relative error (this CPU, 1 thread per rank): fsdp_tp 6.3e-7, tp 5.0e-7,
+    hsdp 7.2e-7, offload 8.1e-7 (blocks.0.up.weight); torch.optim.AdamW on the same
+    layouts (the floor) 5e-8 to 7e-8. The same net in one process with the batch's
+    gradient summed in 2 or 4 chunks instead of at once (reduction order alone) moves
+    Muon by 4e-7 to 7e-7: the tolerance (the issue's target) is ~2.5x that. Each Muon matrix is orthogonalised once per step in the whole
+    world, and every rank sends exactly what the plan (``describe``) says.
+    """
+    r0 = world4[0]["mesh"][layout]
+    name, err = worst(r0["errors"])
+    fname, floor = worst(r0["floor"])
+    msg = f"{layout}: {err:.3g} ({name}); torch.optim.AdamW floor {floor:.3g} ({fname})"
+    print(msg)
+    assert err < MESH_TOL, msg
+    assert r0["moved"] > 1e-3, r0["moved"]  # every parameter trained
+    steps = 8
+    # (under tensor parallelism alone ``inp`` is a plain tensor, the same on every rank,
+    # transformed by each: the seam's local path, not counted here)
+    assert r0["ortho_total"] == (fw.RES_MATRICES - (layout == "tp")) * steps
+    W = 4
+    for r in range(W):
+        m = world4[r]["mesh"][layout]
+        st = m["stats"]
+        assert st["collectives"] == 2 * st["buckets"] and st["buckets"] == steps, st  # one bucket per step
+        assert st["bytes_sent"] == m["plan_sent"][r] * steps, (r, st["bytes_sent"], m["plan_sent"])
+    if layout == "fsdp_tp":
+        pl = r0["placements"]
+        assert pl["blocks.0.up.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", pl
+        assert pl["blocks.0.down.weight"] == "(Shard(dim=0), Shard(dim=1))", pl
+        assert pl["inp.weight"] == "(Shard(dim=0),)", pl
+    if layout in ("tp", "offload"):
+        # every matrix cut over all 4 ranks: all ranks together send at most 1.1x the floor,
+        # each matrix's pieces to its owner and back: 2 (W-1)/W of its bytes
+        total = sum(world4[r]["mesh"][layout]["plan_sent"][r] for r in range(W))
+        floor_bytes = 2 * (W - 1) / W * r0["matrix_elements"] * 4
+        assert total <= 1.1 * floor_bytes, (total, floor_bytes)
+
+
+@pytest.mark.slow
+def test_expert_parallel_stacks(world4):
+    """Expert stacks as DTensors, 4 steps of mfx.muon, the same gradients on every rank:
+
+    * ``ep``: ``[8, 12, 16]`` and ``[3, 6, 8]`` (a rank without experts) Shard(0) over 4
+      ranks: every expert orthogonalised on its own rank, no collective at all;
+    * ``ep_dp``: ``[4, 12, 16]`` on an (ep 2, dp 2) mesh, experts over ep, rows over dp:
+      each expert is exchanged only between the 2 ranks of its dp group.
+
+    Measured: equal to one process bit for bit (0.0)."""
+    W = 4
+    for case, n_mats in (("ep", 11), ("ep_dp", 4)):
+        r0 = world4[0]["ep"][case]
+        name, err = worst(r0["errors"])
+        assert err < MESH_TOL, (case, name, err)
+        assert r0["ortho_total"] == n_mats * 4
+        assert "batch dim 0" in r0["describe"], r0["describe"]
+    for r in range(W):
+        st = world4[r]["ep"]["ep"]["stats"]
+        assert st["collectives"] == 0 and st["bytes_sent"] == 0 and st["bytes_received"] == 0, st
+    plan = world4[0]["ep"]["ep_dp"]["plan"]
+    for mp in plan.matrices:  # ranks 0, 1 hold experts 0, 1; ranks 2, 3 experts 2, 3
+        group = {mp.owner // 2}
+        assert {p.rank // 2 for p in mp.sources + mp.targets} == group, mp
+    for r in range(W):
+        st = world4[r]["ep"]["ep_dp"]["stats"]
+        assert st["bytes_sent"] == plan.bytes_sent()[r] * 4 > 0, (r, st)
+
+
+def test_describe_shows_batch_and_matrix_dims():
+    """``describe`` on plain tensors (one process): expert stacks are a batch of matrices,
+    conv weights one flattened matrix, 1-D tensors and the head go to AdamW."""
+    from muonfx.distributed import describe
+
+    d = describe([("moe.experts", torch.zeros(8, 16, 32)), ("conv.weight", torch.zeros(4, 3, 2, 2)),
+                  ("fused.w", torch.zeros(16, 256)), ("ln.weight", torch.zeros(16)),
+                  ("lm_head.weight", torch.zeros(11, 16))])
+    rows = {r["parameter"]: r for r in d.rows}
+    assert rows["moe.experts"]["matrix view"] == "batch dim 0 (8) of 16x32 matrices (dims 1, 2)"
+    assert rows["conv.weight"]["matrix view"] == "one 4x12 matrix (dim 0 x dims 1-3 flattened)"
+    assert rows["fused.w"]["matrix view"] == "one 16x256 matrix (dims 0, 1)"
+    assert rows["ln.weight"]["route"] == rows["lm_head.weight"]["route"] == "adamw"
+    text = str(d)
+    assert "moe.experts" in text and "batch dim 0 (8)" in text
 
 
 # ---------------------------------------------------------------------------
@@ -461,16 +563,21 @@ def test_checkpoint_across_world_sizes(world2, world3, world2_resume, ckpt_root)
 
 @pytest.mark.parametrize("W", sweep([2, 3], keep={"2"}))  # the 3-rank world runs in the slow run
 def test_refused_parameters_raise_on_every_rank(request, W):
-    """A Partial placement and a 1-rank sub-mesh next to the full mesh: a ValueError
-    naming the parameter on every rank, before any collective (the world finished:
-    nobody hung)."""
+    """A Partial placement, and a mesh over rank 0 alone next to the full mesh: a
+    ValueError naming the parameter on every rank, before any collective (the world
+    finished: nobody hung). A 1-rank *named slice* of a mesh that other parameters live
+    on is served instead: it is the same tensor replicated over the other mesh dim (one
+    step of muon on a ones gradient moves every entry alike, on every rank)."""
     res = get_world(request, W)
     for r in range(W):
         bad = res[r]["bad"]
         assert bad["partial"] is not None and "'pending'" in bad["partial"] and "Partial" in bad["partial"], bad
         for key in ("meshes", "meshes_fsdp_muon"):
             assert bad[key] is not None and "'lonely'" in bad[key], bad
-            assert f"ranks [{r}]" in bad[key] and str(list(range(W))) in bad[key], bad
+            assert "ranks [0]" in bad[key] and str(list(range(W))) in bad[key], bad
+        assert bad["sliced_step"] == res[0]["bad"]["sliced_step"]
+        vals = {v for row in bad["sliced_step"] for v in row}
+        assert len(vals) == 1 and vals != {1.0}, vals
 
 
 # ---------------------------------------------------------------------------

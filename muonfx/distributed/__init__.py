@@ -14,15 +14,16 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from .. import seam
-from .plan import assign_owners, shard_sizes
+from .overview import describe
+from .plan import assign_owners, ns_flops, shard_sizes
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
     from .backend import CommStats, DTensorBackend
 
-__all__ = ["install", "uninstall", "check_params", "comm_stats", "pick_backend", "BACKEND", "CommStats",
-           "DTensorBackend", "assign_owners", "shard_sizes"]
+__all__ = ["install", "uninstall", "check_params", "comm_stats", "pick_backend", "describe", "BACKEND",
+           "CommStats", "DTensorBackend", "assign_owners", "ns_flops", "shard_sizes"]
 
 _LAZY = ("BACKEND", "CommStats", "DTensorBackend")
 
@@ -76,40 +77,45 @@ def comm_stats() -> CommStats:
     return BACKEND.stats
 
 
-def _ranks(t: DTensor) -> tuple[int, ...]:
-    return tuple(sorted(t.device_mesh.mesh.flatten().tolist()))
-
-
 def check_params(names: Sequence[str], params: Sequence[torch.Tensor], reference: DTensor | None = None) -> DTensor | None:
     """Refuse DTensor parameters the adapter cannot serve, naming the parameter.
 
-    Served: placements made of ``Shard(d)`` and ``Replicate()`` on meshes that span
-    the same ranks. Refused (``ValueError``): ``Partial`` placements, strided shards
-    from nested parallelism, and meshes over different rank sets. Every rank raises
-    the same error before any communication, so none hangs. Returns the first
-    DTensor seen (the reference for later groups).
+    Served: placements made of ``Shard(d)``, ``_StridedShard(d)`` (``fully_shard`` on
+    top of tensor parallelism) and ``Replicate()``, on meshes of any number of dims that
+    span the same ranks as the largest one, or are named slices of it (``mesh["dp"]``
+    next to parameters on ``mesh``; see :func:`muonfx.distributed.layout.lifted`).
+    Refused (``ValueError``): ``Partial`` placements and meshes over other sets of ranks.
+    Every rank raises the same error before any communication, so none hangs. Returns
+    the DTensor on the largest mesh seen (the reference for later groups, and the mesh
+    of the step's agreement).
     """
     from torch.distributed.tensor import DTensor
 
-    for name, p in zip(names, params):
-        if not isinstance(p, DTensor):
-            continue
+    from .layout import is_slice_of, largest, mesh_ranks, placement_key
+
+    dts = [(n, p) for n, p in zip(names, params) if isinstance(p, DTensor)]
+    for name, p in dts:
         for pl in p.placements:
             if pl.is_partial():
                 raise ValueError(f"parameter {name!r} has a Partial placement {p.placements}; "
                                  "muonfx needs Shard/Replicate parameters (reduce the Partial first)")
-            if pl.is_shard() and type(pl).__name__ != "Shard":
-                raise ValueError(f"parameter {name!r} has placement {pl!r} ({type(pl).__name__}), which "
-                                 "muonfx cannot map to whole matrices; use plain Shard/Replicate placements")
-            if not (pl.is_shard() or pl.is_replicate()):
-                raise ValueError(f"parameter {name!r} has unsupported placement {pl!r}")
-        if reference is None:
-            reference = p
-        elif _ranks(p) != _ranks(reference):
+            try:
+                placement_key(pl)
+            except ValueError:
+                raise ValueError(f"parameter {name!r} has unsupported placement {pl!r}") from None
+    if not dts:
+        return reference
+    meshes = [p.device_mesh for _, p in dts] + ([reference.device_mesh] if reference is not None else [])
+    big = largest(meshes)
+    ref = reference if reference is not None and reference.device_mesh is big else \
+        next(p for _, p in dts if p.device_mesh is big)
+    want = sorted(mesh_ranks(big))
+    for name, p in dts + ([("(an earlier group's parameter)", reference)] if reference is not None else []):
+        m = p.device_mesh
+        if sorted(mesh_ranks(m)) != want and not is_slice_of(m, big):
             raise ValueError(
-                f"parameter {name!r} lives on a device mesh over ranks {list(_ranks(p))}, but other parameters "
-                f"use ranks {list(_ranks(reference))}; one optimizer must serve parameters over one set of ranks"
-            )
-    if reference is not None:
-        install()
-    return reference
+                f"parameter {name!r} lives on a device mesh over ranks {sorted(mesh_ranks(m))}, but other parameters "
+                f"use ranks {want}; one optimizer serves parameters over one set of ranks (or named slices of "
+                "its largest mesh)")
+    install()
+    return ref

@@ -1,11 +1,17 @@
 """The DTensor side of :mod:`muonfx.seam`.
 
-* :meth:`DTensorBackend.map_matrices`: each whole matrix is assembled on exactly one
-  owner rank with one all-to-all (for all matrices of a step that share a process
-  group and dtype), transformed there in same-shape batches, and sent back to the
-  shards with a second all-to-all. Matrices sharded on their batch dim
-  (expert stacks ``Shard(0)``) or replicated are transformed where they are; any
-  other layout is gathered in full, transformed, and re-sharded (correct, not fast).
+* :meth:`DTensorBackend.map_matrices`: every matrix of every stack, whatever its
+  placements (``Shard`` of any dim, ``_StridedShard`` from ``fully_shard`` on top of
+  tensor parallelism, ``Replicate``, on meshes of any number of dims), is transformed
+  exactly once in the world, whole, on one owner rank, and its result goes back to
+  every rank that holds a piece of it. Pieces travel in buckets of matrices under the
+  byte budget (:func:`muonfx.linalg.batch_bytes`), one all-to-all each way per bucket
+  over the ranks of the mesh, the next bucket's transfer overlapping the current
+  bucket's work (:mod:`muonfx.distributed.exchange`); owners are balanced by
+  Newton-Schulz flops, and a matrix held whole by one rank alone (an expert on its
+  expert-parallel rank) is transformed there with no communication
+  (:mod:`muonfx.distributed.plan`). The plan is made once per set of stacks (shapes,
+  placements, meshes, exchange dtype, budget) and reused.
 * :meth:`DTensorBackend.global_sum`: per-shard partial sums and one all-reduce over
   the sharded mesh dimensions.
 * :meth:`DTensorBackend.sum_over`: local sums over the given dims; the sums of dims that
@@ -17,35 +23,51 @@ Per-rank traffic and work are counted in :attr:`DTensorBackend.stats`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from ..linalg.batching import batch_bytes
 from ..seam import MatrixFn, ScalarFn, compute_dtype
-from .plan import assign_owners, shard_sizes
+from .exchange import RankProgram, rank_program, run_program
+from .layout import is_cut, largest, lifted, mesh_ranks, stack_layout
+from .plan import ExchangePlan, plan_exchange
 
-__all__ = ["DTensorBackend", "CommStats", "BACKEND"]
+__all__ = ["DTensorBackend", "CommStats", "BACKEND", "mesh_group"]
 
 
 @dataclass
 class CommStats:
-    """Counters of this rank's matrix traffic and work (reset with :meth:`reset`)."""
+    """Counters of this rank's matrix traffic and work (reset with :meth:`reset`).
+
+    ``bytes_sent`` / ``bytes_received`` count what crossed to or from other ranks in
+    the matrix exchange (in the exchange dtype); ``collectives`` its all-to-alls (two
+    per bucket); ``buckets`` the buckets; ``wait_seconds`` the time this rank spent
+    blocked waiting for them (what the overlap did not hide); ``reductions`` the
+    all-reduces of :meth:`DTensorBackend.sum_over`; ``plans`` the exchange plans made
+    (once per set of stacks); ``matrices_orthogonalized`` the matrices this rank
+    transformed."""
 
     elements_sent: int = 0
     elements_received: int = 0
+    bytes_sent: int = 0
     bytes_received: int = 0
     collectives: int = 0
+    buckets: int = 0
+    wait_seconds: float = 0.0
     reductions: int = 0
+    plans: int = 0
     matrices_orthogonalized: int = 0
-    fallback_gathers: int = 0
     shapes: list = field(default_factory=list)
 
     def reset(self) -> None:
-        self.elements_sent = self.elements_received = self.bytes_received = 0
-        self.collectives = self.reductions = self.matrices_orthogonalized = self.fallback_gathers = 0
+        self.elements_sent = self.elements_received = self.bytes_sent = self.bytes_received = 0
+        self.collectives = self.buckets = self.reductions = self.plans = self.matrices_orthogonalized = 0
+        self.wait_seconds = 0.0
         self.shapes = []
 
 
@@ -54,11 +76,47 @@ def _from_local(local: torch.Tensor, like: DTensor) -> DTensor:
                               shape=like.shape, stride=like.stride())
 
 
+_GROUPS: dict[int, tuple[Any, Any, tuple[int, ...]]] = {}
+
+
+def mesh_group(mesh) -> tuple[Any, tuple[int, ...]]:
+    """The process group over all ranks of ``mesh`` and the global rank at each mesh
+    position (row-major). The default group when the mesh spans the world; the mesh's
+    own group for a 1-D mesh; else the mesh flattened (``DeviceMesh._flatten``)."""
+    hit = _GROUPS.get(id(mesh))
+    if hit is not None and hit[0] is mesh:
+        return hit[1], hit[2]
+    ranks = mesh_ranks(mesh)
+    if sorted(ranks) == list(range(dist.get_world_size())):
+        group = dist.group.WORLD
+    elif mesh.ndim == 1:
+        group = mesh.get_group(0)
+    else:
+        group = mesh._flatten().get_group(0)
+    _GROUPS[id(mesh)] = (mesh, group, ranks)
+    return group, ranks
+
+
+def comm_device(mesh) -> torch.device:
+    """Where the collectives over ``mesh`` run: this rank's GPU for a CUDA mesh (also
+    when FSDP2 keeps the shards on the host, ``CPUOffloadPolicy``), else the CPU."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+@dataclass
+class _Planned:
+    plan: ExchangePlan
+    program: RankProgram
+
+
 class DTensorBackend:
-    """Seam backend for DTensors (FSDP2 / HSDP / tensor-parallel shards)."""
+    """Seam backend for DTensors (FSDP2, HSDP, tensor, expert parallel; see the module doc)."""
 
     def __init__(self) -> None:
         self.stats = CommStats()
+        self._plans: dict[tuple, _Planned] = {}
 
     def claims(self, t: torch.Tensor) -> bool:
         return isinstance(t, DTensor)
@@ -66,140 +124,82 @@ class DTensorBackend:
     # -- matrices -----------------------------------------------------------
 
     def map_matrices(self, fn: MatrixFn, stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        out: list[torch.Tensor | None] = [None] * len(stacks)
-        exchange: list[tuple[int, int, int]] = []  # (stack index, mesh dim, stack dim)
+        # one exchange per (process group of the mesh the stacks are lifted to, exchange dtype), in the order
+        # of first appearance (the same on every rank: the stacks are)
+        jobs: dict[tuple, list[int]] = {}
+        views = []
+        onto = largest([s.device_mesh for s in stacks])
         for i, s in enumerate(stacks):
-            pl = s.placements
-            if any(p.is_partial() for p in pl):
-                raise ValueError(f"map_matrices: Partial placements {pl} cannot be orthogonalised; reduce them first")
-            sharded = [(md, p.dim) for md, p in enumerate(pl) if p.is_shard()]
-            if not sharded or (len(sharded) == 1 and sharded[0][1] == 0):
-                local = s.to_local()
-                res = fn(local) if local.shape[0] > 0 else local.clone()
-                self.stats.matrices_orthogonalized += local.shape[0] if self._is_first_replica(s) else 0
-                out[i] = _from_local(res, s)
-            elif len(sharded) == 1 and s.device_mesh.size(sharded[0][0]) > 1:
-                exchange.append((i, sharded[0][0], sharded[0][1]))
-            elif len(sharded) == 1:
-                out[i] = _from_local(fn(s.to_local()), s)
-                self.stats.matrices_orthogonalized += s.shape[0]
-            else:
-                out[i] = self._gather_everywhere(fn, s)
-        if exchange:
-            self._exchange(fn, stacks, exchange, out)
-        return out  # type: ignore[return-value]
-
-    def _is_first_replica(self, s: DTensor) -> bool:
-        """Count batch-sharded/replicated work once: on ranks at coordinate 0 of every
-        mesh dim that does not shard the batch."""
-        coord = s.device_mesh.get_coordinate() or []
-        return all(c == 0 for md, c in enumerate(coord) if not s.placements[md].is_shard())
-
-    def _gather_everywhere(self, fn: MatrixFn, s: DTensor) -> DTensor:
-        self.stats.fallback_gathers += 1
-        cdtype = compute_dtype(fn, s)  # gathered and scattered back in it (see _exchange)
-        full = (s if cdtype == s.dtype else s.to(cdtype)).full_tensor()
-        res = fn(full)
-        self.stats.matrices_orthogonalized += s.shape[0]
-        rep = DTensor.from_local(res, s.device_mesh, [Replicate()] * s.device_mesh.ndim, run_check=False)
-        back = rep.redistribute(s.device_mesh, s.placements)
-        return back if back.dtype == s.dtype else back.to(s.dtype)
-
-    def _exchange(self, fn: MatrixFn, stacks, exchange, out) -> None:
-        """Owner-based exchange: one all-to-all each way per process group and dtype.
-
-        Every matrix (each of the ``k`` in a ``[k, m, n]`` stack) gets one owner
-        (largest first, round-robin). Each rank sends its shard of every matrix to the
-        matrix's owner, the owner assembles whole matrices, transforms each same-shape
-        group as one batch, and sends every rank its shard of the results.
-        """
-        by_pg: dict = {}
-        for i, md, sd in exchange:
-            s = stacks[i]
-            pg = s.device_mesh.get_group(md)
+            if any(p.is_partial() for p in s.placements):
+                raise ValueError(f"map_matrices: Partial placements {s.placements} cannot be orthogonalised; "
+                                 "reduce them first")
+            mesh, keys = lifted(s.device_mesh, s.placements, onto)
+            views.append((mesh, keys))
             # sent both ways in the dtype fn computes in where it is narrower (seam.compute_dtype:
             # bf16 Newton-Schulz on float32 shards sends half the bytes, same results)
-            cdtype = compute_dtype(fn, s)
-            by_pg.setdefault((id(pg), cdtype), (pg, cdtype, []))[2].append((i, sd))
-        pieces: dict[int, list] = {i: [None] * stacks[i].shape[0] for i, _, _ in exchange}
-        for pg, cdtype, items in by_pg.values():
-            for (i, j), local in self._exchange_pg(fn, stacks, items, pg, cdtype):
-                pieces[i][j] = local
-        for i, ps in pieces.items():
-            out[i] = _from_local(torch.stack(ps, dim=0).to(stacks[i].dtype), stacks[i])
+            jobs.setdefault((id(mesh_group(mesh)[0]), compute_dtype(fn, s)), []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(stacks)
+        for (_, dtype), idx in jobs.items():
+            sub = [stacks[i] for i in idx]
+            for i, r in zip(idx, self._map(fn, sub, [views[i] for i in idx], dtype)):
+                out[i] = r
+        return out  # type: ignore[return-value]
 
-    def _exchange_pg(self, fn: MatrixFn, stacks, items, pg, dtype: torch.dtype):
-        world = dist.get_world_size(pg)
-        me = dist.get_rank(pg)
-        device = stacks[items[0][0]].to_local().device
-        # one record per matrix: (stack, index in stack, stack dim of the shard, m, n, shard sizes)
-        mats = []
-        for i, sd in items:
-            _, m, n = stacks[i].shape
-            sizes = shard_sizes(m if sd == 1 else n, world)
-            local = stacks[i].to_local()
-            if local.shape[sd] != sizes[me]:
-                raise ValueError(
-                    f"unexpected local shard shape {tuple(local.shape)} for {m}x{n} matrices sharded on "
-                    f"stack dim {sd} over {world} ranks (expected {sizes[me]} along it)"
-                )
-            for j in range(stacks[i].shape[0]):
-                mats.append((i, j, sd, m, n, sizes))
-        owners = assign_owners([m * n for (_, _, _, m, n, _) in mats], world)
-        owned = [[k for k, o in enumerate(owners) if o == r] for r in range(world)]
+    def planned(self, stacks: Sequence[DTensor], views: Sequence[tuple], dtype: torch.dtype
+                ) -> tuple[ExchangePlan, RankProgram, Any]:
+        """The plan for ``stacks`` (on the meshes and placements ``views``, see
+        :func:`~muonfx.distributed.layout.lifted`) exchanged in ``dtype``: made once, then
+        reused; this rank's program; the process group."""
+        mesh = views[0][0]
+        group, _ = mesh_group(mesh)
+        budget = batch_bytes(mesh.device_type)
+        key = (dtype, budget, id(group)) + tuple((tuple(s.shape), v[1], id(v[0])) for s, v in zip(stacks, views))
+        hit = self._plans.get(key)
+        if hit is None:
+            hit = self._plans[key] = self._make_plan(stacks, views, dtype, budget, group)
+        return hit.plan, hit.program, group
 
-        def shard_numel(k: int, r: int) -> int:
-            _, _, sd, m, n, sizes = mats[k]
-            return sizes[r] * (n if sd == 1 else m)
+    def _make_plan(self, stacks: Sequence[DTensor], views: Sequence[tuple], dtype: torch.dtype, budget: int,
+                   group) -> _Planned:
+        world = dist.get_world_size(group)
+        layouts, ranks = [], []
+        for s, (mesh, keys) in zip(stacks, views):
+            layouts.append(stack_layout(tuple(s.shape), tuple(mesh.mesh.shape), keys))
+            ranks.append([dist.get_group_rank(group, r) for r in mesh_group(mesh)[1]])
+        # every rank checks the layouts against every rank's local shapes (once per plan)
+        device = comm_device(views[0][0])
+        mine = torch.tensor([d for s in stacks for d in s.to_local().shape], dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=group)
+        for r in range(world):
+            got = gathered[r].cpu().view(-1, 3).tolist()
+            for si, (lay, shape) in enumerate(zip(layouts, got)):
+                pos = ranks[si].index(r)
+                if list(lay.local_shape(pos)) != shape:
+                    raise ValueError(
+                        f"map_matrices: rank {r} holds a {shape} piece of a {list(stacks[si].shape)} stack with "
+                        f"placements {stacks[si].placements}, where muonfx computed {list(lay.local_shape(pos))}; "
+                        "this layout is not supported on this torch version")
+        elsize = torch.empty((), dtype=dtype).element_size()
+        plan = plan_exchange(layouts, ranks, world, elsize, budget)
+        self.stats.plans += 1
+        return _Planned(plan, rank_program(plan, dist.get_rank(group)))
 
-        # forward: my shard of each matrix, to its owner
-        send_parts = [stacks[mats[k][0]].to_local()[mats[k][1]].reshape(-1).to(dtype)
-                      for r in range(world) for k in owned[r]]
-        in_splits = [sum(shard_numel(k, me) for k in owned[r]) for r in range(world)]
-        out_splits = [sum(shard_numel(k, r) for k in owned[me]) for r in range(world)]
-        recv = self._all_to_all(send_parts, in_splits, out_splits, dtype, device, pg, me)
-        # assemble my whole matrices; transform each same-shape group as one batch
-        by_rank = [list(p.split([shard_numel(k, r) for k in owned[me]])) for r, p in enumerate(recv.split(out_splits))]
-        groups: dict = {}
-        for pos, k in enumerate(owned[me]):
-            _, _, sd, m, n, sizes = mats[k]
-            blocks = [
-                by_rank[r][pos].reshape(sizes[r], n) if sd == 1 else by_rank[r][pos].reshape(m, sizes[r])
-                for r in range(world)
-            ]
-            groups.setdefault((m, n, sd), []).append((k, torch.cat(blocks, dim=sd - 1)))
-        chunks: dict[int, tuple] = {}
-        for (m, n, sd), members in groups.items():
-            res = fn(torch.stack([full for _, full in members]))
-            self.stats.matrices_orthogonalized += len(members)
-            self.stats.shapes.append((m, n, len(members)))
-            sizes = mats[members[0][0]][5]
-            for (k, _), r_mat in zip(members, res):
-                chunks[k] = r_mat.split(sizes, dim=sd - 1)
-        # backward: each rank's shard of my results, back to it
-        back_parts = [chunks[k][r].reshape(-1) for r in range(world) for k in owned[me]]
-        back_in = [sum(shard_numel(k, r) for k in owned[me]) for r in range(world)]
-        back_out = [sum(shard_numel(k, me) for k in owned[o]) for o in range(world)]
-        got = self._all_to_all(back_parts, back_in, back_out, dtype, device, pg, me)
-        for o, piece in enumerate(got.split(back_out)):
-            for k, flat in zip(owned[o], piece.split([shard_numel(k, me) for k in owned[o]])):
-                i, j, sd, m, n, sizes = mats[k]
-                yield (i, j), flat.reshape((sizes[me], n) if sd == 1 else (m, sizes[me]))
+    def _map(self, fn: MatrixFn, stacks: Sequence[DTensor], views: Sequence[tuple], dtype: torch.dtype
+             ) -> list[DTensor]:
+        plan, prog, group = self.planned(stacks, views, dtype)
+        locals_ = [s.to_local() for s in stacks]
+        outs = [torch.empty_like(loc) for loc in locals_]
+        stats = self.stats
 
-    def _all_to_all(self, parts, in_splits, out_splits, dtype, device, pg, me) -> torch.Tensor:
-        send = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
-        recv = torch.empty(sum(out_splits), dtype=dtype, device=device)
-        dist.all_to_all_single(recv, send, out_splits, in_splits, group=pg)
-        self._count(in_splits, out_splits, me, recv.element_size())
-        return recv
+        def wait(work) -> None:  # bounded by the process group's timeout (the one the user set)
+            t0 = time.perf_counter()
+            work.wait()
+            stats.wait_seconds += time.perf_counter() - t0
 
-    def _count(self, sent_splits, recv_splits, me, elsize) -> None:
-        sent = sum(v for r, v in enumerate(sent_splits) if r != me)
-        got = sum(v for r, v in enumerate(recv_splits) if r != me)
-        self.stats.elements_sent += sent
-        self.stats.elements_received += got
-        self.stats.bytes_received += got * elsize
-        self.stats.collectives += 1
+        run_program(prog, fn, locals_, outs, dtype, group, stats, wait, comm_device(views[0][0]))
+        self.stats.buckets += plan.buckets
+        return [_from_local(o, s) for o, s in zip(outs, stacks)]
 
     # -- global reductions ----------------------------------------------------
 
@@ -207,7 +207,7 @@ class DTensorBackend:
         groups: dict = {}
         for t in tensors:
             mesh = t.device_mesh
-            dims = tuple(md for md, p in enumerate(t.placements) if p.is_shard())
+            dims = tuple(md for md, p in enumerate(t.placements) if is_cut(p))
             if any(p.is_partial() for p in t.placements):
                 raise ValueError(f"global_sum: Partial placements {t.placements} are not supported")
             groups.setdefault((id(mesh), dims), (mesh, dims, []))[2].append(t)
@@ -216,8 +216,11 @@ class DTensorBackend:
             parts = [fn(t.to_local()) for t in ts]
             dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
             s = torch.stack([p.to(dtype) for p in parts]).sum()
+            if dims:
+                s = s.to(comm_device(mesh))
             for md in dims:
                 dist.all_reduce(s, group=mesh.get_group(md))
+            s = s.to(parts[0].device)
             total = s if total is None else total + s.to(total.device)
         return total if total is not None else torch.zeros(())
 
@@ -228,6 +231,7 @@ class DTensorBackend:
         are sharded; the summed dims come back replicated, the other placements kept."""
         parts = []  # (local sum, mesh, placements, logical shape)
         pending: dict = {}
+        devices: dict = {}
         for i, t in enumerate(tensors):
             nd = t.ndim
             ds = tuple(sorted({d % nd for d in dims}))
@@ -237,17 +241,21 @@ class DTensorBackend:
             for md, pl in enumerate(placements):
                 if pl.is_partial():
                     raise ValueError(f"sum_over: Partial placements {t.placements} are not supported")
-                if pl.is_shard() and pl.dim % nd in ds:
+                if is_cut(pl) and pl.dim % nd in ds:
                     over.append(md)
                     placements[md] = Replicate()
             shape = tuple(1 if d in ds else n for d, n in enumerate(t.shape))
             parts.append((local, t.device_mesh, placements, shape))
             for md in over:
                 pg = t.device_mesh.get_group(md)
-                pending.setdefault((id(pg), local.dtype, local.device), (pg, []))[1].append(i)
-        for pg, idx in pending.values():
-            flat = torch.cat([parts[i][0].reshape(-1) for i in idx])
+                key = (id(pg), local.dtype, local.device)
+                pending.setdefault(key, (pg, []))[1].append(i)
+                devices[key] = comm_device(t.device_mesh)
+        for (pg, idx), dev in zip(pending.values(), devices.values()):
+            home = parts[idx[0]][0].device
+            flat = torch.cat([parts[i][0].reshape(-1) for i in idx]).to(dev)
             dist.all_reduce(flat, group=pg)
+            flat = flat.to(home)
             self.stats.reductions += 1
             for i, piece in zip(idx, flat.split([parts[i][0].numel() for i in idx])):
                 parts[i] = (piece.view(parts[i][0].shape),) + parts[i][1:]

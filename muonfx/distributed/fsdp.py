@@ -13,7 +13,6 @@ from ..base import GradientTransformation
 from ..combine import named_chain
 from ..familiar import MeaningChangedWarning, model_labels, say_once
 from ..optim import TransformOptimizer
-from ..optim.groups import gather
 from ..options import MuonOptions, insert_step, takes_muon_options
 from ..presets import adamw
 from ..transforms import row_normalize, scale
@@ -174,50 +173,6 @@ class FSDPMuonOptimizer(TransformOptimizer):
             say_once("FSDPMuonOptimizer fallback", (
                 f"muonfx: FSDPMuonOptimizer gives {len(other)} parameter(s) that are not hidden matrices ({shown}: "
                 f"biases, norms, embeddings, the output head) AdamW (lr={adamw_lr:g}), the matrices Muon"))
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        """One step. On sharded (DTensor) parameters the ranks first agree on the step's
-        rank-local checks (gradients, param-group hyperparameters; one all-reduce of a
-        flag per rank, :func:`muonfx.distributed.agree.agree`): if they fail on any rank,
-        every rank raises before the matrix exchange instead of leaving the others
-        waiting in it until the process group's timeout. Nothing changes on any rank."""
-        device = self._agreement_device()
-        if device is None:
-            return super().step(closure)
-        from .agree import agree
-
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        agree(self._rank_local_checks, "step()", device=device)
-        super().step()
-        return loss
-
-    def _rank_local_checks(self) -> None:
-        """What can fail on one rank alone before the exchange: the gradients (``gather``)
-        and the param groups' hyperparameters (a hand-edited ``lr``, say)."""
-        from ..hyperparams import check_group_values
-
-        numeric = {n for n, v in self.defaults.items()
-                   if isinstance(v, (int, float, tuple)) and not isinstance(v, bool)}
-        for rec, group in zip(self.records, self.param_groups):
-            work = gather(rec, group)
-            if work is not None:
-                check_group_values(work.hp, numeric)
-
-    def _agreement_device(self) -> torch.device | None:
-        """The device of the flag all-reduce, or None where there is no agreement to make
-        (no DTensor parameters, one process, or a mesh over only some of the ranks)."""
-        ref = self._dtensor_ref
-        if ref is None or not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-            return None
-        if ref.device_mesh.mesh.numel() != torch.distributed.get_world_size():
-            return None
-        if ref.device_mesh.device_type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device(ref.device_mesh.device_type)
 
     def unshard_params(self) -> contextlib.AbstractContextManager:
         """Context manager: the model's parameters are full tensors inside, resharded on exit."""

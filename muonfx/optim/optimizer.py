@@ -147,13 +147,27 @@ class TransformOptimizer(torch.optim.Optimizer):
         Every group's update is computed before anything is written, so an error (a
         sparse gradient, a NaN learning rate or schedule value, a parameter the
         transform cannot take) leaves every parameter, state tensor and param group
-        exactly as it was.
+        exactly as it was. On DTensor parameters the ranks first agree on the step's
+        rank-local checks in one all-reduce (:func:`muonfx.distributed.agree.agreed_work`):
+        an error on one rank raises on every rank before the step's other collectives,
+        and so does a parameter with a gradient on some ranks and ``grad=None`` on others
+        (:class:`~muonfx.distributed.agree.GradientsDiffer`).
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = [w for w in map(gather, self.records, self.param_groups) if w is not None]
+        agreement = None
+        if self._dtensor_ref is not None:  # ranks agree on rank-local errors before any collective
+            from ..distributed.agree import step_group
+
+            agreement = step_group(self._dtensor_ref)
+        if agreement is None:
+            work = [w for w in map(gather, self.records, self.param_groups) if w is not None]
+        else:
+            from ..distributed.agree import agreed_work
+
+            work = agreed_work(self.records, self.param_groups, *agreement)
         self._torch_state = None
         self.executor.step(work)
         return loss
