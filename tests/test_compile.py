@@ -614,7 +614,7 @@ def test_only_errors_raised_while_compiling_count_as_the_compilers():
     """The rule: dynamo's own errors, and other errors raised from dynamo's frame
     compilation, are the compiler's; the transforms' ValueError / TypeError, and errors
     of a running graph, are raised as they are."""
-    from muonfx.optim.executor import _compiler_failed
+    from muonfx.optim.step.compiled import compiler_failed as _compiler_failed
 
     def raised(exc, filename):
         code = compile("raise exc", filename, "exec")

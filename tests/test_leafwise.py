@@ -19,9 +19,9 @@ from tensordict import TensorDict
 import muonfx as mfx
 from muonfx import schedules
 from muonfx.base import Key, build
-from muonfx.conformance import _tree_diff
+from muonfx.testing.compare import tree_diff as _tree_diff
 from muonfx.optim.groups import lr_multiplier
-from muonfx.state_tree import merge, restrict
+from muonfx.tree import merge, restrict
 from muonfx.testing import ConformanceError, check_transform, params_and_grads
 
 FAST = dict(max_examples=5, derandomize=True)

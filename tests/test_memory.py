@@ -7,7 +7,7 @@ import torch
 from tensordict import TensorDict
 
 import muonfx as mfx
-from muonfx.base import tree_tensors
+from muonfx.tree import tensors as tree_tensors
 from muonfx.memory import FreshMemory
 
 

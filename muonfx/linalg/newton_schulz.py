@@ -292,32 +292,62 @@ class NewtonSchulz:
         self.schedule, self.eps, self.method, self.restart, self.accuracy = schedule, eps, method, restart, accuracy
         self.compute_dtype = dtype
 
-    def __call__(self, g: torch.Tensor) -> torch.Tensor:
-        if g.ndim != 3:
-            raise ValueError(f"newton_schulz_batched takes [N, m, n], got {tuple(g.shape)}")
-        cdtype = self.compute_dtype if self.compute_dtype is not None else ns_dtype_for(g.device, g.dtype)
-        schedule, restart = self.schedule, self.restart
+    def _choose(self, m: int, n: int, in_dtype: torch.dtype, device: torch.device) -> tuple:
+        """``(compute dtype, method, restart, block rows)`` for ``m x n`` matrices of
+        ``in_dtype`` on ``device`` (the rules of :func:`auto_method` and
+        :mod:`muonfx.linalg.blocked`)."""
+        cdtype = self.compute_dtype if self.compute_dtype is not None else ns_dtype_for(device, in_dtype)
+        restart = self.restart
         low = cdtype in (torch.bfloat16, torch.float16)
-        if restart is None and low:  # default_restart(cdtype), inline: this runs once per batch
+        if restart is None and low:  # default_restart(cdtype)
             restart = 3
         method = self.method
         if method == "auto":
-            # auto_method(m, n, cdtype, accuracy, device), inline: this runs once per batch
-            m, n = g.shape[-2], g.shape[-1]
             if cdtype == torch.float32 and self.accuracy == "bf16":
-                method = "spectral" if g.device.type == "cpu" and min(m, n) >= SPECTRAL_MIN_DIM else (
-                    "gram" if gram_pays_off(m, n, len(schedule.steps), restart) else "standard")
+                method = "spectral" if device.type == "cpu" and min(m, n) >= SPECTRAL_MIN_DIM else (
+                    "gram" if gram_pays_off(m, n, len(self.schedule.steps), restart) else "standard")
             else:
-                method = "gram" if low and gram_pays_off(m, n, len(schedule.steps), restart) else "standard"
+                method = "gram" if low and gram_pays_off(m, n, len(self.schedule.steps), restart) else "standard"
+        # blocked.block_count(min(m, n), device, cdtype): how many block rows the symmetric
+        # products take (1: the plain batched products)
+        side, blocks = blocked.BLOCK_ROWS.get(cdtype.itemsize, blocked.BLOCK_ROWS[4])
+        if device.type != "cpu" or min(m, n) < side:
+            blocks = 1
+        return cdtype, method, restart, blocks
+
+    def route(self, m: int, n: int, in_dtype: torch.dtype, device: "torch.device | str") -> tuple[str, str, str]:
+        """``(compute dtype, method, products)`` of a batch of ``m x n`` matrices of
+        ``in_dtype`` on ``device``, as names: what :meth:`__call__` does with it (the
+        products: torch's batched ones, CPU block rows, or the symmetric Triton kernels
+        where they are asked for and available; their check runs on first use).
+
+        Example::
+
+            >>> import torch
+            >>> from muonfx.linalg import NewtonSchulz, resolve
+            >>> NewtonSchulz(resolve("keller", 5), dtype=torch.bfloat16).route(768, 3072, torch.float32, "cpu")
+            ('bfloat16', 'gram', 'torch')
+        """
+        device = torch.device(device)
+        cdtype, method, restart, blocks = self._choose(m, n, in_dtype, device)
+        if method == "spectral":
+            products = "eigh"
+        elif cdtype in (torch.bfloat16, torch.float16) and triton_ns.requested() and triton_ns.runs_on(device):
+            products = "triton (checked on first use)"
+        else:
+            products = "block rows" if blocks > 1 else "torch"
+        return str(cdtype).removeprefix("torch."), method, products
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        if g.ndim != 3:
+            raise ValueError(f"newton_schulz_batched takes [N, m, n], got {tuple(g.shape)}")
+        schedule = self.schedule
+        cdtype, method, restart, blocks = self._choose(g.shape[-2], g.shape[-1], g.dtype, g.device)
+        low = cdtype in (torch.bfloat16, torch.float16)
         use_gram = method == "gram"
         # one batched call; the normalised input is handed over in a list (see _standard), so
         # the iteration holds the only reference and frees it with its first new iterate
         tall = g.shape[-2] > g.shape[-1]
-        # blocked.block_count(min(m, n), device, cdtype), inline (hot path): how many block
-        # rows the symmetric products take (1: the plain batched products)
-        side, blocks = blocked.BLOCK_ROWS.get(cdtype.itemsize, blocked.BLOCK_ROWS[4])
-        if g.device.type != "cpu" or min(g.shape[-2], g.shape[-1]) < side:
-            blocks = 1
         x = None
         if method == "spectral":
             x = _spectral([_normalized(g, schedule, self.eps, cdtype, tall)], schedule.steps, blocks)
