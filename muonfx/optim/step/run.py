@@ -178,11 +178,14 @@ class Runner:
         self.last = plan
         with plan.settings.held():
             if not self._run(plan, records, works, param_groups):
-                # the compiler failed before its graph ran (nothing written): the step again,
-                # by the plan that steps those groups eagerly
+                # the compiled graph did not run (the compiler failed, or this torch would
+                # recompile it): nothing was written; the step again, by the plan that steps
+                # those groups eagerly
+                self._settings_events(param_groups)
                 self.forget()
                 plan = self.last = self.plan(records, param_groups, works)
-                self._run(plan, records, works, param_groups)
+                if not self._run(plan, records, works, param_groups):
+                    raise RuntimeError("muonfx: the eager plan of a step tried to compile it")
 
     def _run(self, plan: StepPlan, records: list[GroupRecord], works: list, param_groups: list[dict]) -> bool:
         """Run ``plan``; False where its compiled graph could not be built (nothing written)."""
