@@ -27,9 +27,10 @@ standard NS (torch.optim.Muon's arithmetic), bf16 auto, and bf16 with the Gram i
 on every matrix (restarts every 3 steps); a row that computes exactly what an earlier row
 computes on this device is left out. torch.optim.Muon runs its bf16 standard NS.
 
-Before the timed rounds every muonfx optimizer is stepped until its executor has made
-its measured choice between the eager and the compiled step (the ``path`` column), so the
-rounds time the path it keeps. Extra step memory: the peak bytes allocated during one
+Before the timed rounds every optimizer makes one untimed step (a compiled muonfx step
+compiles there); the ``path`` column is the path of muonfx's step plan (by rules:
+compiled from 2^24 parameter elements, in pieces where a group exceeds the batch
+budget; nothing is measured). Extra step memory: the peak bytes allocated during one
 ``opt.step()`` of that path beyond what existed before it (the optimizer state already
 created), measured in one more, untimed step per optimizer: ``torch.cuda.max_memory_allocated``
 on CUDA, the CPU allocator's own records (``muonfx.memory.AllocatorPeak``) on the CPU. The gradients are shared by all optimizers (none
@@ -115,7 +116,7 @@ def run(kind: str, layers: int | None, shrink: int, device: torch.device, repeat
         opts[name] = mfx.TransformOptimizer(copies, mfx.muon, lr=0.02, weight_decay=0.1, **kw)
     del init
     opts["torch"] = torch.optim.Muon(torch_params, lr=0.02, weight_decay=0.1)
-    paths = {k: _common.settle(o) for k, o in opts.items()}  # the executor's choice made before timing
+    paths = {k: _common.settle(o) for k, o in opts.items()}  # one untimed step each (compiles where compiled)
     t = _common.interleaved({k: o.step for k, o in opts.items()}, repeats, warmup, device)
     mem = {k: _common.step_memory(o.step, device) for k, o in opts.items()}  # untimed, after the timed steps
     n = len(torch_params)
@@ -165,7 +166,7 @@ def main(argv=None) -> None:
           "method auto (the default row names the forms it computes on the set: muonfx.linalg.auto_method)")
     print(_common.table(["set", "matrices", "muonfx variant", "path", "muonfx ms", "torch ms", "muonfx/torch",
                          "muonfx extra mem", "torch extra mem"], rows))
-    print("path: the executor's measured choice, made before the timed rounds (eager or compiled); "
+    print("path: the step plan's path (by rules: print(opt.plan)), its first step untimed; "
           "extra mem: peak bytes allocated during one step of that path beyond those allocated before it "
           f"({'torch.cuda.max_memory_allocated' if device.type == 'cuda' else 'the CPU allocator records'}; "
           "an untimed step after the timed ones)")
