@@ -71,6 +71,8 @@ class Settings:
 
     @classmethod
     def capture(cls, device_types: set[str]) -> "Settings":
+        for d in device_types:  # each device's own default, decided now (a graph cannot read /proc/cpuinfo)
+            precision.device_ns_dtype(torch.device(d))
         return cls(precision.pinned_ns_dtype(), tuple(sorted((d, batching.batch_bytes(d)) for d in device_types)),
                    triton_ns.requested())
 
