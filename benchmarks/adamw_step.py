@@ -52,11 +52,11 @@ def main(argv=None) -> None:
     ap.add_argument("--fused", action="store_true", help="also time torch.optim.AdamW(fused=True): a muonfx/fused column")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device).manual_seed(0)  # drawn on the device
     named, compiled, copies, fused = [], [], [], []
     for k, s in gpt2_shapes(args.layers).items():
-        p = torch.nn.Parameter(torch.randn(*s, generator=gen).to(device) * 0.02)
-        p.grad = torch.randn(*s, generator=gen).to(device)
+        p = torch.nn.Parameter(torch.randn(*s, generator=gen, device=device) * 0.02)
+        p.grad = torch.randn(*s, generator=gen, device=device)
         named.append((k, p))
         for dst in (copies,) + ((compiled,) if args.compile else ()) + ((fused,) if args.fused else ()):
             q = torch.nn.Parameter(p.detach().clone())

@@ -205,6 +205,7 @@ def on_device(device: str, min_ndim: int = 0):
 
 
 @cuda
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CUDA_COMPILED_LAW))
 def test_the_compiled_law_holds_on_cuda(name):
     """``check_transform(laws=["compiled"])`` with CUDA parameters: the compiled optimizer
@@ -223,6 +224,7 @@ def _warmup_lambda(step):
 
 
 @cuda
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["linear", "warmup_cosine_decay", "join", "own"])
 def test_in_graph_schedules_compiled_on_cuda_follow_the_schedule(name):
     """A schedule evaluated inside the compiled step on CUDA (Triton code, where the CPU
