@@ -325,7 +325,7 @@ class NewtonSchulz:
 
             >>> import torch
             >>> from muonfx.linalg import NewtonSchulz, resolve
-            >>> NewtonSchulz(resolve("keller", 5), dtype=torch.bfloat16).route(768, 3072, torch.float32, "cpu")
+            >>> NewtonSchulz(resolve("keller", 5), dtype=torch.bfloat16).route(256, 1024, torch.float32, "cpu")
             ('bfloat16', 'gram', 'torch')
         """
         device = torch.device(device)
