@@ -33,7 +33,7 @@ PACKAGE = ROOT / "muonfx"
 
 ALL_DOC_FILES = ["README.md"] + sorted(p.relative_to(ROOT).as_posix() for p in DOCS.rglob("*.md"))
 # pages made only of tables and prose (no ```python block to run)
-PROSE_ONLY = {"docs/performance.md", "docs/evidence.md"}
+PROSE_ONLY = {"docs/performance.md", "docs/evidence.md", "docs/design-notes.md"}
 DOC_FILES = [f for f in ALL_DOC_FILES if f not in PROSE_ONLY]
 
 # An opening ```python fence (optionally indented, e.g. inside a list) up to the closing
