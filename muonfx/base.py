@@ -417,7 +417,20 @@ def local(t: Any) -> Any:
     return t._local_tensor if not torch.is_grad_enabled() else t.to_local()
 
 
+_FAST_REWRAP = [True]
+
+
 def _rewrap(local_t: torch.Tensor, like: Any) -> Any:
+    """``local_t`` as a DTensor placed like ``like``: with ``like``'s own spec where the
+    shard has its shape, strides and dtype (the DTensor constructor: a few calls, where
+    ``from_local`` makes dozens), else through ``from_local``."""
+    mine = like._local_tensor
+    if _FAST_REWRAP[0] and local_t.shape == mine.shape and local_t.dtype == mine.dtype \
+            and local_t.stride() == mine.stride():
+        try:
+            return type(like)(local_t, like._spec, requires_grad=False)
+        except TypeError:  # a torch whose DTensor constructor takes other arguments
+            _FAST_REWRAP[0] = False
     return type(like).from_local(local_t, like.device_mesh, like.placements, run_check=False,
                                  shape=like.shape, stride=like.stride())
 

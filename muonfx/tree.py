@@ -29,7 +29,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from tensordict import TensorDictBase
@@ -38,8 +38,8 @@ from torch.utils import _pytree as pytree
 from .base import Key, build, td_items
 from .counts import Counts, from_values, values_of
 
-__all__ = ["is_keyed", "flatten", "unflatten", "paths", "tensors", "map_keyed", "owner", "restrict", "split",
-           "merge", "keyed_items"]
+__all__ = ["is_keyed", "flatten", "unflatten", "paths", "tensors", "owner", "restrict", "split", "merge",
+           "keyed_items"]
 
 
 def is_keyed(x: Any) -> bool:
@@ -94,18 +94,6 @@ def tensors(state: Any) -> list[torch.Tensor]:
         elif isinstance(leaf, torch.Tensor):
             out.append(leaf)
     return out
-
-
-def map_keyed(fn: Callable[..., Any], state: Any, *others: Any) -> Any:
-    """``state`` with every keyed node ``x`` replaced by ``fn(x, *the nodes at the same
-    place of others)``; the other leaves are ``state``'s. ``others`` have ``state``'s
-    structure."""
-    leaves, spec = flatten(state)
-    rest = [flatten(o)[0] for o in others]
-    out = []
-    for i, leaf in enumerate(leaves):
-        out.append(fn(leaf, *[r[i] for r in rest]) if is_keyed(leaf) else leaf)
-    return unflatten(out, spec)
 
 
 def owner(key: Key, params: "set | dict") -> Key | None:

@@ -36,7 +36,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ...base import GradientTransformation, Key, is_dtensor, is_leafwise, key_str
+from ...base import GradientTransformation, Key, is_dtensor, is_leafwise
 from ...linalg import batching, precision, triton_ns
 from .dryrun import DryRun, dry_run
 from .pieces import plan_pieces
@@ -286,6 +286,3 @@ def _check_triton(seen: DryRun, device_type: str) -> None:
         if cdtype in (torch.bfloat16, torch.float16) and method in ("standard", "gram") and triton_ns.runs_on(device):
             triton_ns.verify(m.rows, m.cols, cdtype, device, restart, method == "gram", fn.schedule.steps)
 
-
-def names_of(keys: list[Key]) -> list[str]:
-    return [key_str(k) for k in keys]
