@@ -521,3 +521,42 @@ def test_under_a_dispatch_mode_the_compiled_optimizer_steps_eagerly():
     assert opt.transform_state(0).count == 4
     for (n, a), (_, b) in zip(ref, named):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_settings_are_read_when_the_plan_is_built_not_mid_run():
+    """With an lr scheduler the preset is rebuilt whenever lr changes; a
+    set_default_ns_dtype between steps still does not switch a running optimizer's
+    Newton-Schulz dtype: its plan holds the pin it was built with (print(opt.plan) says
+    which), until opt.replan() reads the settings again."""
+    from muonfx.linalg.precision import pinned_ns_dtype
+
+    before = pinned_ns_dtype()  # (the test suite pins one: tests/conftest.py)
+    named, ref = _named(MATRICES), _named(MATRICES)
+    opts = [mfx.TransformOptimizer(n, mfx.muon, lr=0.02) for n in (named, ref)]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.9) for o in opts]
+    try:
+        for step in range(4):
+            _grads(named, step)
+            _grads(ref, step)
+            if step == 2:  # a change between steps, for the first optimizer's step only
+                mfx.linalg.set_default_ns_dtype(torch.float16)
+            opts[0].step()
+            mfx.linalg.set_default_ns_dtype(before)
+            opts[1].step()
+            for s in scheds:
+                s.step()
+        assert opts[0].plan.settings.ns_dtype == before
+        for (n, a), (_, b) in zip(named, ref):
+            assert torch.equal(a, b), n
+        mfx.linalg.set_default_ns_dtype(torch.float16)
+        opts[0].replan()
+        assert opts[0].plan.settings.ns_dtype == torch.float16 and "float16" in str(opts[0].plan)
+    finally:
+        mfx.linalg.set_default_ns_dtype(before)
+
+
+def test_cautious_decay_refuses_what_decoupled_decay_refuses():
+    for bad in (float("nan"), float("inf"), -0.1):
+        for tx in (mfx.decoupled_decay, mfx.cautious_decay):
+            with pytest.raises(ValueError, match="weight_decay"):
+                tx(bad)
