@@ -241,10 +241,11 @@ def choose_path(index: int, setting: Any, params_all: list[torch.Tensor], partia
 
 
 def group_plan(index: int, keys: list[Key], positions: list[int], params: list[torch.Tensor],
-               params_all: list[torch.Tensor], transform: GradientTransformation, state: Any, setting: Any,
-               settings: Settings, failed: bool) -> GroupPlan:
+               params_all: list[torch.Tensor], transform: GradientTransformation, setting: Any,
+               settings: Settings, failed: bool, check: Any) -> GroupPlan:
     """The plan of one group (see the module doc): its path by :func:`choose_path`, its
-    pieces by :func:`plan_pieces` under the settings' budget, checked by a dry run."""
+    pieces by :func:`plan_pieces` under the settings' budget, checked by ``check()``: the
+    dry run of the whole group (see :func:`checked`)."""
     dtensor = any([is_dtensor(p) for p in params_all])
     devices = tuple(sorted({p.device.type for p in params_all}))
     partial = len(positions) != len(params_all)
@@ -254,15 +255,11 @@ def group_plan(index: int, keys: list[Key], positions: list[int], params: list[t
     if not dtensor and is_leafwise(transform) and len(devices) == 1:
         pieces = plan_pieces(params, settings.budget(devices[0]))
     if pieces is not None or (path == "compiled" and settings.triton):
-        try:
-            with settings.held():
-                seen = dry_run(transform, keys, params, state)
-        except (ValueError, TypeError):
-            raise  # an error of this step's parameters: raised before anything is written
-        except Exception as e:  # noqa: BLE001 - the transform needs data to run: whole, not checked
-            seen = None
-            if pieces is not None:
-                pieces, why = None, f"{why}; whole: a dry run could not check it ({type(e).__name__})"
+        seen, error = check()
+        if isinstance(error, (ValueError, TypeError)):
+            raise error  # an error of the group's parameters: raised before anything is written
+        if seen is None and pieces is not None:  # the transform needs data to run: whole, not checked
+            pieces, why = None, f"{why}; whole: a dry run could not check it ({type(error).__name__})"
         if seen is not None:
             if path == "compiled" and pieces is not None and not seen.matrices:
                 pieces = None  # elementwise work alone: one graph stores it in place
@@ -270,6 +267,19 @@ def group_plan(index: int, keys: list[Key], positions: list[int], params: list[t
                 _check_triton(seen, devices[0] if devices else "cpu")
     return GroupPlan(index, tuple(keys), tuple(positions), transform, path, why, pieces, nbytes, partial, devices,
                      dtensor)
+
+
+def checked(transform: GradientTransformation, keys: list[Key], params: list[torch.Tensor], state: Any,
+            settings: Settings) -> tuple[DryRun | None, BaseException | None]:
+    """The dry run of a whole group (every parameter, its whole state): ``(what it saw,
+    None)``, or ``(None, the error)``. The plans of every set of present parameters share
+    it (a leafwise transform's errors are each parameter's own), so a model whose present
+    parameters change from step to step (experts without tokens) runs it once."""
+    try:
+        with settings.held():
+            return dry_run(transform, keys, params, state), None
+    except Exception as e:  # noqa: BLE001 - kept and judged by group_plan
+        return None, e
 
 
 def _check_triton(seen: DryRun, device_type: str) -> None:

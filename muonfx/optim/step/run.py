@@ -35,7 +35,7 @@ from ...wrappers import hyperparam_values
 from ..groups import GroupRecord, GroupWork, gather, static_key
 from .compiled import CompiledSteps
 from .pieces import PartialStepError
-from .plan import GroupPlan, Settings, StepPlan, group_plan
+from .plan import GroupPlan, Settings, StepPlan, checked, group_plan
 from .writeback import commit
 
 __all__ = ["Runner"]
@@ -113,10 +113,13 @@ class Runner:
         self.compiled = CompiledSteps()
         self.plans: OrderedDict[tuple, StepPlan] = OrderedDict()
         self.last: StepPlan | None = None
+        #: the dry runs of whole groups, shared by their plans (see plan.checked)
+        self._checks: dict[tuple, tuple] = {}
 
     def forget(self) -> None:
         """Drop every plan (the next step builds a new one, reading the settings again)."""
         self.plans.clear()
+        self._checks.clear()
 
     # -- plans -----------------------------------------------------------------
 
@@ -149,11 +152,20 @@ class Runner:
                     continue
                 tx = rec.transform(w.hp, settings.ns_dtype)
                 keys = [rec.keys[i] for i in w.idx]
-                state = rec.current_state(w.hp)
-                partial = len(w.idx) != len(rec.keys)
-                groups.append(group_plan(gi, keys, w.idx, w.params, list(group["params"]), tx,
-                                         tree.restrict(state, keys) if partial else state, group.get("compile"),
-                                         settings, (gi, static_key(w.hp)) in self.compiled.failed))
+                params_all = list(group["params"])
+                check_key = (gi, static_key(w.hp), tuple([(p.shape, p.dtype, p.device) for p in params_all]),
+                             settings)
+
+                def check(tx=tx, rec=rec, w=w, params_all=params_all, check_key=check_key):
+                    if check_key not in self._checks:
+                        if len(self._checks) >= 4 * self.PLANS:
+                            self._checks.clear()
+                        self._checks[check_key] = checked(tx, rec.keys, params_all, rec.current_state(w.hp),
+                                                          settings)
+                    return self._checks[check_key]
+
+                groups.append(group_plan(gi, keys, w.idx, w.params, params_all, tx, group.get("compile"),
+                                         settings, (gi, static_key(w.hp)) in self.compiled.failed, check))
         sources = tuple((rec.names, list(group["params"])) for rec, group in zip(records, param_groups))
         plan = StepPlan(key, tuple(groups), settings, sources)
         self.plans[key] = plan
@@ -220,10 +232,14 @@ class Runner:
                 us, new = results.pop(x.plan.index)
                 with torch.no_grad():
                     x.finish(commit(x.state, new, x.work.params, us))
+                del us, new
                 written.append((x, range(len(x.plan.keys))))
         for x in eager:
             if x.plan.pieces is not None:
-                self._eager_pieces(x, splits[x.plan.index], results.pop(x.plan.index), written)
+                # the first piece handed over in a list: the callee holds its only reference
+                # and lets it go once written (an argument passed as it is stays alive until
+                # the call returns once a PEP 523 frame hook, dynamo's, has run in the process)
+                self._eager_pieces(x, splits[x.plan.index], [results.pop(x.plan.index)], written)
         self._settings_events(param_groups)
         return True
 
@@ -283,18 +299,18 @@ class Runner:
             written.append((x, pc))
         x.finish(_merged(x.state, kept))
 
-    def _eager_pieces(self, x: _Group, subs: list, head: tuple, written: list[tuple]) -> None:
+    def _eager_pieces(self, x: _Group, subs: list, head: list, written: list[tuple]) -> None:
         """An eager group in pieces: the first piece (computed before anything was
-        written) written, then each other piece computed and written."""
+        written, handed over in the list ``head``) written, then each other piece computed
+        and written."""
         g = x.plan
         kept: list = []
         for n, pc in enumerate(g.pieces):
             params = [x.work.params[j] for j in pc]
             try:
-                us, new = head if n == 0 else x.compute(pc, subs[n])
+                us, new = head.pop() if n == 0 else x.compute(pc, subs[n])
             except Exception as e:
                 self._partial(x, subs, kept, n, written, e)
-            head = None
             with torch.no_grad():
                 kept.append(commit(subs[n], new, params, us))
             del us, new
