@@ -509,7 +509,7 @@ def test_nested_inject_hyperparams_state_round_trips():
 
 
 # ---------------------------------------------------------------------------
-# checkpoints written before the executor still load
+# checkpoints of the previous release still load
 # ---------------------------------------------------------------------------
 
 _OLD = Path(__file__).parent / "data" / "checkpoints_a901c07.pt"

@@ -346,7 +346,7 @@ def test_ignoring_part_of_the_state_passes_the_transform_laws():
 
 def donating_momentum(beta=0.9):
     """A donation bug: momentum that writes its result into the old state buffer (the
-    in-place trick the executor, not a transform, may play)."""
+    in-place trick the adapter's write-back, not a transform, may play)."""
 
     def init_fn(params):
         return EmaState(params.apply(torch.zeros_like))

@@ -1,6 +1,7 @@
-"""The executor: the adapter computes exactly what the functional loop computes, for any
+"""The step: the adapter computes exactly what the functional loop computes, for any
 transform (a user's plain-Python combinator included), commits nothing when anything
-in a step raises, and stays cheap in Python (a bounded number of muonfx calls)."""
+in a step raises, runs by a plan chosen by rules (measured only by opt.tune()), and
+stays cheap in Python (its calls do not grow with the parameters)."""
 
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def test_users_plain_python_chain_through_the_adapter_equals_the_loop():
 
 def test_user_transform_keeping_its_input_in_the_state_is_safe():
     """A transform that returns its input update as (part of) its new state: the
-    executor's write-back and ``p += u`` must not let one write change the other."""
+    adapter's write-back and ``p += u`` must not let one write change the other."""
 
     def keep_last():
         def init(params):
@@ -278,7 +279,7 @@ def test_after_a_raising_step_the_next_good_step_is_the_uninterrupted_one():
 
 
 # ---------------------------------------------------------------------------
-# the executor's own costs
+# the step's own costs
 # ---------------------------------------------------------------------------
 
 
@@ -501,7 +502,7 @@ def test_a_compile_that_fails_steps_eagerly_and_says_so_once(monkeypatch, caplog
 
 def test_under_a_dispatch_mode_the_compiled_optimizer_steps_eagerly():
     """dynamo skips frames under a Python dispatch mode (e.g. a memory counter) and runs
-    them eagerly; the executor then takes its eager step instead of the compiled one."""
+    them eagerly; the runner then takes the eager step instead of the compiled one."""
     from muonfx.memory import FreshMemory
 
     torch._dynamo.reset()

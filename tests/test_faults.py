@@ -431,8 +431,9 @@ def test_per_parameter_counters_resume_bitwise_through_torch_save():
 
 
 def test_per_parameter_counters_in_the_compiled_step():
-    """The compiled step runs a partial step only when that is one cohort; it gives what
-    the eager step gives."""
+    """Every other step a parameter has no gradient: the compiled optimizer (opt.compile():
+    partial steps compiled too, one graph per set of present parameters) gives what the
+    eager step gives, with per-parameter counts."""
     torch._dynamo.reset()
     eager, _ = _every_other(lambda ps: mfx.TransformOptimizer(list(zip("ab", ps)), mfx.adamw, lr=1e-2), steps=6)
     comp, opt = _every_other(lambda ps: mfx.TransformOptimizer(list(zip("ab", ps)), mfx.adamw, lr=1e-2)

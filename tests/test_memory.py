@@ -97,7 +97,7 @@ def _same_shapes(n):
 
 
 def test_adamw_eager_step_holds_the_new_state_and_two_links_of_the_chain():
-    """The eager executor computes the pure update before it writes anything (so a
+    """The eager step computes the pure update before it writes anything (so a
     raising step changes nothing): new mu and nu (2 P) and two consecutive links of the
     chain (2 P) are alive at the peak. ``opt.compile()`` fuses these away."""
     shapes = _distinct_shapes(12) | {"b": (96,)}

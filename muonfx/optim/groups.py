@@ -117,7 +117,7 @@ def numeric_values(hp: dict[str, Any]) -> tuple:
     """The numbers (and tuples of numbers, such as ``betas``) among the hyperparameters
     ``hp``: what :func:`static_key` leaves to the injected state, and the values a
     compiled step is pinned to on a torch that specialises them (see
-    :class:`muonfx.optim.executor.Executor`).
+    :class:`muonfx.optim.step.compiled.CompiledSteps`).
 
     Example::
 
