@@ -1,7 +1,7 @@
 """Shared helpers for the benchmark scripts (not a benchmark itself).
 
 * :func:`interleaved`: median step times, measured in alternating rounds;
-* :func:`settle`: steps a muonfx optimizer until its executor has chosen eager or compiled;
+* :func:`settle`: one untimed step of an optimizer (a compiled step compiles there); the path of a muonfx one;
 * :func:`step_memory` (from :mod:`muonfx.memory`): the extra memory of one step (peak bytes allocated during the
   call beyond what existed before it), of the path the executor runs: CUDA's allocator statistics on GPUs,
   the CPU allocator's records (:class:`AllocatorPeak`) on the CPU;
@@ -99,23 +99,16 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int,
 
 
 def settle(opt) -> str:
-    """Step a muonfx optimizer until its executor has made its automatic choice between
-    the eager and the compiled step (a few steps, one of them compiling), so that timed
-    rounds measure the path it keeps; returns that path ("eager", "compiled", or
-    "eager" for a step below the measuring threshold). Other optimizers: "".
-    """
-    ex = getattr(opt, "executor", None)
-    if ex is None:
+    """One untimed step of ``opt`` (a muonfx optimizer whose plan compiles a group
+    compiles it there), so that timed rounds measure steady steps; returns the path of a
+    muonfx optimizer's step ("eager", "compiled", "compiled, pieces", ... from its plan,
+    decided by rules: nothing is measured), "" for any other optimizer."""
+    opt.step()
+    plan = getattr(opt, "plan", None)
+    if plan is None:
         return ""
-    # the first step, E, one or two build steps, then C/E rounds; a step below the
-    # measuring threshold makes no choice (eager)
-    for _ in range(2 * ex.auto_rounds + 4):
-        if ex.choices or ex.compile_kwargs is not None or not ex.auto:
-            break
-        opt.step()
-    if ex.compile_kwargs is not None:
-        return "compiled"
-    return next(iter(ex.choices.values()), "eager")
+    paths = sorted({g.path + (", pieces" if g.pieces else "") for g in plan.groups})
+    return " + ".join(paths)
 
 
 def table(header: list[str], rows: list[list[object]]) -> str:

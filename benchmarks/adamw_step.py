@@ -8,8 +8,10 @@ Both optimizers hold the same parameters (GPT-2 small: token/position embeddings
 12 layers of 768x2304, 768x768, 768x3072, 3072x768 plus biases and norms) and the same
 gradients (shared: neither writes them); steps are timed in alternating rounds (median).
 
-Before the timed rounds every muonfx optimizer is stepped until its executor has made its
-measured choice between the eager and the compiled step (the ``path`` column). Extra step
+Before the timed rounds every optimizer makes one untimed step (a compiled muonfx step
+compiles there); the ``path`` column is the path of muonfx's step plan (by rules:
+compiled from 2^24 parameter elements; nothing is measured). ``--compile`` adds a row for
+``opt.compile()`` only where the default row is not compiled already. Extra step
 memory: the peak bytes allocated during one ``opt.step()`` of that path beyond what existed
 before it, measured in one more, untimed step per optimizer: ``torch.cuda.max_memory_allocated``
 on CUDA, the CPU allocator's own records (``muonfx.memory.AllocatorPeak``) on the CPU, which
@@ -50,11 +52,11 @@ def main(argv=None) -> None:
     ap.add_argument("--fused", action="store_true", help="also time torch.optim.AdamW(fused=True): a muonfx/fused column")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device).manual_seed(0)  # drawn on the device
     named, compiled, copies, fused = [], [], [], []
     for k, s in gpt2_shapes(args.layers).items():
-        p = torch.nn.Parameter(torch.randn(*s, generator=gen).to(device) * 0.02)
-        p.grad = torch.randn(*s, generator=gen).to(device)
+        p = torch.nn.Parameter(torch.randn(*s, generator=gen, device=device) * 0.02)
+        p.grad = torch.randn(*s, generator=gen, device=device)
         named.append((k, p))
         for dst in (copies,) + ((compiled,) if args.compile else ()) + ((fused,) if args.fused else ()):
             q = torch.nn.Parameter(p.detach().clone())
@@ -66,11 +68,13 @@ def main(argv=None) -> None:
     if args.fused:
         opts["torch fused"] = torch.optim.AdamW(fused, lr=1e-3, weight_decay=0.01, fused=True)
     variants = [("default", "muonfx")]
-    if args.compile:
+    if args.compile and opts["muonfx"].plan.groups[0].path != "compiled":
         backend = {"backend": os.environ["MFX_BACKEND"]} if "MFX_BACKEND" in os.environ else {}
         opts["compiled"] = mfx.TransformOptimizer(compiled, mfx.adamw, lr=1e-3, weight_decay=0.01).compile(**backend)
         variants.append(("opt.compile()", "compiled"))
-    paths = {k: _common.settle(o) for k, o in opts.items()}  # the executor's choice made before timing
+    elif args.compile:
+        print("the default row is compiled already (its plan's rule): no opt.compile() row")
+    paths = {k: _common.settle(o) for k, o in opts.items()}  # one untimed step each (compiles where compiled)
     t = _common.interleaved({k: o.step for k, o in opts.items()}, args.repeats, args.warmup, device)
     mem = {k: _common.step_memory(o.step, device) for k, o in opts.items()}  # untimed, after the timed steps
     print(f"\nAdamW step, muonfx chain vs torch.optim.AdamW(foreach=True) ({_common.machine()})")
@@ -81,7 +85,7 @@ def main(argv=None) -> None:
     print(_common.table(["muonfx variant", "path", "params", "tensors", "muonfx ms", "torch ms", "muonfx/torch",
                          "muonfx extra mem", "torch extra mem"]
                         + (["torch fused ms", "muonfx/fused"] if args.fused else []), rows))
-    print(f"path: the executor's measured choice, made before the timed rounds; extra mem: peak bytes "
+    print(f"path: the step plan's path (by rules: print(opt.plan)), its first step untimed; extra mem: peak bytes "
           f"allocated during one step of that path beyond those allocated before it "
           f"({'torch.cuda.max_memory_allocated' if device.type == 'cuda' else 'the CPU allocator records'}; "
           f"an untimed step after the timed ones); model {_common.fmt_bytes(sum(p.numel() * p.element_size() for _, p in named))}")

@@ -30,9 +30,10 @@ torch.optim.Muon runs its bf16 standard NS. The header names the CPU kind (model
 flags, oneDNN's cap), the threads and the load average; ``--busy N`` starts N processes
 that spin for the whole run (more runnable threads than cores, on purpose).
 
-Before the timed rounds every muonfx optimizer is stepped until its executor has made
-its measured choice between the eager and the compiled step (the ``path`` column), so the
-rounds time the path it keeps. Extra step memory: the peak bytes allocated during one
+Before the timed rounds every optimizer makes one untimed step (a compiled muonfx step
+compiles there); the ``path`` column is the path of muonfx's step plan (by rules:
+compiled from 2^24 parameter elements, in pieces where a group exceeds the batch
+budget; nothing is measured). Extra step memory: the peak bytes allocated during one
 ``opt.step()`` of that path beyond what existed before it (the optimizer state already
 created), measured in one more, untimed step per optimizer: ``torch.cuda.max_memory_allocated``
 on CUDA, the CPU allocator's own records (``muonfx.memory.AllocatorPeak``) on the CPU. The gradients are shared by all optimizers (none
@@ -97,9 +98,10 @@ def distinct_variants(device: torch.device) -> dict[str, dict]:
 def run(kind: str, layers: int | None, shrink: int, device: torch.device, repeats: int, warmup: int,
         only: list[str] | None = None) -> list:
     shapes = matrices(kind, layers, shrink)
-    gen = torch.Generator().manual_seed(0)
-    grads = {k: torch.randn(*s, generator=gen).to(device) for k, s in shapes.items()}
-    init = {k: (torch.randn(*s, generator=gen) * 0.02).to(device) for k, s in shapes.items()}
+    # drawn on the device (a GPU set's billion values drawn by the CPU took tens of seconds)
+    gen = torch.Generator(device).manual_seed(0)
+    grads = {k: torch.randn(*s, generator=gen, device=device) for k, s in shapes.items()}
+    init = {k: torch.randn(*s, generator=gen, device=device) * 0.02 for k, s in shapes.items()}
     torch_params = []
     for k, p in init.items():
         # the gradients are shared (views for experts): no optimizer writes them
@@ -118,7 +120,7 @@ def run(kind: str, layers: int | None, shrink: int, device: torch.device, repeat
         opts[name] = mfx.TransformOptimizer(copies, mfx.muon, lr=0.02, weight_decay=0.1, **kw)
     del init
     opts["torch"] = torch.optim.Muon(torch_params, lr=0.02, weight_decay=0.1)
-    paths = {k: _common.settle(o) for k, o in opts.items()}  # the executor's choice made before timing
+    paths = {k: _common.settle(o) for k, o in opts.items()}  # one untimed step each (compiles where compiled)
     t = _common.interleaved({k: o.step for k, o in opts.items()}, repeats, warmup, device)
     mem = {k: _common.step_memory(o.step, device) for k, o in opts.items()}  # untimed, after the timed steps
     n = len(torch_params)
@@ -174,7 +176,7 @@ def main(argv=None) -> None:
           "(muonfx.linalg.auto_method)")
     print(_common.table(["set", "matrices", "muonfx variant", "path", "muonfx ms", "torch ms", "muonfx/torch",
                          "muonfx extra mem", "torch extra mem"], rows))
-    print("path: the executor's measured choice, made before the timed rounds (eager or compiled); "
+    print("path: the step plan's path (by rules: print(opt.plan)), its first step untimed; "
           "extra mem: peak bytes allocated during one step of that path beyond those allocated before it "
           f"({'torch.cuda.max_memory_allocated' if device.type == 'cuda' else 'the CPU allocator records'}; "
           "an untimed step after the timed ones)")

@@ -104,8 +104,8 @@ def speed(device: torch.device, repeats: int) -> str:
 
 
 class _products:
-    """Within: the symmetric Triton products (``triton=True``) or torch's, whatever the
-    measured choice per shape (``triton_ns.set_enabled``) would take."""
+    """Within: the symmetric Triton products (``triton=True``: asked for, checked against
+    torch's on each shape's first use, in the warm-up) or torch's (the default)."""
 
     def __init__(self, triton: bool) -> None:
         self.triton = triton

@@ -10,9 +10,9 @@ the Llama-1B and 32-expert MoE sets): the sets at full matrix size, with the CUD
 (``--budget-mib``, default ``mfx.linalg.batch_bytes("cuda")``, 256 MiB) set for the CPU,
 and the CPU allocator's records (``muonfx.memory.step_memory``). The extra memory of a
 step is the peak bytes allocated during one ``opt.step()`` beyond those allocated before
-it (the optimizer state already exists); one untimed step is measured after two that
-build the state and, for ``compiled``, make the executor's choice of one graph or one
-per piece.
+it (the optimizer state already exists); one untimed step is measured after two others
+(the first compiles, for ``compiled``). Whether a step runs in pieces is in its plan
+(``print(opt.plan)``).
 
 Paths: ``whole`` (eager, one piece: the memory a step held before pieces), ``eager``
 (eager in pieces of at most the budget), ``compiled`` (``opt.compile()``). The ``/B``
@@ -46,9 +46,13 @@ def measure(kind: str, layers: int | None, path: str, device: torch.device, budg
     if path == "compiled":
         opt.compile()
     else:
-        opt.executor.auto = False
-        if path == "whole":
-            opt.executor._all_runs = lambda work: (None, [])  # pieces off: the reference
+        opt.param_groups[0]["compile"] = False
+        if path == "whole":  # pieces off, the reference: a plan built under a budget that holds it all
+            held = mfx.linalg.set_batch_bytes(1 << 50, device.type)
+            try:
+                opt.plan
+            finally:
+                mfx.linalg.set_batch_bytes(held, device.type)
     for k, p in named:
         p.grad = grads[k]
     for _ in range(2):

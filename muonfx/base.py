@@ -16,6 +16,7 @@ tensordict.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import torch
@@ -39,9 +40,9 @@ __all__ = [
     "check_keys",
     "check_like",
     "foreach",
-    "tree_tensors",
-    "tree_pairs",
-    "tree_replace",
+    "td_items",
+    "is_dtensor",
+    "local",
 ]
 
 
@@ -158,10 +159,6 @@ def _as_key(key: Key | str) -> Key:
     return (key,) if isinstance(key, str) else tuple(key)
 
 
-def _items(td: TensorDictBase) -> list[tuple[Key, Any]]:
-    return [((k,) if type(k) is str else tuple(k), v) for k, v in td.items(include_nested=True, leaves_only=True)]
-
-
 def _check_leaf(key: Key, t: Any, what: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} leaf {key_str(key)!r} is a {type(t).__name__}, not a tensor")
@@ -198,16 +195,13 @@ def leaves(td: TensorDictBase, what: str = "updates") -> tuple[list[Key], list[t
     """
     if not isinstance(td, TensorDictBase):
         raise TypeError(f"{what} must be a tensordict.TensorDict, got {type(td).__name__}")
-    keys, tensors = [], []
-    for k, v in td.items(include_nested=True, leaves_only=True):
-        key = (k,) if type(k) is str else tuple(k)
+    keys, tensors = td_items(td)
+    for k, v in zip(keys, tensors):
         # the checks inline: this runs for every leaf of every transform of every step
         # (is_floating_point is False for complex, integer and bool tensors; a meta-device
         # update is refused where it meets the state or the parameters, see aligned())
         if not isinstance(v, torch.Tensor) or v.layout != torch.strided or not v.is_floating_point():
-            _check_leaf(key, v, what)
-        keys.append(key)
-        tensors.append(v)
+            _check_leaf(k, v, what)
     return keys, tensors
 
 
@@ -235,9 +229,14 @@ def aligned(td: TensorDictBase | None, keys: Sequence[Key], what: str, against: 
         raise ValueError(f"{what} are required by this transform: pass params=... to update()")
     if not isinstance(td, TensorDictBase):
         raise TypeError(f"{what} must be a tensordict.TensorDict, got {type(td).__name__}")
-    check_keys(keys, td, what, against)
-    out = [td.get(k) for k in keys]
-    if like is not None:
+    have, out = td_items(td)
+    if have != keys:
+        if len(have) != len(keys) or set(have) != set(keys):
+            check_keys(keys, td, what, against)
+        by_key = dict(zip(have, out))
+        out = [by_key[k] for k in keys]
+    if like is not None and ([o.shape for o in out] != [u.shape for u in like]
+                             or [o.device for o in out] != [u.device for u in like]):
         for k, o, u in zip(keys, out, like):
             if o.shape != u.shape or o.device != u.device:
                 check_like(k, u, o, against, what)
@@ -265,80 +264,122 @@ def check_like(key: Key, u: torch.Tensor, ref: torch.Tensor, what: str = "update
         raise ValueError(f"{what} leaf {key_str(key)!r} is on {u.device}{hint}, but {ref_what} is on {ref.device} there")
 
 
-# containers that may hold tensors (field-less states such as EmptyState() are skipped)
-_TREE = (torch.Tensor, TensorDictBase, dict, tuple, list)
+_EMPTY = torch.Size([])
 
 
-def _pairs_into(old: Any, new: Any, out: list) -> None:
-    if isinstance(new, TensorDictBase):
-        olds = old if isinstance(old, TensorDictBase) else None
-        for k, v in new.items(include_nested=True, leaves_only=True):
-            out.append((olds.get(k, None) if olds is not None else None, v))
-    elif isinstance(new, torch.Tensor):
-        out.append((old, new))
-    elif isinstance(new, dict):
-        for k, v in new.items():
-            if isinstance(v, _TREE) and not (isinstance(v, tuple) and len(v) == 0):
-                _pairs_into(old.get(k) if isinstance(old, dict) else None, v, out)
-    elif isinstance(new, (tuple, list)):
-        same = isinstance(old, (tuple, list)) and len(old) == len(new)
-        for i, v in enumerate(new):
-            if isinstance(v, _TREE) and not (isinstance(v, tuple) and len(v) == 0):
-                _pairs_into(old[i] if same else None, v, out)
+def _fast_nodes() -> bool:
+    """Whether a TensorDict node can be made as this module makes it: the attributes
+    ``TensorDict._new_unsafe`` gives a fresh, unlocked TensorDict, set directly (no
+    per-node Python call). Checked once, against the tensordict installed."""
+    try:
+        made = TensorDict._new_unsafe({"x": torch.zeros(())}, batch_size=_EMPTY, nested=False)
+    except Exception:  # noqa: BLE001 - another tensordict: its own constructor then
+        return False
+    return set(made.__dict__) == {"_tensordict", "_device", "_batch_size", "_td_dim_names"} and \
+        type(made._tensordict) is dict
 
 
-def tree_pairs(old: Any, new: Any) -> list[tuple[Any, torch.Tensor]]:
-    """Every tensor of the state tree ``new`` with the tensor at the same place of ``old``
-    (``None`` where ``old`` has none): ``[(old_leaf, new_leaf), ...]``, in ``new``'s order.
+_FAST = _fast_nodes()
+_new = object.__new__
+_SELF = object()  # where build() keeps a nested dict's node while it makes the parents
 
-    The one state-tree walker: trees are NamedTuples, tuples, lists, dicts and
-    TensorDicts, leaves are tensors (TensorDict leaves included); numbers are skipped.
 
-    Example::
+def _node(d: dict) -> TensorDict:
+    """A TensorDict (batch size ``[]``, no device) holding the dict ``d`` of leaves and
+    child nodes as it is (no per-key validation)."""
+    if not _FAST:
+        return TensorDict._new_unsafe(d, batch_size=_EMPTY, nested=False)
+    td = _new(TensorDict)
+    td.__dict__.update(_tensordict=d, _device=None, _batch_size=_EMPTY, _td_dim_names=None)
+    return td
 
-        >>> import torch
-        >>> from muonfx.base import tree_pairs
-        >>> a, b = torch.zeros(1), torch.ones(1)
-        >>> [(o is a, n is b) for o, n in tree_pairs((a, 3), (b, 4))]
-        [(True, True)]
+
+def td_items(td: TensorDictBase) -> tuple[list[Key], list[Any]]:
+    """Keys (tuples) and values of every leaf of ``td``, in its order, unchecked.
+
+    A plain TensorDict's nested dicts are walked directly, depth first in insertion
+    order (what ``td.items(include_nested=True, leaves_only=True)`` yields), with no
+    Python call per leaf; other TensorDict types (and traced code) go through ``items``.
     """
-    out: list = []
-    _pairs_into(old, new, out)
-    return out
-
-
-def tree_tensors(node: Any) -> list[torch.Tensor]:
-    """Every tensor in a state tree (NamedTuples, tuples, lists, dicts, TensorDicts)."""
-    return [t for _, t in tree_pairs(None, node)]
-
-
-def tree_replace(tree: Any, by_id: dict[int, torch.Tensor] | None = None,
-                 fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
-    """``tree`` with each tensor ``t`` replaced by ``by_id[id(t)]`` where present, or by
-    ``fn(t)`` when ``fn`` is given (visited in :func:`tree_pairs`'s order); new
-    containers, the tensors not replaced stay as they are."""
-    if isinstance(tree, TensorDictBase):
-        keys, vals = [], []
-        for k, v in tree.items(include_nested=True, leaves_only=True):
-            keys.append((k,) if type(k) is str else tuple(k))
-            vals.append(fn(v) if fn is not None else by_id.get(id(v), v))
-        return build(keys, vals)
-    if isinstance(tree, torch.Tensor):
-        return fn(tree) if fn is not None else by_id.get(id(tree), tree)
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        if len(tree) == 0:
-            return tree
-        return type(tree)(*[tree_replace(v, by_id, fn) if isinstance(v, _TREE) and not (isinstance(v, tuple) and len(v) == 0) else v for v in tree])
-    if isinstance(tree, dict):
-        return {k: tree_replace(v, by_id, fn) if isinstance(v, _TREE) and not (isinstance(v, tuple) and len(v) == 0) else v for k, v in tree.items()}
-    if isinstance(tree, (tuple, list)):
-        return type(tree)([tree_replace(v, by_id, fn) if isinstance(v, _TREE) and not (isinstance(v, tuple) and len(v) == 0) else v for v in tree])
-    return tree
+    if type(td) is not TensorDict or torch.compiler.is_compiling():
+        return [((k,) if type(k) is str else tuple(k)) for k in td.keys(include_nested=True, leaves_only=True)], \
+            list(td.values(include_nested=True, leaves_only=True))
+    keys: list[Key] = []
+    vals: list[Any] = []
+    stack = [((), iter(td._tensordict.items()))]
+    tensor = torch.Tensor
+    while stack:
+        prefix, it = stack[-1]
+        for k, v in it:
+            if type(v) is TensorDict:
+                stack.append((prefix + (k,), iter(v._tensordict.items())))
+                break
+            if not isinstance(v, tensor) and isinstance(v, TensorDictBase):
+                # a lazy stack, a tensorclass: tensordict's own walk
+                ks, vs = td_items(v)
+                keys.extend([prefix + (k,) + kk for kk in ks])
+                vals.extend(vs)
+                continue
+            keys.append(prefix + (k,))
+            vals.append(v)
+        else:
+            stack.pop()
+    return keys, vals
 
 
 def build(keys: Sequence[Key], tensors: Sequence[torch.Tensor]) -> TensorDict:
-    """A new TensorDict (batch size ``[]``) with ``tensors`` at the (nested) ``keys``."""
-    return TensorDict(dict(zip(keys, tensors)), batch_size=[])
+    """A new TensorDict (batch size ``[]``) with ``tensors`` at the (nested) ``keys``.
+
+    Tensors at distinct keys go in as they are, nested nodes made at the first key under
+    them (the order of ``TensorDict(dict(zip(keys, tensors)), batch_size=[])``), with no
+    Python call per key; anything else (numbers, repeated keys, traced code) goes
+    through TensorDict's own constructor and its checks.
+    """
+    if torch.compiler.is_compiling():
+        return TensorDict(dict(zip(keys, tensors)), batch_size=[])
+    root: dict = {}
+    nodes = [root]
+    flat = True
+    for k, t in zip(keys, tensors):
+        if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
+            return TensorDict(dict(zip(keys, tensors)), batch_size=[])
+        if len(k) == 1:
+            if k[0] in root:
+                return TensorDict(dict(zip(keys, tensors)), batch_size=[])
+            root[k[0]] = t
+            continue
+        flat = False
+        d = root
+        for part in k[:-1]:
+            child = d.get(part)
+            if child is None:
+                child = d[part] = {}
+                nodes.append(child)
+            elif type(child) is not dict:
+                return TensorDict(dict(zip(keys, tensors)), batch_size=[])
+            d = child
+        if k[-1] in d:
+            return TensorDict(dict(zip(keys, tensors)), batch_size=[])
+        d[k[-1]] = t
+    if flat or not _FAST:
+        if not flat:
+            for d in reversed(nodes):  # children were made after their parents: make them first
+                for name, v in d.items():
+                    if type(v) is dict:
+                        d[name] = _node(v)
+        return _node(root)
+    td = None
+    for d in reversed(nodes):  # (_node, inline: no Python call per node)
+        for name, v in d.items():
+            if type(v) is dict:
+                d[name] = v[_SELF]
+        td = _new(TensorDict)
+        td.__dict__.update(_tensordict=d, _device=None, _batch_size=_EMPTY, _td_dim_names=None)
+        if d is not root:
+            d[_SELF] = td
+    for d in nodes[1:]:
+        del d[_SELF]
+    return td
 
 
 # ---------------------------------------------------------------------------
@@ -346,19 +387,51 @@ def build(keys: Sequence[Key], tensors: Sequence[torch.Tensor]) -> TensorDict:
 # ---------------------------------------------------------------------------
 
 
-def _is_dtensor(t: Any) -> bool:
-    # duck-typed, so that importing muonfx never imports torch.distributed.tensor
-    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+def dtensor_class() -> type | None:
+    """``torch.distributed.tensor.DTensor`` once that module is loaded, else None (no
+    tensor can be a DTensor then): muonfx never imports it to find out."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None) if mod is not None else None
 
 
-def _local(x: Any) -> Any:
-    if isinstance(x, (list, tuple)):
-        return [t.to_local() if _is_dtensor(t) else t for t in x]
-    return x.to_local() if _is_dtensor(x) else x
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (an FSDP2 / tensor-parallel shard): the one test, by
+    ``isinstance``, of every module below :mod:`muonfx.distributed`.
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx.base import is_dtensor
+        >>> is_dtensor(torch.zeros(2))
+        False
+    """
+    cls = dtensor_class()
+    return cls is not None and isinstance(t, cls)
 
 
-def _rewrap(local: torch.Tensor, like: Any) -> Any:
-    return type(like).from_local(local, like.device_mesh, like.placements, run_check=False,
+def local(t: Any) -> Any:
+    """A DTensor's local shard (the tensor itself for anything else)."""
+    cls = dtensor_class()
+    if cls is None or not isinstance(t, cls):
+        return t
+    return t._local_tensor if not torch.is_grad_enabled() else t.to_local()
+
+
+_FAST_REWRAP = [True]
+
+
+def _rewrap(local_t: torch.Tensor, like: Any) -> Any:
+    """``local_t`` as a DTensor placed like ``like``: with ``like``'s own spec where the
+    shard has its shape, strides and dtype (the DTensor constructor: a few calls, where
+    ``from_local`` makes dozens), else through ``from_local``."""
+    mine = like._local_tensor
+    if _FAST_REWRAP[0] and local_t.shape == mine.shape and local_t.dtype == mine.dtype \
+            and local_t.stride() == mine.stride():
+        try:
+            return type(like)(local_t, like._spec, requires_grad=False)
+        except TypeError:  # a torch whose DTensor constructor takes other arguments
+            _FAST_REWRAP[0] = False
+    return type(like).from_local(local_t, like.device_mesh, like.placements, run_check=False,
                                  shape=like.shape, stride=like.stride())
 
 
@@ -440,12 +513,14 @@ def foreach(op: str, *lists: Sequence[Any], **kwargs: Any) -> list[torch.Tensor]
     if torch.compiler.is_compiling():
         return _traced_foreach(op, lists, kwargs)
     if op == "neg_mul":  # -s * u: one multiplication by -s eagerly
-        op, lists = "mul", (first, -lists[1])
+        s = lists[1]
+        op, lists = "mul", (first, [-v for v in s] if isinstance(s, list) else -s)
     elif op == "ema":  # beta * m + (1 - beta) * g: lerp(m, g, 1 - beta) eagerly
         op, lists = "lerp", (first, lists[1], 1.0 - lists[2])
     fn = getattr(torch, "_foreach_" + op)
     inplace = op.endswith("_")
-    dt = [type(t).__name__ == "DTensor" for t in first]  # duck-typed: no torch.distributed import
+    cls = dtensor_class()
+    dt = [isinstance(t, cls) for t in first] if cls is not None else ()
     if True not in dt:
         res = fn(*lists, **kwargs)
         return list(first) if inplace else list(res)
@@ -454,7 +529,7 @@ def foreach(op: str, *lists: Sequence[Any], **kwargs: Any) -> list[torch.Tensor]
         idx = [i for i in range(n) if dt[i] is want]
         if not idx:
             continue
-        sub = [[_local(lst[i]) for i in idx] if isinstance(lst, (list, tuple)) else lst for lst in lists]
+        sub = [[local(lst[i]) for i in idx] if isinstance(lst, (list, tuple)) else lst for lst in lists]
         res = fn(*sub, **kwargs)
         if not inplace:
             for i, r in zip(idx, res):

@@ -3,18 +3,16 @@ as thin builders on :class:`muonfx.TransformOptimizer`."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Hashable, Iterable
 
 import torch
 
+from .logs import say_once
 from .optim import TransformOptimizer
 from .options import MeaningChangedWarning, takes_muon_options
 from .presets import adamw, default_muon_labels, muon
 
 __all__ = ["MuonOptimizer", "create_hybrid_optimizer", "model_labels", "MeaningChangedWarning"]
-
-_log = logging.getLogger("muonfx")
 
 
 def model_labels(model: torch.nn.Module) -> Callable[[str, torch.Tensor], Hashable]:
@@ -34,16 +32,6 @@ def model_labels(model: torch.nn.Module) -> Callable[[str, torch.Tensor], Hashab
 
 #: The defaults of :class:`MuonOptimizer`'s AdamW fallback (:func:`create_hybrid_optimizer`'s).
 ADAMW_FALLBACK = dict(adamw_lr=1e-3, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=0.01)
-
-_said = set()
-
-
-def say_once(key: str, message: str) -> None:
-    """Log ``message`` on the ``muonfx`` logger: at WARNING the first time ``key`` is
-    said in this process (so a user sees it without configuring logging), then at INFO."""
-    _log.log(logging.INFO if key in _said else logging.WARNING, message)
-    _said.add(key)
-
 
 def _adamw_group(params: list, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> dict:
     return dict(params=params, tx=adamw, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,

@@ -107,6 +107,11 @@ def check(name: str, value: Any, count: Any = None, source: Any = None) -> float
         v = value
     elif isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() \
             and value.dtype != torch.bool:
+        if torch.compiler.is_compiling():
+            # a tensor hyperparameter (a tensor lr) reaches a compiled step as it is: its value
+            # is data the graph cannot branch on. The optimizer checks it eagerly before the
+            # graph runs (muonfx.optim.step.run), so a bad value still changes nothing.
+            return value
         v = value.item()
     elif isinstance(value, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(value, bool):
         v = value  # subclasses (numpy floats), and symbolic numbers inside torch.compile

@@ -37,14 +37,13 @@ from typing import Any, Callable, Hashable, Sequence, Union
 
 import torch
 
-from .base import (EmptyState, GradientTransformation, Key, LeafwiseTransformation, aligned, build, foreach,
-                   key_str, leafwise_if, leaves)
-from .combine import MaskSpec, chain, masked, named_chain, partition
+from .base import GradientTransformation, Key, aligned, build, is_dtensor, key_str, leafwise_if, leaves
+from .combine import chain, named_chain, partition
 from .options import MuonOptions, insert_step, takes_muon_options
 from .presets import adamw, default_muon_labels, muon
 from .schedules import linear
-from .transforms import (bias_corrected_momentum, decoupled_decay, newton_schulz, row_normalize, scale_by_adam,
-                         scale_by_learning_rate)
+from .transforms import (bias_corrected_momentum, cautious_decay, decoupled_decay, newton_schulz, row_normalize,
+                         scale_by_adam, scale_by_learning_rate)
 from .transforms._matrix import matrix_dims
 from .wrappers import inject_hyperparams
 
@@ -162,60 +161,8 @@ def normuon(*, beta2: float = 0.95, row_eps: float = 1e-10, **muon_options: Any)
 
 
 # ---------------------------------------------------------------------------
-# cautious weight decay
+# cautious weight decay (the transform itself: muonfx.transforms.decay)
 # ---------------------------------------------------------------------------
-
-
-def cautious_decay(weight_decay: float, mask: MaskSpec | None = None) -> GradientTransformation:
-    """Weight decay only where the update and the parameter agree in sign.
-
-    Formula (elementwise; needs ``params``)::
-
-        out = u + weight_decay * p * [sign(u) == sign(p)]
-
-    Cautious Weight Decay (Chen et al., 2025, arXiv 2510.12402): decay pulls a
-    coordinate towards zero only where the update already moves it that way
-    (``-lr * u`` shrinks ``|p|``), so it never fights the optimizer. The paper's
-    indicator is ``u * p >= 0``; here a zero update gets no decay either (a
-    parameter that received no gradient is left alone). Where the signs agree the
-    result is exactly :func:`~muonfx.decoupled_decay`'s ``u + wd * p``. Place it where
-    ``decoupled_decay`` goes (after any positive scaling, before the lr). ``mask``
-    limits decay to selected leaves, as in ``decoupled_decay``. Elementwise: runs on
-    DTensor shards.
-
-    Example::
-
-        >>> import torch, muonfx as mfx
-        >>> from tensordict import TensorDict
-        >>> p = TensorDict({"w": torch.tensor([2.0, 2.0, -2.0, 2.0])}, [])
-        >>> u = TensorDict({"w": torch.tensor([1.0, -1.0, -1.0, 0.0])}, [])
-        >>> out, _ = mfx.cautious_decay(0.1).update(u, mfx.EmptyState(), p)
-        >>> [round(x, 6) for x in out["w"].tolist()]
-        [1.2, -1.0, -1.2, 0.0]
-    """
-    weight_decay = float(weight_decay)
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-    if mask is not None:
-        return masked(cautious_decay(weight_decay), mask)
-
-    def init_fn(params):
-        return EmptyState()
-
-    def update_fn(updates, state, params=None):
-        keys, us = leaves(updates)
-        ps = aligned(params, keys, "params (needed by cautious_decay)", like=us)
-        if weight_decay == 0.0:
-            return updates, state
-        # gate = sign(p) * sign(u) in {-1, 0, 1} -> [signs agree and u != 0] -> p * gate,
-        # all in p's dtype, so the decay term is exactly wd * p where it applies
-        gated = foreach("sign", ps)
-        foreach("mul_", gated, foreach("sign", us))
-        foreach("clamp_min_", gated, 0.0)
-        foreach("mul_", gated, ps)
-        return build(keys, foreach("add", us, gated, alpha=weight_decay)), state
-
-    return LeafwiseTransformation(init_fn, update_fn)
 
 
 @takes_muon_options(defaults={"weight_decay": 0.01})
@@ -318,10 +265,10 @@ def _block_sizes(key: Key, length: int, split_sizes: SplitSizes, what: str, who:
 
 
 def _placed_like(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Give ``out`` the DTensor placements of ``ref`` (duck-typed: no distributed import)."""
-    placements = getattr(ref, "placements", None)
-    if placements is not None and tuple(out.placements) != tuple(placements):
-        out = out.redistribute(ref.device_mesh, placements)
+    """Give ``out`` the DTensor placements of ``ref`` (:func:`muonfx.base.is_dtensor`: no
+    distributed import)."""
+    if is_dtensor(ref) and tuple(out.placements) != tuple(ref.placements):
+        out = out.redistribute(ref.device_mesh, ref.placements)
     return out
 
 

@@ -187,5 +187,11 @@ def evaluate(name: str, value: ScalarOrSchedule, count) -> float:
                 f"{torch.__version__} a compiled step could freeze it at its first value (min/max of a "
                 "traced float compile to an integer cast), so it is not compiled; use muonfx.schedules "
                 "or a torch.optim.lr_scheduler to keep the step compiled (torch 2.13 compiles any schedule)")
-        return float(check(name, value(count), count, value))
-    return float(check(name, value, count))
+        return _number(check(name, value(count), count, value))
+    return _number(check(name, value, count))
+
+
+def _number(v):
+    """A checked value as a float; a tensor (a tensor hyperparameter inside a compiled
+    step, checked before it) stays a tensor."""
+    return v if isinstance(v, torch.Tensor) else float(v)

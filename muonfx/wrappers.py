@@ -9,11 +9,12 @@ import numbers
 from typing import Any, Callable, NamedTuple
 
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 
-from . import seam
+from . import seam, tree
 from .base import (GradientTransformation, LeafwiseTransformation, aligned, build, foreach, is_leafwise, leafwise,
-                   leafwise_if, leaves)
+                   leafwise_if, leaves, td_items)
+from .counts import Counts, advance, by_count, common, from_values, zeros
 from .hyperparams import check
 from .schedules import evaluate
 
@@ -97,12 +98,13 @@ class AccumulateState(NamedTuple):
     """State of :func:`accumulate`.
 
     Attributes:
-        mini_step: micro-steps accumulated since the last inner step (0..k-1).
+        mini_step: micro-steps accumulated since the last inner step (0..k-1), per
+            parameter (one left out of a micro-step keeps its own).
         acc: running sum of the micro-step updates (float32 or wider).
         inner_state: the inner transform's state.
     """
 
-    mini_step: int
+    mini_step: Counts
     acc: TensorDict
     inner_state: Any
 
@@ -116,9 +118,9 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
 
     Calls 1..k-1 of each cycle return zero updates and only add to the running sum;
     call k feeds ``sum / k`` (in the update's dtype) to ``inner`` and resets the sum.
-    ``accumulate(t, 1)`` computes exactly what ``t`` does. Leafwise
-    (:func:`muonfx.leafwise`) when ``inner`` is: the micro-step counter is shared by
-    all leaves and advances alike.
+    ``accumulate(t, 1)`` computes exactly what ``t`` does. The micro-step count is per
+    parameter: one left out of a call keeps its own, and completes its cycle a call
+    later. Leafwise (:func:`muonfx.leafwise`) when ``inner`` is.
 
     Example::
 
@@ -137,23 +139,65 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
     def init_fn(params):
         keys, ps = leaves(params, "params")
         acc = build(keys, [torch.zeros_like(p, dtype=_acc_dtype(p)) for p in ps])
-        return AccumulateState(0, acc, inner.init(params))
+        return AccumulateState(zeros(keys), acc, inner.init(params))
+
+    def cycle(keys, gs, accs, mini, inner_state, params):
+        """One call on parameters that share their micro-step ``mini``."""
+        total = foreach("add", accs, [g if g.dtype == a.dtype else g.to(a.dtype) for g, a in zip(gs, accs)])
+        if mini + 1 < every_k:
+            zeros_ = build(keys, [torch.zeros_like(g) for g in gs])
+            return zeros_, build(keys, total), inner_state
+        if every_k > 1:
+            foreach("div_", total, float(every_k))
+        mean = build(keys, [t if t.dtype == g.dtype else t.to(g.dtype) for t, g in zip(total, gs)])
+        new_u, new_inner = inner.update(mean, inner_state, params)
+        return new_u, build(keys, [torch.zeros_like(a) for a in accs]), new_inner
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
         accs = aligned(state.acc, keys, "accumulate state (acc)", like=gs)
-        total = foreach("add", accs, [g if g.dtype == a.dtype else g.to(a.dtype) for g, a in zip(gs, accs)])
-        if state.mini_step + 1 < every_k:
-            zeros = build(keys, [torch.zeros_like(g) for g in gs])
-            return zeros, AccumulateState(state.mini_step + 1, build(keys, total), state.inner_state)
-        if every_k > 1:
-            foreach("div_", total, float(every_k))
-        mean = build(keys, [t if t.dtype == g.dtype else t.to(g.dtype) for t, g in zip(total, gs)])
-        new_u, new_inner = inner.update(mean, state.inner_state, params)
-        fresh = build(keys, [torch.zeros_like(a) for a in accs])
-        return new_u, AccumulateState(0, fresh, new_inner)
+        groups = by_count(state.mini_step, keys, "accumulate state (mini_step)")
+        if len(groups) <= 1:
+            mini = groups[0][0] if groups else common(state.mini_step)
+            new_u, acc, new_inner = cycle(keys, gs, accs, mini, state.inner_state, params)
+            nxt = mini + 1 if mini + 1 < every_k else 0
+            steps = state.mini_step
+            steps = steps._replace(values=(nxt,), index=None) if isinstance(steps, Counts) else nxt
+            return new_u, AccumulateState(steps, acc, new_inner)
+        # parameters at different points of their cycles (some were left out of a
+        # micro-step): each set of them goes its own way
+        outs: dict = {}
+        acc_out: dict = {}
+        inner_state = state.inner_state
+        nxt = [0] * len(keys)
+        for mini, pos in groups:
+            ks = [keys[j] for j in pos]
+            sub_p = None if params is None else _pick(params, ks)
+            sub_inner = tree.restrict(inner_state, ks)
+            new_u, acc, new_sub = cycle(ks, [gs[j] for j in pos], [accs[j] for j in pos], mini, sub_inner, sub_p)
+            inner_state = tree.merge(inner_state, new_sub)
+            outs.update(zip(*td_items(new_u)))
+            acc_out.update(zip(*td_items(acc)))
+            for j in pos:
+                nxt[j] = mini + 1 if mini + 1 < every_k else 0
+        by_key = dict(zip(keys, nxt))
+        mini_step = from_values(state.mini_step.keys, [by_key[k] for k in state.mini_step.keys])
+        return (build(keys, [outs[k] for k in keys]),
+                AccumulateState(mini_step, build(keys, [acc_out[k] for k in keys]), inner_state))
 
     return leafwise_if(GradientTransformation(init_fn, update_fn), inner)
+
+
+    return leafwise_if(GradientTransformation(init_fn, update_fn), inner)
+
+
+def _pick(td: TensorDictBase, keys: list) -> TensorDict:
+    """The leaves of ``td`` at ``keys`` (a subset of its keys), as a new TensorDict."""
+    have = dict(zip(*td_items(td)))
+    missing = [k for k in keys if k not in have]
+    if missing:
+        aligned(td, keys, "params")  # the error naming them
+    return build(keys, [have[k] for k in keys])
 
 
 # ---------------------------------------------------------------------------
@@ -165,13 +209,15 @@ class InjectHyperparamsState(NamedTuple):
     """State of a transform built by :func:`inject_hyperparams`.
 
     Attributes:
-        count: number of updates made so far (the schedules' argument).
+        count: updates made so far, per parameter (the schedules' argument): a
+            parameter left out of an update keeps its own count, and schedules are
+            evaluated at each parameter's count.
         hyperparams: ``{name: current value}``; edit it between steps to change a
             hyperparameter (a scheduled one is overwritten by its schedule at each step).
         inner_state: the inner transform's state.
     """
 
-    count: int
+    count: Counts
     hyperparams: dict
     inner_state: Any
 
@@ -227,7 +273,10 @@ def inject_hyperparams(
     ``static_args`` is stored in
     ``state.hyperparams``; at each update the schedules are evaluated at
     ``state.count`` and the inner transform is rebuilt with the current values, so
-    values written into the state between steps take effect. Every value is checked by
+    values written into the state between steps take effect. ``state.count`` is per
+    parameter: where parameters have different counts (one was left out of an update)
+    the schedules are evaluated at each count, and the inner transform updates each set
+    of parameters that share a count with that count's values. Every value is checked by
     :func:`muonfx.hyperparams.check` at every update: a value (or a schedule's value)
     that is NaN, infinite, out of range, ``None`` or a string raises an error naming the
     hyperparameter. Callables that do not take one argument (label functions, mask
@@ -278,23 +327,45 @@ def inject_hyperparams(
                 f"hyperparameters but not from {hp}; the declaration (mfx.leafwise) cannot change "
                 "between steps: name the hyperparameter that decides it in static_args")
 
+        scheduled = any(callable(v) for v in injected.values())
+
+        def built(hp: dict) -> GradientTransformation:
+            tx = factory(**static, **hp)
+            if declared and not isinstance(tx, LeafwiseTransformation):  # (inline: every step)
+                raise not_leafwise(hp)
+            return tx
+
         def init_fn(params):
             hp = values_at(0, injected)
-            tx = factory(**static, **hp)
-            if declared and not isinstance(tx, LeafwiseTransformation):
-                raise not_leafwise(hp)
-            return InjectHyperparamsState(0, hp, tx.init(params))
+            keys = td_items(params)[0] if isinstance(params, TensorDictBase) else []
+            return InjectHyperparamsState(zeros(keys), hp, built(hp).init(params))
 
         def update_fn(updates, state, params=None):
             missing = set(injected) - set(state.hyperparams)
             if missing:
                 raise ValueError(f"inject_hyperparams: state lacks hyperparameters {sorted(missing)}")
-            hp = values_at(state.count, state.hyperparams)
-            tx = factory(**static, **hp)
-            if declared and not isinstance(tx, LeafwiseTransformation):  # (inline: every step)
-                raise not_leafwise(hp)
-            new_u, new_inner = tx.update(updates, state.inner_state, params)
-            return new_u, InjectHyperparamsState(state.count + 1, hp, new_inner)
+            keys = td_items(updates)[0] if isinstance(updates, TensorDictBase) else []
+            groups = by_count(state.count, keys, "inject_hyperparams state (count)")
+            current = state.hyperparams
+            if len(groups) <= 1 or not (scheduled or any([is_schedule(v) for v in current.values()])):
+                hp = values_at(groups[0][0] if groups else common(state.count), current)
+                new_u, new_inner = built(hp).update(updates, state.inner_state, params)
+                return new_u, InjectHyperparamsState(advance(state.count), hp, new_inner)
+            # parameters with step counts of their own and a schedule: each count has its
+            # own values, so each set of parameters sharing a count gets its own update
+            outs: dict = {}
+            inner = state.inner_state
+            us = td_items(updates)[1]
+            for t, pos in groups:
+                ks = [keys[j] for j in pos]
+                hp = values_at(t, current)
+                sub_p = None if params is None else _pick(params, ks)
+                u, new_sub = built(hp).update(build(ks, [us[j] for j in pos]), tree.restrict(inner, ks), sub_p)
+                inner = tree.merge(inner, new_sub)
+                outs.update(zip(*td_items(u)))
+            last = max(groups)[0]  # the values of the most advanced parameters, for the record
+            return (build(keys, [outs[k] for k in keys]),
+                    InjectHyperparamsState(advance(state.count), values_at(last, current), inner))
 
         tx = GradientTransformation(init_fn, update_fn)
         return leafwise(tx) if declared else tx

@@ -6,14 +6,27 @@
 # most it can: a step that would outlast the deadline is stopped, those after it are
 # skipped, and the log says so. The single parts below rerun one group each.
 #
-#   scripts/gpu-figures.sh all       # info; CUDA tests; Muon GPT-2/MoE/Llama-1B default rows (extra memory too); AdamW; NS
-#   scripts/gpu-figures.sh tests     # muonfx info; the CUDA, Triton-kernel and compile tests
+# What cost the time on an H100 (2026-11-26, a run of `all` that did not fit) and what changed:
+# the optimizer timed eager against compiled steps before keeping one (six or more extra
+# steps, a whole-model graph compiled and then one graph per piece), measured the extra
+# memory of its first compiled step, and timed the Triton kernels against torch's products
+# on the first batch of every shape (autotuning the kernels); the benchmarks drew every
+# value on the CPU (two billion for Llama-1B and MoE). Now paths come from rules (a
+# compiled group compiles once, at its first step, its pieces' graphs only), nothing is
+# measured, Triton is off unless asked for, and values are drawn on the GPU. The CUDA test
+# step runs the GPU-marked tests of tests/test_cuda.py without the slow compile sweeps
+# (`-m "cuda and not slow"`); the Triton-interpreter tests (tests/test_triton_ns.py) run
+# in the CPU suite, and with everything else in the `tests` part.
+#
+#   scripts/gpu-figures.sh all       # info; Muon Llama-1B, MoE, GPT-2 default rows (extra memory too); CUDA tests; AdamW; NS
+#   scripts/gpu-figures.sh tests     # muonfx info; every CUDA, Triton-kernel and compile test
 #   scripts/gpu-figures.sh ns        # Newton-Schulz GFLOP/s against the measured bf16 peak, per shape and route
 #   scripts/gpu-figures.sh muon      # Muon step vs torch.optim.Muon: GPT-2 small (12 layers), MoE (8 x 32 experts)
 #   scripts/gpu-figures.sh llama     # the same on the Llama-1B-like set (22 layers)
 #   scripts/gpu-figures.sh rows      # GPT-2 small with every muonfx row (float32, bf16 standard, auto, Gram)
 #   scripts/gpu-figures.sh adamw     # AdamW vs torch fused and foreach, GPT-2 small
 #   scripts/gpu-figures.sh memory    # extra step memory per path, Llama-1B-like and 32-expert MoE
+#   scripts/gpu-figures.sh host      # host cost: Python calls and time against torch.optim.Muon (CPU-side)
 #
 # Each part writes its log to $OUT (when set) or /tmp/muonfx-gpu-figures as PART.log,
 # and the table rows and test results of it as PART.summary.txt.
@@ -27,8 +40,8 @@ set -u -o pipefail
 
 part="${1:-}"
 case "$part" in
-    all|tests|ns|muon|llama|rows|adamw|memory) ;;
-    *) echo "usage: scripts/gpu-figures.sh all|tests|ns|muon|llama|rows|adamw|memory" >&2; exit 2 ;;
+    all|tests|ns|muon|llama|rows|adamw|memory|host) ;;
+    *) echo "usage: scripts/gpu-figures.sh all|tests|ns|muon|llama|rows|adamw|memory|host" >&2; exit 2 ;;
 esac
 out="${OUT:-/tmp/muonfx-gpu-figures}"
 mkdir -p "$out"
@@ -71,18 +84,16 @@ step() {  # step CAP command...
 export PYTHONUNBUFFERED=1  # a stopped step's output so far reaches the log
 case "$part" in
     all)
-        step 60 python3 -m muonfx info
-        # first whether the CUDA paths compute what they should (no figure is worth
-        # reading before that): the symmetric Triton kernels against torch's products,
-        # the compiled step against eager, parity with torch.optim.Muon on CUDA
-        step 150 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_cuda.py tests/test_triton_ns.py -rs --durations=8
-        # the default rows: the targets (<= 0.3x GPT-2 and MoE, <= 0.65x Llama-1B) and the
-        # extra step memory of each (<= 1 GiB)
-        step 150 python3 benchmarks/muon_step.py --device cuda --sets gpt2 --layers 12 --repeats 5 --variants default
-        step 150 python3 benchmarks/muon_step.py --device cuda --sets moe32 --repeats 5 --variants default
-        step 180 python3 benchmarks/muon_step.py --device cuda --sets llama1b --repeats 5 --variants default
-        step 90 python3 benchmarks/adamw_step.py --device cuda --layers 12 --repeats 7 --fused --compile
-        step 120 python3 benchmarks/newton_schulz.py --only speed --device cuda --repeats 5
+        step 40 python3 -m muonfx info
+        # the targets, most wanted first: Muon <= 0.65x torch.optim.Muon on the Llama-1B-like
+        # set, extra step memory <= 1 GiB there and on the 32-expert MoE, <= 0.3x on GPT-2
+        step 170 python3 benchmarks/muon_step.py --device cuda --sets llama1b --repeats 5 --variants default
+        step 130 python3 benchmarks/muon_step.py --device cuda --sets moe32 --repeats 5 --variants default
+        step 80 python3 benchmarks/muon_step.py --device cuda --sets gpt2 --layers 12 --repeats 5 --variants default
+        # whether the CUDA paths compute what they should (GPU-marked tests, no compile sweeps)
+        step 110 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -m "cuda and not slow" -rs --durations=8
+        step 80 python3 benchmarks/adamw_step.py --device cuda --layers 12 --repeats 7 --fused --compile
+        step 90 python3 benchmarks/newton_schulz.py --only speed --device cuda --repeats 5
         ;;
     tests)
         run python3 -m muonfx info
@@ -111,6 +122,9 @@ case "$part" in
         ;;
     memory)
         run python3 benchmarks/step_memory.py --device cuda --sets llama1b,moe32 --layers 2
+        ;;
+    host)
+        run python3 benchmarks/host_cost.py
         ;;
 esac
 status=$?

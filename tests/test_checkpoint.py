@@ -509,7 +509,7 @@ def test_nested_inject_hyperparams_state_round_trips():
 
 
 # ---------------------------------------------------------------------------
-# checkpoints written before the executor still load
+# checkpoints of the previous release still load
 # ---------------------------------------------------------------------------
 
 _OLD = Path(__file__).parent / "data" / "checkpoints_a901c07.pt"
@@ -589,3 +589,58 @@ def test_checkpoints_with_the_old_epsilon_names_load_into_the_renamed_options():
     sd["param_groups"] = [group]
     opt.load_state_dict(sd)
     assert opt.param_groups[0]["adamw_eps"] == 3e-8 and opt.param_groups[0]["eps"] == 2e-7
+
+
+@pytest.mark.slow
+def test_a_model_of_2_24_elements_resumes_bit_for_bit_with_every_default():
+    """MuonOptimizer with every default on a model of 2^24 matrix elements (and biases): its
+    Muon group is compiled by the plan's rule (at least 2^24 elements) and runs in pieces
+    (larger than the CPU's batch budget), its AdamW group (the biases) eagerly. Stopped
+    after two steps and resumed from ``torch.save`` / ``torch.load(weights_only=True)``
+    into a new model and optimizer, the next two steps end bit for bit where the
+    uninterrupted run does: no timing decides any path."""
+    layers = 16  # 16 x (64 x 16384) = 2^24 matrix elements, plus the biases
+
+    def model(seed=0):
+        torch.manual_seed(seed)
+        return nn.Sequential(*[nn.Linear(16384 if i % 2 == 0 else 64, 64 if i % 2 == 0 else 16384)
+                               for i in range(layers)])
+
+    def grads(m, step):
+        gen = torch.Generator().manual_seed(100 + step)
+        for p in m.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+
+    whole = model()
+    opt = mfx.MuonOptimizer(whole)
+    assert sum(p.numel() for p in whole.parameters()) >= 1 << 24
+    for step in range(4):
+        grads(whole, step)
+        opt.step()
+    g = opt.plan.groups[0]
+    assert g.path == "compiled" and g.pieces is not None, opt.plan
+    assert opt.plan.groups[1].path == "eager"  # the biases' AdamW group: below the threshold
+
+    first = model()
+    o1 = mfx.MuonOptimizer(first)
+    for step in range(2):
+        grads(first, step)
+        o1.step()
+    buf = io.BytesIO()
+    torch.save({"model": first.state_dict(), "opt": o1.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    again = model(seed=3)
+    again.load_state_dict(saved["model"])
+    o2 = mfx.MuonOptimizer(again)
+    o2.load_state_dict(saved["opt"])
+    for step in range(2, 4):
+        grads(again, step)
+        o2.step()
+    assert o2.plan.groups[0].path == "compiled"
+    for (n, a), (_, b) in zip(whole.named_parameters(), again.named_parameters()):
+        assert torch.equal(a, b), n
+    sa, sb = opt.state_dict()["state"], o2.state_dict()["state"]
+    for i in sa:
+        for k, v in sa[i].items():
+            assert torch.equal(v, sb[i][k]) if isinstance(v, torch.Tensor) else v == sb[i][k], (i, k)

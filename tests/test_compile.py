@@ -155,8 +155,8 @@ def test_compiled_step_with_two_groups_is_one_graph_and_matches_eager():
 
 @pytest.mark.slow
 def test_inductor_compiled_spectral_muon_step_matches_eager():
-    """The spectral Newton-Schulz form through inductor (C++ on the CPU), as the executor
-    compiles it where "auto" takes it (float32 default, matrices of 320 and more)."""
+    """The spectral Newton-Schulz form through inductor (C++ on the CPU), as a compiled
+    step runs it where "auto" takes it (float32 default, matrices of 320 and more)."""
     torch._dynamo.reset()
     eager_named, comp_named = _named(1)[:2], _named(1)[:2]
     kw = dict(lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, ns_method="spectral")
@@ -167,7 +167,7 @@ def test_inductor_compiled_spectral_muon_step_matches_eager():
         _grads(comp_named, step)
         eager.step()
         comp.step()
-    assert not comp.executor._fell_back, "the compiled step ran eagerly"
+    assert comp.plan.groups[0].path == "compiled", comp.plan
     for (n, a), (_, b) in zip(eager_named, comp_named):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
@@ -226,7 +226,7 @@ def test_inductor_does_not_recompile_when_lr_momentum_or_weight_decay_change(fac
         if step == 1:
             after_first = counter.frame_count
     assert after_first >= 1
-    if opt.executor.floats_specialize:
+    if opt.param_groups[0]["compile"] is False:
         # torch 2.10 / 2.11 specialise Adam's betas and eps: one recompilation, detected,
         # then the step runs eagerly (tests/test_compile.py::test_a_torch_that_specialises...)
         assert factory is mfx.adamw and torch.__version__ < "2.13", "only Adam's betas/eps specialise, on 2.10/2.11"
@@ -253,86 +253,56 @@ def _scheduled_run(opt, named, steps=6, after_step=None):
 
 def test_a_torch_that_specialises_float_hyperparameters_recompiles_once_then_steps_eagerly(monkeypatch, caplog):
     """On torch 2.10 / 2.11 every new lr recompiles a compiled step (up to dynamo's limit,
-    then eager). The executor notices the first recompilation that a changed numeric
-    hyperparameter caused and runs that step eagerly from then on. Simulated here (torch
-    2.13 does not recompile): every compiled call counts as a new graph."""
+    then eager). The first recompilation that a changed numeric hyperparameter caused is
+    noticed: the group's "compile" setting becomes False (saved in the state_dict, so a
+    resumed run steps as this one), the logger says so once, and the group steps eagerly
+    from then on. Simulated here (torch 2.13 does not recompile): every compiled call
+    counts as a new graph."""
     import itertools
     import logging
 
-    from muonfx.optim import executor as executor_module
+    from muonfx.optim.step import compiled as compiled_module
 
     torch._dynamo.reset()
-    monkeypatch.setattr(executor_module, "_compiled_frames", lambda c=itertools.count(): next(c))
+    monkeypatch.setattr(compiled_module, "_compiled_frames", lambda c=itertools.count(): next(c))
     named, ref = _named(2), _named(2)
     opt = mfx.TransformOptimizer(named, mfx.adamw, lr=1e-2).compile(backend="aot_eager")
-    calls = []
-    real = executor_module.Executor._eager_step
-    monkeypatch.setattr(executor_module.Executor, "_eager_step", lambda self, w: calls.append(1) or real(self, w))
+    paths = []
     with caplog.at_level(logging.INFO, logger="muonfx"):
-        got = _scheduled_run(opt, named)
+        got = _scheduled_run(opt, named, after_step=lambda step: paths.append(opt.plan.groups[0].path))
     want = _scheduled_run(mfx.TransformOptimizer(ref, mfx.adamw, lr=1e-2), ref)
-    assert opt.executor.floats_specialize
-    # step 0 eager (the first step of a group always is), 1 compiled, 2 compiled and
-    # recompiled (lr changed: detected), 3-5 eager, and the eager reference's 6
-    assert len(calls) == 1 + 3 + 6
+    # step 0 compiled, 1 compiled and recompiled (lr changed: noticed), 2-5 eager
+    assert paths == ["compiled", "compiled"] + ["eager"] * 4, paths
+    assert opt.param_groups[0]["compile"] is False and opt.state_dict()["param_groups"][0]["compile"] is False
+    assert opt.plan.groups[0].why == "compile=False"
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-7)
     said = [r.getMessage() for r in caplog.records if "numeric hyperparameter changed" in r.getMessage()]
-    assert len(said) == 1 and "recompiled" in said[0] and "lr 0.009000000000000001 -> 0.008" in said[0], said
+    assert len(said) == 1 and "recompiled" in said[0] and "lr 0.01 -> 0.009000000000000001" in said[0], said
 
 
 def test_once_known_a_changed_hyperparameter_steps_eagerly_without_recompiling(monkeypatch, caplog):
-    """Once the executor knows this torch specialises floats, a graph whose numeric
-    hyperparameters changed is not called at all; with the automatic choice, a trial
-    whose compiled step is let go ends eager, no step skipped."""
+    """Once it is known that this torch specialises floats, a graph whose numeric
+    hyperparameters changed is not called at all: that step and the later ones run
+    eagerly, no step skipped, nothing recompiled."""
     import logging
 
-    from muonfx.optim import executor as executor_module
-
     torch._dynamo.reset()
-    for mode in ("compiled", "auto"):
-        named, ref = _named(3), _named(3)
-        opt = mfx.TransformOptimizer(named, mfx.adamw, lr=1e-2)
-        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-        if mode == "compiled":
-            opt.compile(backend=counter)
-        else:
-            opt.executor.auto_min_elements = 0
-            opt.executor.compile_kwargs = None
-            monkeypatch.setattr(executor_module.Executor, "_fused", _counting_fused(counter))
-        opt.executor.floats_specialize = True
-        frames = []
-        with caplog.at_level(logging.INFO, logger="muonfx"):
-            got = _scheduled_run(opt, named, after_step=lambda step: frames.append(counter.frame_count))
-        want = _scheduled_run(mfx.TransformOptimizer(ref, mfx.adamw, lr=1e-2), ref)
-        for n in want:
-            torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-7, msg=lambda m: f"{mode} {n}: {m}")
-        # built at the first compiled step (step 1; with the automatic choice step 2, after
-        # a first timed eager step), never recompiled after it
-        built = next(i for i, f in enumerate(frames) if f)
-        assert built == {"compiled": 1, "auto": 2}[mode] and frames[built:] == [frames[built]] * (6 - built), \
-            (mode, frames)
-        if mode == "auto":
-            assert list(opt.executor.choices.values()) == ["eager"]
-        assert any("would recompile" in r.getMessage() for r in caplog.records), mode
-        caplog.clear()
-        monkeypatch.undo()
-
-
-def _counting_fused(counter):
-    """Executor._fused compiling with ``counter`` (aot_eager) in place of inductor."""
-    from muonfx.optim import executor as executor_module
-
-    real = executor_module.Executor._fused
-
-    def fused(self, work, sub_state=False):
-        saved = self.compile_kwargs
-        self.compile_kwargs = {"dynamic": True, "fullgraph": True, "backend": counter}
-        try:
-            return real(self, work, sub_state)
-        finally:
-            self.compile_kwargs = saved
-    return fused
+    named, ref = _named(3), _named(3)
+    opt = mfx.TransformOptimizer(named, mfx.adamw, lr=1e-2)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    opt.compile(backend=counter)
+    opt._runner.compiled.floats_specialize = True
+    frames = []
+    with caplog.at_level(logging.INFO, logger="muonfx"):
+        got = _scheduled_run(opt, named, after_step=lambda step: frames.append(counter.frame_count))
+    want = _scheduled_run(mfx.TransformOptimizer(ref, mfx.adamw, lr=1e-2), ref)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-7, msg=lambda m: f"{n}: {m}")
+    # built at the first step, never recompiled after it
+    assert frames[0] >= 1 and frames == [frames[0]] * 6, frames
+    assert opt.param_groups[0]["compile"] is False
+    assert any("would recompile" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("factory", [mfx.adamw, mfx.muon, mfx.muon_adamw], ids=["adamw", "muon", "muon_adamw"])
@@ -361,10 +331,15 @@ def test_a_learning_rate_schedule_recompiles_nothing_on_every_torch(factory):
                 o.param_groups[0]["momentum"] = 0.85 + 0.02 * step
             o.step()
         frames.append(counter.frame_count)
-    assert frames[1] >= 1 and frames[1:] == [frames[1]] * 5, frames
-    assert not opt.executor.floats_specialize
+    assert frames[0] >= 1 and frames == [frames[0]] * 6, frames
+    assert opt.param_groups[0]["compile"] is True and opt.plan.groups[0].path == "compiled"
     for (n, a), (_, b) in zip(pick(ref), pick(named)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def _fell_back(opt) -> bool:
+    """Whether the compiler could not take the optimizer's step (its plan says so)."""
+    return any(g.why == "torch.compile failed on it" for g in opt.plan.groups)
 
 
 def _lockstep(make, seed, steps):
@@ -401,7 +376,7 @@ def test_a_compiler_failure_while_tracing_steps_eagerly():
     opt, named, ref = _lockstep(make, 5, 6)
     for (n, a), (_, b) in zip(ref, named):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=lambda m: f"{n}: {m}")
-    assert opt.executor._fell_back
+    assert _fell_back(opt)
 
 
 SCHEDULES = {
@@ -430,7 +405,7 @@ def test_every_in_graph_schedule_compiles_into_the_step(name):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     opt, named, ref = _lockstep(make, 7, 18)
-    assert not opt.executor._fell_back and not opt.executor.floats_specialize
+    assert not _fell_back(opt) and opt.param_groups[0]["compile"] is True
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert 1 <= graphs <= 1 + (2 if name == "join" else 1 if name == "warmup_cosine_decay" else 0), graphs
     for (n, a), (_, b) in zip(ref, named):
@@ -454,7 +429,7 @@ def test_in_graph_schedules_compiled_by_inductor_follow_the_schedule(name):
         before = w.detach().clone()
         opt.step()
         applied.append((before - w.detach()).mean().item())
-    assert not opt.executor._fell_back
+    assert not _fell_back(opt)
     want = [sched(step) for step in range(18)]
     assert applied == pytest.approx(want, rel=1e-5, abs=1e-9), (applied, want)
     assert len(set(round(v, 8) for v in want)) > 3  # the schedule does change
@@ -496,7 +471,7 @@ def test_a_compiled_step_writes_every_state_buffer_from_the_old_ones(name):
         for step in range(8):
             _grads(named, step)
             opt.step()
-        assert not opt.executor._fell_back
+        assert not _fell_back(opt)
         state = [t.detach().clone() for t in opt.state_dict()["state"][0].values() if isinstance(t, torch.Tensor)]
         return [p.detach().clone() for _, p in named], state
 
@@ -540,7 +515,7 @@ def test_stateful_public_transforms_compiled_by_inductor_train_as_eager(name, mo
     build = _public_transforms()[name][1]
     eager, _ = _train_public(build, None, 6)
     compiled, opt = _train_public(build, "inductor", 6)
-    assert not opt.executor._fell_back
+    assert not _fell_back(opt)
     # measured up to 0.34 of rtol 1e-5 / atol 1e-6 here; inductor's vector code (and its
     # contractions into fused multiply-adds) follows the CPU's ISA: ~10x margin
     for a, b in zip(eager, compiled):
@@ -553,7 +528,7 @@ def _warmup_lambda(step):
 
 
 def _applied_lrs(sched, steps=8):
-    """The lr a compiled (inductor) step applies at each step, and its executor."""
+    """The lr a compiled (inductor) step applies at each step, and the optimizer."""
     torch._dynamo.reset()
     w = torch.nn.Parameter(torch.zeros(4, 3))
     opt = mfx.TransformOptimizer([("w", w)], mfx.scale_by_learning_rate(sched)).compile()
@@ -563,7 +538,7 @@ def _applied_lrs(sched, steps=8):
         before = w.detach().clone()
         opt.step()
         applied.append((before - w.detach()).mean().item())
-    return applied, opt.executor
+    return applied, opt
 
 
 def test_a_schedule_of_your_own_is_followed_by_the_compiled_step_on_every_torch():
@@ -573,7 +548,7 @@ def test_a_schedule_of_your_own_is_followed_by_the_compiled_step_on_every_torch(
     eagerly; torch 2.13 compiles it right. Either way the applied lr is the schedule's."""
     applied, ex = _applied_lrs(_warmup_lambda)
     assert applied == pytest.approx([_warmup_lambda(t) for t in range(8)], rel=1e-5, abs=1e-9)
-    assert ex._fell_back == mfx.schedules.FLOAT_MIN_MAX_MISCOMPILED
+    assert _fell_back(ex) == mfx.schedules.FLOAT_MIN_MAX_MISCOMPILED
 
 
 def test_where_torch_miscompiles_min_max_only_muonfxs_schedules_are_traced(monkeypatch, caplog):
@@ -590,12 +565,12 @@ def test_where_torch_miscompiles_min_max_only_muonfxs_schedules_are_traced(monke
     assert not mfx.schedules.traceable(mfx.schedules.join([mfx.schedules.constant(1.0), _warmup_lambda], [3]))
     with caplog.at_level(logging.WARNING, logger="muonfx"):
         applied, ex = _applied_lrs(_warmup_lambda)
-    assert ex._fell_back and applied == pytest.approx([_warmup_lambda(t) for t in range(8)], rel=1e-5, abs=1e-9)
+    assert _fell_back(ex) and applied == pytest.approx([_warmup_lambda(t) for t in range(8)], rel=1e-5, abs=1e-9)
     assert any("a schedule of your own" in r.getMessage() and "muonfx.schedules" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
     sched = mfx.schedules.linear(1e-2, 0.0, 10)
     applied, ex = _applied_lrs(sched)
-    assert not ex._fell_back and applied == pytest.approx([sched(t) for t in range(8)], rel=1e-5, abs=1e-9)
+    assert not _fell_back(ex) and applied == pytest.approx([sched(t) for t in range(8)], rel=1e-5, abs=1e-9)
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")], ids=["negative", "nan", "inf"])
@@ -624,7 +599,7 @@ def test_only_errors_raised_while_compiling_count_as_the_compilers():
     """The rule: dynamo's own errors, and other errors raised from dynamo's frame
     compilation, are the compiler's; the transforms' ValueError / TypeError, and errors
     of a running graph, are raised as they are."""
-    from muonfx.optim.executor import _compiler_failed
+    from muonfx.optim.step.compiled import compiler_failed as _compiler_failed
 
     def raised(exc, filename):
         code = compile("raise exc", filename, "exec")
@@ -712,8 +687,9 @@ def test_one_cycle_lr_cycling_adams_beta1_trains_as_eager_compiled():
         seen.add(opt.param_groups[0]["betas"][0])
         frames.append(counter.frame_count)
     assert len(seen) >= 6, seen  # beta1 did change at every step
-    assert frames[-1] == frames[1] + int(opt.executor.floats_specialize), f"graphs built: {frames}"
+    specialised = opt.param_groups[0]["compile"] is False
+    assert frames[-1] == frames[0] + int(specialised), f"graphs built: {frames}"
     if torch.__version__ >= "2.13":
-        assert not opt.executor.floats_specialize
+        assert not specialised
     for (n, a), (_, b) in zip(ref, named):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")

@@ -3,18 +3,21 @@
 
 Every example compiles (inductor's C++ on the CPU, seconds each), so the checks here draw
 few examples. The law must catch the compiler mistakes it exists for: the fused state
-write-back that inductor got wrong (``torch._foreach_copy_``, since replaced in the
-executor by one ``copy_`` per buffer) is put back here and the law must see it.
+write-back that inductor got wrong (one ``torch._foreach_copy_`` of every buffer, now
+one ``copy_`` each: ``muonfx.optim.step.writeback.store``) is put back here and the law
+must see it.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from tensordict import TensorDict
 
 import muonfx as mfx
-import muonfx.optim.executor as executor_mod
-from muonfx.base import GradientTransformation, tree_pairs, tree_replace
+import muonfx.optim.step.compiled as compiled_mod
+from muonfx import tree
+from muonfx.base import GradientTransformation, build, td_items
 from muonfx.testing import COMPILED_RTOL, LAWS, OPT_IN_LAWS, ConformanceError, check_transform, params_and_grads
 
 from helpers import one_intra_op_thread  # noqa: F401  (autouse: one thread in this module)
@@ -39,29 +42,37 @@ def test_stateful_transforms_compiled_by_inductor_conform(build):
 
 
 def _foreach_store(old, new):
-    """The executor's former state write-back:
-    one ``torch._foreach_copy_`` of every new buffer into its old one, which inductor
+    """The compiled step's state write-back as it was before: one
+    ``torch._foreach_copy_`` of every new buffer into its old one, which inductor
     (2.10 to 2.13) fuses into one loop that writes a buffer before it computes another
     buffer's new value from it."""
-    pairs = tree_pairs(old, new)
-    dst, src, kept = [], [], []
-    for o, n in pairs:
-        if n is not o and isinstance(o, torch.Tensor) and o.shape == n.shape and o.dtype == n.dtype:
-            dst.append(o)
-            src.append(n)
-            kept.append(o)
+    old_leaves, _ = tree.flatten(old)
+    new_leaves, spec = tree.flatten(new)
+    dst, src, out = [], [], []
+    for o, n in zip(old_leaves, new_leaves):
+        if isinstance(n, TensorDict) and isinstance(o, TensorDict):
+            ks, nv = td_items(n)
+            ov = td_items(o)[1]
+            kept = []
+            for a, b in zip(ov, nv):
+                if a is not b and a.shape == b.shape and a.dtype == b.dtype:
+                    dst.append(a)
+                    src.append(b)
+                    kept.append(a)
+                else:
+                    kept.append(b)
+            out.append(build(ks, kept))
         else:
-            kept.append(n)
+            out.append(n)
     if dst:
         torch._foreach_copy_(dst, src)
-    it = iter(kept)
-    return tree_replace(new, fn=lambda _: next(it))
+    return tree.unflatten(out, spec)
 
 
 def test_the_law_catches_the_fused_write_back_inductor_got_wrong(monkeypatch):
     """``accumulate(momentum(0.9), 2)`` with the old write-back: the momentum took the
     zeroed sum in the compiled steps. The law fails and names the parameter and step."""
-    monkeypatch.setattr(executor_mod, "_store", _foreach_store)
+    monkeypatch.setattr(compiled_mod, "store", _foreach_store)
     with pytest.raises(ConformanceError) as info:
         check_transform(mfx.accumulate(mfx.momentum(0.9), 2), **FEW, **FLOAT32)
     err = info.value
@@ -147,28 +158,28 @@ def test_another_backend_is_used_when_given():
 
 
 @pytest.mark.slow
-def test_the_compiled_run_covers_one_graph_and_pieces(monkeypatch):
-    """A model larger than the batch budget runs a leafwise transform's compiled step in
-    pieces, one graph each: the law's compiled run takes that path too (a one-byte
-    budget), after one whole-graph step; the budget is restored afterwards."""
-    from muonfx.optim.executor import Executor
+def test_the_compiled_run_covers_one_graph_and_pieces():
+    """A model larger than the batch budget runs a leafwise transform with matrix work
+    compiled in pieces, one graph each: the law's compiled run takes that path too (a
+    one-byte budget from step ``steps`` on), after whole-graph steps; the budget is
+    restored afterwards."""
+    from muonfx.optim.step.run import Runner
 
-    calls = {"whole": 0, "pieces": 0}
-    whole, pieces = Executor._compiled_whole, Executor._compiled_pieces
+    kinds = []
+    real = Runner._run
 
-    def count_whole(self, *a, **k):
-        calls["whole"] += 1
-        return whole(self, *a, **k)
+    def spy(self, plan, *a, **k):
+        kinds.extend("pieces" if g.pieces else "whole" for g in plan.compiled)
+        return real(self, plan, *a, **k)
 
-    def count_pieces(self, *a, **k):
-        calls["pieces"] += 1
-        return pieces(self, *a, **k)
-
-    monkeypatch.setattr(Executor, "_compiled_whole", count_whole)
-    monkeypatch.setattr(Executor, "_compiled_pieces", count_pieces)
-    before = mfx.linalg.batch_bytes("cpu")
-    two = params_and_grads(dtypes=(torch.float32,), min_leaves=2, max_leaves=2, nested=False)
-    assert check_transform(mfx.chain(mfx.momentum(0.9), mfx.scale_by_adam()), max_examples=1,
-                           derandomize=True, laws=["compiled"], params=two)["compiled"] == "ok"
-    assert calls["whole"] >= 1 and calls["pieces"] >= 1, calls
+    Runner._run = spy
+    try:
+        before = mfx.linalg.batch_bytes("cpu")
+        two = params_and_grads(dtypes=(torch.float32,), min_leaves=2, max_leaves=2, min_ndim=2, max_ndim=2,
+                               nested=False)
+        assert check_transform(mfx.muon(ns_dtype=torch.float32), max_examples=1, derandomize=True,
+                               laws=["compiled"], params=two)["compiled"] == "ok"
+    finally:
+        Runner._run = real
+    assert "whole" in kinds and "pieces" in kinds, kinds
     assert mfx.linalg.batch_bytes("cpu") == before

@@ -431,8 +431,9 @@ def test_per_parameter_counters_resume_bitwise_through_torch_save():
 
 
 def test_per_parameter_counters_in_the_compiled_step():
-    """The compiled step runs a partial step only when that is one cohort; it gives what
-    the eager step gives."""
+    """Every other step a parameter has no gradient: the compiled optimizer (opt.compile():
+    partial steps compiled too, one graph per set of present parameters) gives what the
+    eager step gives, with per-parameter counts."""
     torch._dynamo.reset()
     eager, _ = _every_other(lambda ps: mfx.TransformOptimizer(list(zip("ab", ps)), mfx.adamw, lr=1e-2), steps=6)
     comp, opt = _every_other(lambda ps: mfx.TransformOptimizer(list(zip("ab", ps)), mfx.adamw, lr=1e-2)
@@ -671,3 +672,171 @@ def test_the_process_groups_timeout_bounds_the_wait_for_a_late_rank():
 
     res = run_world(fw.user_timeout, 2, 6.0, timeout=120, collective_timeout=3)
     assert res[0]["error"] is not None and 2.5 < res[0]["seconds"] < 5.5, res[0]
+
+
+# ---------------------------------------------------------------------------
+# the step's own faults: compile failures and tensor lrs said, nothing
+# printed, copies that work, resume by rules, steps in pieces that are atomic
+# ---------------------------------------------------------------------------
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+
+def _train(model, opt, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(4, 8, generator=gen)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_failed_compile_says_so_once_and_steps_eagerly(monkeypatch, caplog):
+    """opt.compile() where the compiler cannot take the step (here: no compiler at all):
+    one WARNING on the muonfx logger naming the group and the error, eager steps after,
+    the plan says why."""
+    import logging
+
+    from muonfx import logs
+
+    def failing(fn, **kwargs):
+        def run(*args):
+            raise torch._dynamo.exc.TorchDynamoException("backend failed: no C++ compiler")
+        return run
+
+    monkeypatch.setattr(torch, "compile", failing)
+    monkeypatch.setattr(logs, "_said", set())
+    model = _mlp()
+    opt = mfx.TransformOptimizer(model.named_parameters(), mfx.adamw).compile()
+    with caplog.at_level(logging.INFO, logger="muonfx"):
+        _train(model, opt, 4)
+    said = [r for r in caplog.records if "torch.compile failed" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING and "no C++ compiler" in said[0].getMessage()
+    assert "param group(s) 0" in said[0].getMessage()
+    assert opt.plan.groups[0].path == "eager" and opt.plan.groups[0].why == "torch.compile failed on it"
+
+
+def test_a_tensor_lr_keeps_opt_compile_on():
+    """A tensor lr (what CUDA-graph users pass) reaches the compiled graph as a tensor,
+    checked eagerly before the graph runs: the step stays compiled and trains as the
+    eager step with the same lrs, a scheduler driving it; a NaN tensor lr is refused and
+    changes nothing."""
+    torch._dynamo.reset()
+    for factory in (mfx.adamw, mfx.muon):
+        a, b = _mlp(), _mlp()
+        pick = (lambda m: [(n, p) for n, p in m.named_parameters() if p.ndim == 2]) if factory is mfx.muon \
+            else (lambda m: list(m.named_parameters()))
+        opt = mfx.TransformOptimizer(pick(a), factory, lr=torch.tensor(1e-2)).compile(backend="aot_eager")
+        ref = mfx.TransformOptimizer(pick(b), factory, lr=1e-2)
+        scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in (opt, ref)]
+        for step in range(3):
+            for m, o, s in ((a, opt, scheds[0]), (b, ref, scheds[1])):
+                _train(m, o, 1, seed=step)
+                s.step()
+            assert opt.plan.groups[0].path == "compiled", opt.plan
+        for (n, p), (_, q) in zip(pick(a), pick(b)):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{factory.__name__} {n}: {msg}")
+        opt.param_groups[0]["lr"] = torch.tensor(NAN)
+        before = [p.detach().clone() for _, p in pick(a)]
+        a(torch.randn(4, 8)).sum().backward()
+        with pytest.raises(ValueError, match="hyperparameter 'lr' is nan"):
+            opt.step()
+        assert all(torch.equal(x, p) for x, (_, p) in zip(before, pick(a)))
+
+
+def test_a_step_prints_nothing_on_stderr(capfd):
+    """No step measures anything by default: the first compiled step prints no profiler
+    lines (``profiler_start``, ``CPUAllocator.cpp``) on the user's stderr."""
+    torch._dynamo.reset()
+    model = _mlp()
+    opt = mfx.MuonOptimizer(model, lr=0.02).compile()
+    _train(model, opt, 2)
+    err = capfd.readouterr().err
+    assert "profiler_start" not in err and "CPUAllocator" not in err and "USDT" not in err, err[-400:]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_optimizer_works_like_torchs(how):
+    """copy.deepcopy(opt) and pickling give an optimizer that steps (as copies of
+    torch.optim.AdamW do): its own state, moving on exactly as the original."""
+    import pickle
+
+    model = _mlp()
+    opt = mfx.MuonOptimizer(model, lr=0.02)
+    _train(model, opt, 2)
+    twin_model = copy.deepcopy(model)
+    if how == "deepcopy":
+        twin = copy.deepcopy(opt)
+    else:
+        twin = pickle.loads(pickle.dumps(opt))
+    # the copy holds its own parameters (as torch's copies do): point it at the twin model's
+    for g, tg in zip(twin.param_groups, opt.param_groups):
+        names = dict(model.named_parameters())
+        twin_params = dict(twin_model.named_parameters())
+        by_id = {id(p): n for n, p in names.items()}
+        g["params"] = [twin_params[by_id[id(p)]] for p in tg["params"]]
+    _train(model, opt, 2, seed=7)
+    _train(twin_model, twin, 2, seed=7)
+    for (n, p), (_, q) in zip(model.named_parameters(), twin_model.named_parameters()):
+        assert torch.equal(p, q), n
+    assert opt.state_dict()["state"][0]["count"] == twin.state_dict()["state"][0]["count"] == 4
+
+
+def test_resume_under_the_default_path_choice_is_bitwise(monkeypatch):
+    """The path of a step comes from rules, not from timing: a group large enough to be
+    compiled by the rule (the threshold lowered here; tests/test_checkpoint.py runs a
+    model of 2^24 elements) resumes from a state_dict bit for bit, whether it stopped
+    after 2 or 3 steps."""
+    from muonfx.optim.step import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "COMPILE_MIN_ELEMENTS", 0)
+    torch._dynamo.reset()
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"}))
+    model = _mlp()
+    opt = mfx.MuonOptimizer(model, lr=0.02)
+    _train(model, opt, 5)
+    assert {g.path for g in opt.plan.groups} == {"compiled"}
+    for stop in (2, 3):
+        m1 = _mlp()
+        o1 = mfx.MuonOptimizer(m1, lr=0.02)
+        _train(m1, o1, stop)
+        buf = io.BytesIO()
+        torch.save({"model": m1.state_dict(), "opt": o1.state_dict()}, buf)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+        m2 = _mlp(seed=5)
+        m2.load_state_dict(saved["model"])
+        o2 = mfx.MuonOptimizer(m2, lr=0.02)
+        o2.load_state_dict(saved["opt"])
+        gen = torch.Generator().manual_seed(1)
+        for step in range(5):
+            x = torch.randn(4, 8, generator=gen)
+            if step < stop:
+                continue
+            for m, o in ((m2, o2),):
+                m(x).square().mean().backward()
+                o.step()
+                o.zero_grad()
+        for (n, p), (_, q) in zip(model.named_parameters(), m2.named_parameters()):
+            assert torch.equal(p, q), (stop, n)
+
+
+def test_a_step_in_pieces_whose_last_piece_would_fail_changes_nothing():
+    """A Muon group in pieces (a small batch budget) holding a 1-D parameter in its last
+    piece (strict MuonOptimizer: a matrix group that cannot take it): the plan's dry run
+    refuses it before the first piece is written; nothing moves."""
+    model = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(4)])
+    named = list(model.named_parameters())
+    named.append(("bias", nn.Parameter(torch.zeros(16))))
+    old = mfx.linalg.set_batch_bytes(16 * 16 * 4, "cpu")
+    try:
+        opt = mfx.TransformOptimizer(named, mfx.muon, lr=0.02)
+        for _, p in named:
+            p.grad = torch.randn_like(p)
+        refused(ValueError, "'bias'.*1-D", opt.step, [p for _, p in named], opt.transform_state(0))
+    finally:
+        mfx.linalg.set_batch_bytes(old, "cpu")

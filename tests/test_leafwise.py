@@ -2,7 +2,7 @@
 true (a split of the tree computes what the whole tree computes), and the conformance
 law that checks it.
 
-A wrong declaration would let an executor run a transform in pieces and silently
+A wrong declaration would let the adapter run a transform in pieces and silently
 change what it computes, so the table below says, for every public transform,
 combinator, wrapper, preset and recipe, whether it is declared, and why not where it
 is not. Kept fast: tiny trees, a few hypothesis examples, derandomized.
@@ -19,9 +19,9 @@ from tensordict import TensorDict
 import muonfx as mfx
 from muonfx import schedules
 from muonfx.base import Key, build
-from muonfx.conformance import _tree_diff
+from muonfx.testing.compare import tree_diff as _tree_diff
 from muonfx.optim.groups import lr_multiplier
-from muonfx.state_tree import merge, restrict
+from muonfx.tree import merge, restrict
 from muonfx.testing import ConformanceError, check_transform, params_and_grads
 
 FAST = dict(max_examples=5, derandomize=True)
@@ -138,7 +138,7 @@ PRESETS: dict[str, tuple[Callable[[], mfx.GradientTransformation], bool]] = {
 
 def _split_vs_whole(tx: mfx.GradientTransformation, params: TensorDict, steps: int = 3) -> float:
     """The largest difference between the updates of ``tx`` on the whole tree and of
-    ``tx`` run as an executor runs a leafwise group in pieces: each piece updated with its
+    ``tx`` run as the adapter runs a leafwise group in pieces: each piece updated with its
     share of the state (restrict) and merged back (merge); ``inf`` if the merged state
     differs from the whole tree's by more than 1e-6 (or in a scalar). Two splittings:
     halves, and one leaf at a time."""

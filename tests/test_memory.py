@@ -7,7 +7,7 @@ import torch
 from tensordict import TensorDict
 
 import muonfx as mfx
-from muonfx.base import tree_tensors
+from muonfx.tree import tensors as tree_tensors
 from muonfx.memory import FreshMemory
 from helpers import sweep  # noqa: E402
 
@@ -98,7 +98,7 @@ def _same_shapes(n):
 
 
 def test_adamw_eager_step_holds_the_new_state_and_two_links_of_the_chain():
-    """The eager executor computes the pure update before it writes anything (so a
+    """The eager step computes the pure update before it writes anything (so a
     raising step changes nothing): new mu and nu (2 P) and two consecutive links of the
     chain (2 P) are alive at the peak. ``opt.compile()`` fuses these away."""
     shapes = _distinct_shapes(12) | {"b": (96,)}
@@ -195,7 +195,7 @@ def test_the_compiled_muon_step_matches_eager_and_holds_less_than_the_eager_one(
         named = [(k, torch.nn.Parameter(v.clone())) for k, v in init.items()]
         pair.append((named, mfx.TransformOptimizer(named, mfx.muon, **kw)))
     (e_named, eager), (c_named, comp) = pair
-    eager.executor.auto = False
+    eager.param_groups[0]["compile"] = False
     comp.compile()
     try:
         mfx.linalg.set_batch_bytes(2 * 24 * 64 * 4, "cpu")  # each stack of 4 in two batches

@@ -1,7 +1,8 @@
-"""The executor runs a large leafwise group in pieces: each piece computed and written
-before the next, so a step's extra memory is bounded by the largest piece (the one
-budget, ``muonfx.linalg.batch_bytes``), not by the model. The pieces compute what the
-whole step computes, and a raising step still changes nothing."""
+"""A large leafwise group runs in pieces (its step plan says so): each piece computed and
+written before the next, so a step's extra memory is bounded by the largest piece (the
+one budget, ``muonfx.linalg.batch_bytes``), not by the model. The pieces compute what the
+whole step computes, everything muonfx can detect is detected before the first write,
+and an error of a transform of one's own in a later piece says what was stepped."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 import muonfx as mfx
-from muonfx.base import tree_tensors
+import muonfx.counts
+from muonfx.tree import tensors as tree_tensors
 from muonfx.memory import step_memory
 
 MAT = (64, 96)
@@ -47,8 +49,13 @@ def _steps(pairs, steps, first=0):
 
 
 def _whole(opt):
-    """The same optimizer with pieces turned off (the reference)."""
-    opt.executor._all_runs = lambda work: (None, [])
+    """The same optimizer with pieces turned off (the reference): its plan is built under
+    a budget that holds the whole group, and keeps it (a plan holds its settings)."""
+    old = mfx.linalg.set_batch_bytes(1 << 40, "cpu")
+    try:
+        assert opt.plan.groups[0].pieces is None
+    finally:
+        mfx.linalg.set_batch_bytes(old, "cpu")
     return opt
 
 
@@ -73,14 +80,12 @@ def test_pieces_compute_what_the_whole_step_computes(budget, factory, kw):
     a, b = _named(shapes), _named(shapes)
     got = mfx.TransformOptimizer(a, factory, **kw)
     ref = _whole(mfx.TransformOptimizer(b, factory, **kw))
-    for o in (got, ref):
-        o.executor.auto = False
     _steps([(a, got), (b, ref)], 5)
-    _grads(a, 5)
-    plan = got.executor.pieces(_work(got))
+    plan = got.plan.groups[0].pieces
     assert plan is not None and len(plan) >= len(shapes) - 2, plan  # about one matrix a piece
     # same-shape matrices together, every parameter exactly once
     assert sorted(j for piece in plan for j in piece) == list(range(len(shapes)))
+    assert f"{len(plan)} pieces" in str(got.plan)
     _same(a, b, got, ref)
 
 
@@ -93,7 +98,6 @@ def test_the_pieces_bound_the_step_memory(budget):
     ref = _whole(mfx.TransformOptimizer(b, mfx.muon, lr=0.02, ns_dtype=torch.float32))
     mems = {}
     for name, named, opt in (("pieces", a, got), ("whole", b, ref)):
-        opt.executor.auto = False
         for step in range(3):
             _grads(named, step)
             mems[name] = step_memory(opt.step, torch.device("cpu"))
@@ -104,7 +108,6 @@ def test_the_pieces_bound_the_step_memory(budget):
     shapes = {f"w{i}": MAT for i in range(24)}
     c = _named(shapes)
     opt = mfx.TransformOptimizer(c, mfx.muon, lr=0.02, ns_dtype=torch.float32)
-    opt.executor.auto = False
     for step in range(3):
         _grads(c, step)
         mem = step_memory(opt.step, torch.device("cpu"))
@@ -122,8 +125,6 @@ def test_groups_at_most_the_budget_and_transforms_that_are_not_leafwise_run_whol
     opt2 = mfx.TransformOptimizer(clipped, tx)
     ref_named = _named(seed=1)
     ref = _whole(mfx.TransformOptimizer(ref_named, tx))
-    for o in (opt, opt2, ref):
-        o.executor.auto = False
     for step in range(3):
         _grads(a, step)
         _grads(clipped, step)
@@ -131,60 +132,98 @@ def test_groups_at_most_the_budget_and_transforms_that_are_not_leafwise_run_whol
         opt.step()
         opt2.step()
         ref.step()
-    assert opt.executor.pieces(_work(opt)) is None
-    assert opt2.executor.pieces(_work(opt2)) is None
+    assert opt.plan.groups[0].pieces is None
+    assert opt2.plan.groups[0].pieces is None
     for (n, x), (_, y) in zip(clipped, ref_named):
         assert torch.equal(x, y), n
-
-
-def _counting(opt):
-    """``opt`` recording the positions of every piece its executor runs after the first."""
-    runs = []
-    real = opt.executor._eager_piece
-    opt.executor._eager_piece = lambda ctx, n, result: (runs.append(tuple(ctx.pieces[n][1].idx)), real(ctx, n, result))[1]
-    return runs
 
 
 def _matrices(seed=0):
     return [(n, p) for n, p in _named(seed=seed) if n != "bias"]
 
 
-def test_the_first_step_runs_whole_and_cohorts_run_in_pieces(budget):
-    """Step 0 creates the state (whole); from step 1 on the group runs in pieces, also at
-    step 2, where ``w1`` has no gradient (it keeps its counters: torch's per-parameter
-    ``step``), and at steps 3-4, where ``w1`` steps one count behind the others (a cohort
-    of its own, in pieces from its own counters). Parameters, state and counters end
-    exactly as with whole steps."""
+def test_pieces_from_the_first_step_and_with_missing_gradients(budget):
+    """The group runs in pieces from its first step on, also at step 2, where ``w1`` has
+    no gradient (it keeps its counts: torch's per-parameter ``step``; the plan leaves it
+    out), and at steps 3-4, where ``w1`` steps one count behind the others (per-parameter
+    counts: the momentum schedule at its own count, in the same pieces). Parameters,
+    state and counts end exactly as with whole steps."""
     a, b = _matrices(), _matrices()
     kw = dict(lr=0.02, ns_dtype=torch.float32, momentum=lambda step: 0.9 + 0.01 * min(step, 5))
     got = mfx.TransformOptimizer(a, mfx.muon, **kw)
     ref = _whole(mfx.TransformOptimizer(b, mfx.muon, **kw))
-    got.executor.auto = ref.executor.auto = False
-    runs = _counting(got)
     for i, skip in enumerate([(), (), ("w1",), (), ()]):
         _grads(a, i, skip)
         _grads(b, i, skip)
-        before = len(runs)
         got.step()
+        ref_budget = mfx.linalg.set_batch_bytes(1 << 40, "cpu")
         ref.step()
-        assert (len(runs) > before) == (i >= 1), (i, runs)
-        assert got.records[0].own == ref.records[0].own, i
-    assert set(got.records[0].own) == {("w1",)}
+        mfx.linalg.set_batch_bytes(ref_budget, "cpu")
+        g = got.plan.groups[0]
+        assert g.pieces is not None and g.partial == (i == 2), (i, g)
+        assert ref.plan.groups[0].pieces is None
+        assert ("w1",) not in g.keys if i == 2 else ("w1",) in g.keys
+    sd = got.state_dict()["state"]
+    assert sd[1]["count"] == sd[0]["count"] - 1 == 4
     _same(a, b, got, ref)
 
 
-def test_a_new_static_hyperparameter_makes_a_whole_step_first(budget):
+def test_a_parameter_resized_before_a_step_in_pieces_raises_before_anything_is_written(budget):
+    """A parameter resized between steps (its state made for the old shape) in the last
+    piece: the plan's dry run finds the mismatch before the first piece is written, and
+    the step changes nothing (it used to leave the first pieces stepped)."""
     a = _matrices()
-    got = mfx.TransformOptimizer(a, mfx.muon, lr=0.02, ns_dtype=torch.float32)
-    got.executor.auto = False
-    runs = _counting(got)
-    for step in range(5):
-        if step == 3:
-            got.param_groups[0]["adjust_lr"] = "spectral"  # another transform
-        before = len(runs)
+    opt = mfx.TransformOptimizer(a, mfx.muon, lr=0.02, ns_dtype=torch.float32)
+    for step in range(2):
         _grads(a, step)
-        got.step()
-        assert (len(runs) > before) == (step in (1, 2, 4)), step
+        opt.step()
+    assert opt.plan.groups[0].pieces is not None
+    name, last = a[-1]
+    params = [p.detach().clone() for _, p in a[:-1]]
+    state = [t.clone() for t in tree_tensors(opt.transform_state(0))]
+    last.data = torch.randn(last.shape[0] + 4, last.shape[1])
+    _grads(a, 2)
+    with pytest.raises(ValueError, match=f"'{name}'.*shape"):
+        opt.step()
+    for (n, p), q in zip(a, params):
+        assert torch.equal(p, q), n
+    for s, t in zip(tree_tensors(opt.transform_state(0)), state):
+        assert torch.equal(s, t)
+    assert opt.transform_state(0).count == 2
+
+
+def test_an_error_of_your_own_in_a_later_piece_says_what_was_stepped(budget):
+    """A transform of one's own that raises on one parameter, met in a later piece: the
+    step ends with PartialStepError naming the parameters stepped before it; their state
+    and counts moved with them, the others' did not, and the next good step goes on."""
+
+    def picky(updates, state, params=None):
+        keys, us = mfx.base.leaves(updates)
+        if ("tall",) in keys and max(mfx.counts.values_of(state.count)) >= 2:
+            raise RuntimeError("my transform refuses 'tall' from its third step")
+        return mfx.base.build(keys, [-0.1 * u for u in us]), state._replace(count=mfx.counts.advance(state.count))
+
+    class State(__import__("typing").NamedTuple):
+        count: object
+
+    tx = mfx.leafwise(mfx.GradientTransformation(lambda p: State(mfx.counts.zeros(mfx.base.leaves(p, "params")[0])),
+                                                 picky))
+    a = _matrices()
+    opt = mfx.TransformOptimizer(a, tx)
+    for step in range(2):
+        _grads(a, step)
+        opt.step()
+    pieces = opt.plan.groups[0].pieces
+    assert pieces is not None and pieces[-1] == (len(a) - 1,)  # "tall" alone, last
+    before = [p.detach().clone() for _, p in a]
+    _grads(a, 2)
+    with pytest.raises(mfx.optim.PartialStepError, match="refuses 'tall'") as info:
+        opt.step()
+    assert info.value.pending == ["tall"] and "w0" in info.value.stepped and "tall" not in info.value.stepped
+    moved = {n for (n, p), q in zip(a, before) if not torch.equal(p, q)}
+    assert moved == {n for n, _ in a} - {"tall"}
+    counts = {n: e["count"] for n, e in zip([n for n, _ in a], opt.state_dict()["state"].values())}
+    assert counts["tall"] == 2 and all(c == 3 for n, c in counts.items() if n != "tall")
 
 
 @pytest.mark.parametrize("bad", ["nan_lr", "schedule"])
@@ -194,11 +233,10 @@ def test_a_raising_step_in_pieces_changes_nothing(budget, bad):
     if bad == "schedule":
         kw["weight_decay"] = lambda step: 0.1 if step < 3 else float("nan")
     opt = mfx.TransformOptimizer(a, mfx.muon, **kw)
-    opt.executor.auto = False
     for step in range(3):
         _grads(a, step)
         opt.step()
-    assert opt.executor.pieces(_work(opt)) is not None
+    assert opt.plan.groups[0].pieces is not None
     if bad == "nan_lr":
         opt.param_groups[0]["lr"] = float("nan")
     params = [p.detach().clone() for _, p in a]
@@ -214,28 +252,21 @@ def test_a_raising_step_in_pieces_changes_nothing(budget, bad):
     assert opt.transform_state(0).count == count
 
 
-def _work(opt):
-    from muonfx.optim.groups import gather
-
-    return gather(opt.records[0], opt.param_groups[0])
-
-
 @pytest.mark.slow
-def test_compiled_pieces_match_eager_and_bound_the_graphs_memory(budget):
+def test_compiled_pieces_match_eager(budget):
+    """A compiled group with matrix work larger than the budget runs one graph per piece
+    (the plan says so: the dry run saw its matrix work), from its first step."""
     torch._dynamo.reset()
     shapes = {k: v for k, v in SHAPES.items() if k != "bias"}
     a, b = _named(shapes), _named(shapes)
     kw = dict(lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
     comp = mfx.TransformOptimizer(a, mfx.muon, **kw).compile(backend="aot_eager")
     ref = _whole(mfx.TransformOptimizer(b, mfx.muon, **kw))
-    ref.executor.auto = False
     _steps([(a, comp), (b, ref)], 4)
-    # the first compiled step ran one graph and measured it (aot_eager fuses nothing: it
-    # holds the whole chain), so later steps run one graph per piece
-    assert list(comp.executor._compiled_mode.values()) == ["pieces"]
-    graphs = [k for k, f in comp.executor._compiled.items() if f is not None]
-    pieces = [k for k in graphs if k[0] == "piece"]
-    assert len(graphs) == len(pieces) + 1 and all(len(k[1][1]) < len(shapes) for k in pieces), graphs
+    g = comp.plan.groups[0]
+    assert g.path == "compiled" and g.pieces is not None and len(g.pieces) > 1, comp.plan
+    graphs = list(comp._runner.compiled.graphs)
+    assert len(graphs) == len(g.pieces) and all(k[0] == "piece" for k in graphs), graphs
     _same(a, b, comp, ref, exact=False)
 
 
@@ -243,7 +274,6 @@ def test_pieces_survive_a_checkpoint(budget):
     a, b = _matrices(), _matrices()
     kw = dict(lr=0.02, ns_dtype=torch.float32)
     got = mfx.TransformOptimizer(a, mfx.muon, **kw)
-    got.executor.auto = False
     for step in range(3):
         _grads(a, step)
         got.step()
@@ -251,7 +281,6 @@ def test_pieces_survive_a_checkpoint(budget):
     for (_, p), (_, q) in zip(a, b):
         q.data.copy_(p.data)
     again = mfx.TransformOptimizer(b, mfx.muon, **kw)
-    again.executor.auto = False
     again.load_state_dict(sd)
     _steps([(a, got), (b, again)], 3, first=3)
     _same(a, b, got, again)
@@ -259,53 +288,26 @@ def test_pieces_survive_a_checkpoint(budget):
 
 
 @pytest.mark.slow
-def test_the_measured_choice_compiles_a_group_that_runs_in_pieces(budget, monkeypatch):
-    """The automatic choice times pieces eagerly and compiled; a faster compiled step is
-    kept (its graphs are the pieces', not one for the whole group)."""
-    torch._dynamo.reset()
-    real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"}))
-    a, b = _matrices(), _matrices()
-    kw = dict(lr=0.02, ns_dtype=torch.float32)
-    opt = mfx.TransformOptimizer(a, mfx.muon, **kw)
-    ref = _whole(mfx.TransformOptimizer(b, mfx.muon, **kw))
-    ref.executor.auto = False
-    opt.executor.auto_min_elements = 0
-    ticks = iter([0.0, 1.0, 10.0, 10.5, 20.0, 21.0, 30.0, 30.5, 40.0, 41.0, 50.0, 50.5])  # eager 1 s, compiled 0.5 s
-    opt.executor._clock = lambda: next(ticks)
-    # steps: 0 creates the state, 1 eager timed, 2 builds the one graph and measures its
-    # memory (too much: pieces), 3 builds the pieces' graphs, 4-8 C, E, C, E, C (timed):
-    # chosen
-    _steps([(a, opt), (b, ref)], 9)
-    assert list(opt.executor.choices.values()) == ["compiled"]
-    assert list(opt.executor._compiled_mode.values()) == ["pieces"]
-    pieces = [k for k, f in opt.executor._compiled.items() if f is not None and k[0] == "piece"]
-    assert len(pieces) > 1 and all(len(k[1][1]) < len(a) for k in pieces), pieces
-    _same(a, b, opt, ref, exact=False)
-
-
-@pytest.mark.slow
-def test_a_compiled_step_that_stores_in_place_stays_one_graph(budget):
-    """Inductor compiles AdamW's whole step into in-place loops: the measured first
-    compiled step holds (almost) nothing, so it stays one graph (pieces would only cost
-    a graph and a call each)."""
+def test_a_compiled_elementwise_step_stays_one_graph(budget):
+    """AdamW's compiled step is elementwise work alone (no matrix work, the dry run
+    says): inductor stores it in place, so it stays one graph (pieces would only cost a
+    graph and a call each)."""
     torch._dynamo.reset()
     a, b = _named(), _named()
     comp = mfx.TransformOptimizer(a, mfx.adamw, lr=1e-2, weight_decay=0.1).compile()
     ref = mfx.TransformOptimizer(b, mfx.adamw, lr=1e-2, weight_decay=0.1)
-    ref.executor.auto = False
     _steps([(a, comp), (b, ref)], 4)
-    assert list(comp.executor._compiled_mode.values()) == ["whole"]
-    assert not [k for k, f in comp.executor._compiled.items() if f is not None and k[0] == "piece"]
+    assert comp.plan.groups[0].pieces is None and comp.plan.groups[0].path == "compiled"
+    assert [k[0] for k in comp._runner.compiled.graphs] == ["whole"]
     for (n, x), (_, y) in zip(a, b):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
 @pytest.mark.slow
-def test_the_first_compiled_step_leaves_a_running_profiler_alone(budget):
-    """Under the user's own profiler the first compiled step cannot measure its memory
-    without ending the user's profiling session: it does not measure (one graph stays),
-    and the user's profile keeps its events."""
+def test_a_compiled_step_leaves_a_running_profiler_alone_and_prints_nothing(budget, capfd):
+    """Nothing is measured by default: a compiled step under the user's own profiler
+    leaves the user's profile its events, and no step writes profiler lines
+    (``profiler_start``, ``CPUAllocator.cpp``) to stderr."""
     from torch.profiler import profile
 
     torch._dynamo.reset()
@@ -313,10 +315,11 @@ def test_the_first_compiled_step_leaves_a_running_profiler_alone(budget):
     kw = dict(lr=0.02, ns_dtype=torch.float32)
     comp = mfx.TransformOptimizer(a, mfx.muon, **kw).compile(backend="aot_eager")
     ref = _whole(mfx.TransformOptimizer(b, mfx.muon, **kw))
-    ref.executor.auto = False
+    _steps([(a, comp), (b, ref)], 1)
+    out = capfd.readouterr()
+    assert "profiler_start" not in out.err and "CPUAllocator" not in out.err, out.err[-500:]
     with profile() as prof:
-        _steps([(a, comp), (b, ref)], 3)
-    assert list(comp.executor._compiled_mode.values()) == ["whole"]
+        _steps([(a, comp), (b, ref)], 2, first=1)
     assert any(e.name == "aten::bmm" for e in prof.events())  # the profile survived
     _same(a, b, comp, ref, exact=False)
 

@@ -21,7 +21,7 @@ def test_an_unknown_part_prints_the_usage_and_writes_nothing(args, tmp_path):
     res = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out")})
     assert res.returncode == 2
-    assert "usage: scripts/gpu-figures.sh all|tests|ns|muon|llama|rows|adamw|memory" in res.stderr
+    assert "usage: scripts/gpu-figures.sh all|tests|ns|muon|llama|rows|adamw|memory|host" in res.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -29,7 +29,8 @@ def test_every_benchmark_and_flag_it_names_exists():
     text = SCRIPT.read_text()
     calls = re.findall(r"(?:run|step \d+) python3 (benchmarks/\w+\.py)([^\n]*)", text)
     assert {c[0] for c in calls} == {"benchmarks/newton_schulz.py", "benchmarks/muon_step.py",
-                                     "benchmarks/adamw_step.py", "benchmarks/step_memory.py"}
+                                     "benchmarks/adamw_step.py", "benchmarks/step_memory.py",
+                                     "benchmarks/host_cost.py"}
     for path, args in calls:
         source = (ROOT / path).read_text()
         for flag in re.findall(r"(--[\w-]+)", args):
@@ -68,21 +69,19 @@ def _run_all(tmp_path, budget: int, min_step: int, stub: str = STUB):
 
 def test_all_stops_the_step_that_outlasts_the_deadline_and_skips_the_rest(tmp_path):
     res, out, calls, took = _run_all(tmp_path, budget=4, min_step=1)
-    # info, the tests, GPT-2, then MoE (stopped at the deadline); nothing after it starts
-    assert [c.split()[:2] for c in calls] == [["-m", "muonfx"], ["-m", "pytest"], ["benchmarks/muon_step.py", "--device"],
+    # info, Llama-1B, then MoE (stopped at the deadline); nothing after it starts
+    assert [c.split()[:2] for c in calls] == [["-m", "muonfx"], ["benchmarks/muon_step.py", "--device"],
                                               ["benchmarks/muon_step.py", "--device"]]
-    assert "--sets gpt2 --layers 12" in calls[2] and "--sets moe32" in calls[3]
+    assert "--sets llama1b" in calls[1] and "--sets moe32" in calls[2]
     assert took < 30
     assert res.returncode == 1, res.stderr
     log = (out / "all.log").read_text()
     assert "stopped after" in log and "moe32" in log.split("stopped after")[1].splitlines()[0]
-    for skipped in ("llama1b", "adamw_step.py", "newton_schulz.py"):
+    for skipped in ("gpt2", "pytest", "adamw_step.py", "newton_schulz.py"):
         assert any(line.startswith("skipped, the budget is spent") and skipped in line for line in log.splitlines()), skipped
-    assert "USDT" not in log
     summary = (out / "all.summary.txt").read_text().splitlines()
-    assert summary[0].startswith("| gpt2 | 12 layers")
     assert any(line.startswith("stopped after") for line in summary)
-    assert sum(line.startswith("skipped, ") for line in summary) == 3
+    assert sum(line.startswith("skipped, ") for line in summary) == 4
 
 
 def test_all_runs_every_step_in_order_when_time_allows(tmp_path):
@@ -90,11 +89,15 @@ def test_all_runs_every_step_in_order_when_time_allows(tmp_path):
     res, out, calls, took = _run_all(tmp_path, budget=60, min_step=1, stub=stub)
     assert took < 30
     assert res.returncode == 0, res.stdout + res.stderr
-    order = ["muonfx info", "pytest", "--sets gpt2", "--sets moe32", "--sets llama1b", "adamw_step.py --device cuda",
+    # the benchmarks first, in the order of value, then the CUDA tests, AdamW, Newton-Schulz
+    order = ["muonfx info", "--sets llama1b", "--sets moe32", "--sets gpt2", "pytest", "adamw_step.py --device cuda",
              "newton_schulz.py --only speed --device cuda"]
     assert len(calls) == len(order)
     for call, want in zip(calls, order):
         assert want in call, (call, want)
-    assert "tests/test_cuda.py tests/test_triton_ns.py" in calls[1]
+    # the GPU-marked tests without the compile sweeps; the Triton-interpreter tests stay in the CPU suite
+    assert "tests/test_cuda.py" in calls[4] and "test_triton_ns" not in calls[4] and 'cuda and not slow' in calls[4]
     summary = (out / "all.summary.txt").read_text()
     assert "| gpt2 |" in summary and "| moe32 |" in summary and "skipped" not in summary
+    log = (out / "all.log").read_text()
+    assert "USDT" not in log

@@ -22,28 +22,74 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_conformance_imports_first():
-    """``muonfx.conformance`` and ``muonfx.testing`` import in one direction (no cycle):
-    either works as the very first muonfx import."""
-    for first in ("muonfx.conformance", "muonfx.testing", "muonfx._strategies"):
+def test_the_testing_modules_import_first():
+    """The conformance kit's modules import in one direction (strategies <- compare <- laws
+    <- adapter_laws, compiled_law <- check <- muonfx.testing): any works as the very first
+    muonfx import."""
+    for first in ("muonfx.testing", "muonfx.testing.strategies", "muonfx.testing.laws",
+                  "muonfx.testing.adapter_laws", "muonfx.testing.compiled_law", "muonfx.testing.check"):
         proc = run_python(f"""
             import {first}
             from muonfx.testing import LAWS, ConformanceError, check_transform, params_and_grads
-            from muonfx.conformance import check_transform as c
+            from muonfx.testing.check import check_transform as c
             assert c is check_transform
             print("ok")
         """)
         assert proc.returncode == 0 and proc.stdout.strip() == "ok", f"import {first} first:\n{proc.stderr}"
 
 
-@pytest.mark.slow
-def test_strategies_do_not_import_the_conformance_check():
-    proc = run_python("""
-        import sys, muonfx._strategies
-        print("muonfx.conformance" in sys.modules, "muonfx.testing" in sys.modules)
-    """)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["False", "False"]
+def _imports(path: Path) -> set[str]:
+    """The muonfx (and torch.distributed) modules a source file imports (absolute names),
+    by its syntax tree."""
+    import ast
+
+    mod = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    package = mod.rsplit(".", 1)[0]  # (an __init__'s package is its folder)
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+            out.update(n for n in names if n.startswith(("muonfx", "torch.distributed")))
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith(("muonfx", "torch.distributed")))
+    return out
+
+
+# each module (or package) and the muonfx modules it may never import: imports flow one way
+_NEVER = {
+    "muonfx/base.py": ("muonfx.optim", "muonfx.transforms", "muonfx.wrappers", "muonfx.combine", "muonfx.tree",
+                       "muonfx.distributed", "muonfx.seam"),
+    "muonfx/counts.py": ("muonfx.optim", "muonfx.transforms", "muonfx.wrappers", "muonfx.tree", "muonfx.distributed"),
+    "muonfx/tree.py": ("muonfx.optim", "muonfx.transforms", "muonfx.wrappers", "muonfx.distributed"),
+    "muonfx/linalg": ("muonfx.optim", "muonfx.transforms", "muonfx.wrappers", "muonfx.distributed", "muonfx.tree"),
+    "muonfx/transforms": ("muonfx.optim", "muonfx.distributed", "torch.distributed"),
+    "muonfx/testing/strategies.py": ("muonfx.testing.laws", "muonfx.testing.check", "muonfx.testing.adapter_laws",
+                                     "muonfx.optim"),
+    "muonfx/testing/laws.py": ("muonfx.testing.check", "muonfx.testing.adapter_laws", "muonfx.optim"),
+    "muonfx/testing/adapter_laws.py": ("muonfx.testing.check",),
+    "muonfx/testing/compiled_law.py": ("muonfx.testing.check",),
+}
+
+
+def test_imports_flow_one_way():
+    """The bottom modules (base, counts, tree, linalg) import nothing above them, no
+    transform imports the adapter or distributed code, and the conformance kit's modules
+    import in one direction (strategies <- compare <- laws <- adapter_laws, compiled_law
+    <- check <- muonfx.testing)."""
+    bad = []
+    for where, never in _NEVER.items():
+        path = ROOT / where
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        for f in files:
+            for imp in _imports(f):
+                if any(imp == n or imp.startswith(n + ".") for n in never):
+                    bad.append(f"{f.relative_to(ROOT)} imports {imp}")
+    assert not bad, bad
 
 
 # Who imports ``torch.distributed.tensor`` while ``import muonfx`` runs: every

@@ -1,5 +1,7 @@
 """The symmetric Triton Newton-Schulz (muonfx.linalg.triton_ns), run by Triton's interpreter
-on the CPU (small shapes); tests/test_cuda.py runs it for real on a GPU.
+on the CPU (small shapes); tests/test_cuda.py runs it for real on a GPU. The kernels are
+off by default (torch's products are the rule); they run where asked for and where their
+check against torch's products passed for the shape.
 
 Triton is a dev dependency on Linux x86_64 (pyproject's ``dev`` extra), so CI runs these.
 """
@@ -25,12 +27,12 @@ SHAPES = [(2, 32, 32), (1, 20, 70), (3, 45, 17), (1, 33, 33), (2, 16, 48)]
 
 @pytest.fixture
 def interpreter(monkeypatch):
+    """Triton's interpreter, the kernels asked for, no check made yet."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("MUONFX_TRITON_NS", raising=False)
     monkeypatch.setattr(triton_ns, "_failed", False)
-    monkeypatch.setattr(triton_ns, "_verified", False)
-    monkeypatch.setattr(triton_ns, "_choices", {})
-    monkeypatch.setattr(triton_ns, "_switch", None)
+    monkeypatch.setattr(triton_ns, "_verdicts", {})
+    monkeypatch.setattr(triton_ns, "_switch", True)
     yield
 
 
@@ -143,7 +145,7 @@ def test_a_batch_handed_over_in_a_list_is_taken_out(interpreter):
         assert box == [] and torch.equal(got, fn(xb.clone(), *args))
 
 
-def test_newton_schulz_routes_16_bit_work_to_the_kernels(interpreter, monkeypatch):
+def test_newton_schulz_routes_16_bit_work_to_the_kernels_when_asked(interpreter, monkeypatch):
     calls = []
     real_std, real_gram = triton_ns.standard_sym, triton_ns.gram_sym
     monkeypatch.setattr(triton_ns, "standard_sym", lambda *a: calls.append("standard") or real_std(*a))
@@ -152,11 +154,11 @@ def test_newton_schulz_routes_16_bit_work_to_the_kernels(interpreter, monkeypatc
     square = torch.randn(2, 24, 24, generator=torch.Generator().manual_seed(4))
     wide = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(5))
     out = newton_schulz_batched(square, sched, dtype=torch.bfloat16)
-    assert calls == ["standard"] and out.dtype == torch.float32
+    assert calls == ["standard"] * 2 and out.dtype == torch.float32  # its check, then the batch
     newton_schulz_batched(wide, sched, dtype=torch.bfloat16, method="auto")  # Gram pays off at n = 4m
-    assert calls == ["standard", "gram"]
+    assert calls == ["standard"] * 2 + ["gram"] * 2
     newton_schulz_batched(square, sched, dtype=torch.float32)  # float32: torch's products
-    assert calls == ["standard", "gram"]
+    assert calls == ["standard"] * 2 + ["gram"] * 2
 
 
 def test_a_failing_launch_falls_back_once_with_a_warning(interpreter, monkeypatch, caplog):
@@ -186,7 +188,8 @@ def test_not_available_without_a_gpu_or_the_interpreter(monkeypatch):
 @pytest.mark.slow
 def test_inside_torch_compile_the_kernels_are_one_operator(interpreter, monkeypatch):
     """The compiled step calls ``torch.ops.muonfx.symmetric_newton_schulz`` (opaque to
-    inductor) once an eager call has succeeded in the process, torch's products before."""
+    inductor) for a shape whose check passed (an eager call made it), torch's products
+    before."""
     import torch._dynamo
 
     calls = []
@@ -207,17 +210,18 @@ def test_inside_torch_compile_the_kernels_are_one_operator(interpreter, monkeypa
 
     torch._dynamo.reset()
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    before = compiled(g)                                # nothing verified yet: torch's products
+    before = compiled(g)                                # nothing checked yet: torch's products
     assert calls == []
-    eager = step(g)                                     # an eager call succeeds ...
-    assert calls == [1] and triton_ns._verified
+    eager = step(g)                                     # an eager call checks the shape (and runs) ...
+    assert calls == [1, 1] and triton_ns.verdicts() == {("cpu", torch.bfloat16, 24, 24, False, None): True}
     after = compiled(g)                                 # ... and the graph (re)built takes the operator
-    assert calls == [1, 1]
+    assert calls == [1, 1, 1]
     assert torch.equal(after, eager)
     torch.testing.assert_close(before, eager, rtol=0, atol=0.05)  # bf16 products, different rounding
     # a tall batch reaches the operator as a transposed (non-contiguous) view; the
     # operator's output is contiguous, as its fake promises (opcheck tests the pair)
     tall = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(9))
+    assert triton_ns.verify(16, 40, torch.bfloat16, "cpu", None, False)
     torch.testing.assert_close(compiled(tall), step(tall), rtol=0, atol=0)
     view = (tall / tall.norm(dim=(-2, -1), keepdim=True)).bfloat16().mT
     torch.library.opcheck(torch.ops.muonfx.symmetric_newton_schulz.default, (view, flat, 0, False))
@@ -233,65 +237,64 @@ def _spy(monkeypatch) -> list:
     return calls
 
 
-def test_the_first_batch_of_a_shape_measures_the_kernels_against_torch(interpreter, monkeypatch, caplog):
-    """Where the choice is measured (on a GPU; here the interpreter stands in, with a fake
-    clock), the first batch of a shape runs both and returns the kernels' result; later
-    batches of that shape take the faster, other shapes are measured on their own."""
-    monkeypatch.setattr(triton_ns, "_measures", lambda t: True)
-    speed = {}
-    timed = []
+def test_the_kernels_are_off_by_default(monkeypatch):
+    """torch's products are the rule (measured slower on an H100 on six of seven shapes):
+    without set_enabled(True) or MUONFX_TRITON_NS=1 no kernel runs, whatever the device."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("MUONFX_TRITON_NS", raising=False)
+    monkeypatch.setattr(triton_ns, "_switch", None)
+    calls = _spy(monkeypatch)
+    g = torch.randn(2, 24, 24, generator=torch.Generator().manual_seed(10))
+    newton_schulz_batched(g, resolve("keller", 5), dtype=torch.bfloat16)
+    assert calls == [] and not triton_ns.requested()
+    assert not triton_ns.takes(g, torch.bfloat16, 3, False)
 
-    def fake_timed(fn, device):
-        fn()
-        timed.append(fn.__name__)
-        return speed[fn.__name__]
 
-    monkeypatch.setattr(triton_ns, "_timed", fake_timed)
+def test_the_first_use_of_a_shape_checks_the_kernels_against_torch(interpreter, monkeypatch, caplog):
+    """The first batch of a shape checks the kernels on a seeded random batch of that
+    shape against torch's products (no timing); a shape that passes takes the kernels
+    from then on, one whose kernels differ beyond bf16 rounding keeps torch's products,
+    with one warning; the verdicts are per shape and form, and both orientations share
+    them."""
     calls = _spy(monkeypatch)
     sched = resolve("keller", 5)
     square = torch.randn(2, 24, 24, generator=torch.Generator().manual_seed(10))
     wide = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(11))
-    with monkeypatch.context() as m:  # what each route computes
-        m.setattr(triton_ns, "_switch", True)
-        kernels = {k: newton_schulz_batched(g, sched, dtype=torch.bfloat16, method="auto") for k, g in (("sq", square), ("w", wide))}
-        m.setattr(triton_ns, "_switch", False)
-        torch_ = {k: newton_schulz_batched(g, sched, dtype=torch.bfloat16, method="auto") for k, g in (("sq", square), ("w", wide))}
+    newton_schulz_batched(square, sched, dtype=torch.bfloat16)
+    assert triton_ns.verdicts() == {("cpu", torch.bfloat16, 24, 24, False, None): True}
+    assert calls == ["standard_sym", "standard_sym"]  # the check, then the batch itself
     calls.clear()
-
-    speed.update(triton_run=2.0, torch_run=1.0)  # torch's products faster for the square shape
-    with caplog.at_level(logging.INFO, logger="muonfx"):
-        first = newton_schulz_batched(square, sched, dtype=torch.bfloat16, method="auto")
-    assert torch.equal(first, kernels["sq"]) and timed == ["triton_run", "torch_run"] * triton_ns._ROUNDS
-    assert triton_ns.choices() == {("cpu", torch.bfloat16, 24, 24, False, None): False}
-    assert any("24 x 24" in r.getMessage() and "torch's from now on" in r.getMessage() for r in caplog.records)
-    calls.clear(), timed.clear()
-    assert torch.equal(newton_schulz_batched(square, sched, dtype=torch.bfloat16, method="auto"), torch_["sq"])
-    assert calls == [] and timed == []
-    assert not triton_ns.takes(square, torch.bfloat16, 3, False)
-
-    speed.update(triton_run=1.0, torch_run=2.0)  # the kernels faster for the wide one (Gram form)
-    assert torch.equal(newton_schulz_batched(wide, sched, dtype=torch.bfloat16, method="auto"), kernels["w"])
-    assert triton_ns.choices()[("cpu", torch.bfloat16, 16, 64, True, 3)] is True
-    calls.clear(), timed.clear()
-    assert torch.equal(newton_schulz_batched(wide, sched, dtype=torch.bfloat16, method="auto"), kernels["w"])
-    assert calls == ["gram_sym"] and timed == []
-    # the tall orientation of the same matrices shares the choice
-    assert triton_ns.takes(wide.mT, torch.bfloat16, 3, True)
+    newton_schulz_batched(square, sched, dtype=torch.bfloat16)
+    assert calls == ["standard_sym"]  # checked once
+    # a kernel that computes something else for the wide shape: refused, with a warning
+    real = triton_ns.gram_sym
+    monkeypatch.setattr(triton_ns, "gram_sym", lambda x, *a: real(x, *a) * 1.5)  # (the spy records it)
+    calls.clear()
+    with caplog.at_level(logging.WARNING, logger="muonfx"):
+        got = newton_schulz_batched(wide, sched, dtype=torch.bfloat16, method="auto")
+        again = newton_schulz_batched(wide.mT, sched, dtype=torch.bfloat16, method="auto")
+    assert triton_ns.verdicts()[("cpu", torch.bfloat16, 16, 64, True, 3)] is False
+    assert calls == ["gram_sym"]  # the check only: then torch's products
+    warned = [r.getMessage() for r in caplog.records if "differs from torch's products" in r.getMessage()]
+    assert len(warned) == 1 and "16 x 64" in warned[0], warned
+    monkeypatch.setattr(triton_ns, "_switch", False)
+    assert torch.equal(got, newton_schulz_batched(wide, sched, dtype=torch.bfloat16, method="auto"))
+    assert torch.equal(again, newton_schulz_batched(wide.mT, sched, dtype=torch.bfloat16, method="auto"))
 
 
 def test_set_enabled_and_the_environment_switch_the_kernels(interpreter, monkeypatch):
     calls = _spy(monkeypatch)
     sched = resolve("keller", 5)
     g = torch.randn(2, 24, 24, generator=torch.Generator().manual_seed(12))
-    triton_ns._choices[("cpu", torch.bfloat16, 24, 24, False, None)] = False  # as if measured slower
-    monkeypatch.setattr(triton_ns, "_measures", lambda t: True)
+    triton_ns._verdicts[("cpu", torch.bfloat16, 24, 24, False, None)] = True  # as if checked
+    triton_ns.set_enabled(False)
     newton_schulz_batched(g, sched, dtype=torch.bfloat16)
     assert calls == []
-    triton_ns.set_enabled(True)  # on, whatever was measured
+    triton_ns.set_enabled(True)
     newton_schulz_batched(g, sched, dtype=torch.bfloat16)
     assert calls == ["standard_sym"]
     triton_ns.set_enabled(None)
-    for value, used in (("1", True), ("on", True), ("0", False), ("off", False), ("auto", False)):
+    for value, used in (("1", True), ("on", True), ("0", False), ("off", False), ("auto", False), ("", False)):
         calls.clear()
         monkeypatch.setenv("MUONFX_TRITON_NS", value)
         newton_schulz_batched(g, sched, dtype=torch.bfloat16)
@@ -310,15 +313,13 @@ def test_set_enabled_and_the_environment_switch_the_kernels(interpreter, monkeyp
     assert triton_ns._switch is None
 
 
-def test_inside_torch_compile_only_measured_shapes_take_the_kernels(interpreter, monkeypatch):
-    """A graph cannot measure: inside ``torch.compile`` a shape not measured yet keeps
-    torch's products; once an eager call has measured the kernels faster, the graph built
-    after it takes the operator."""
+def test_inside_torch_compile_only_checked_shapes_take_the_kernels(interpreter, monkeypatch):
+    """A graph cannot check the kernels: inside ``torch.compile`` a shape not checked yet
+    keeps torch's products; once checked (eagerly; an optimizer's plan checks its shapes
+    before its graph is traced), the graph built after it takes the operator."""
     import torch._dynamo
 
-    monkeypatch.setattr(triton_ns, "_measures", lambda t: True)
     monkeypatch.setattr(triton_ns, "available", lambda t: True)  # as on CUDA
-    monkeypatch.setattr(triton_ns, "_timed", lambda fn, device: (fn(), {"triton_run": 1.0, "torch_run": 2.0}[fn.__name__])[1])
     calls = _spy(monkeypatch)
     sched = resolve("keller", 5)
     g = torch.randn(2, 24, 24, generator=torch.Generator().manual_seed(13))
@@ -327,15 +328,29 @@ def test_inside_torch_compile_only_measured_shapes_take_the_kernels(interpreter,
         return newton_schulz_batched(t, sched, dtype=torch.bfloat16, method="standard")
 
     torch._dynamo.reset()
-    monkeypatch.setattr(triton_ns, "_verified", True)  # an eager call of another shape succeeded
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     compiled(g)
-    assert calls == [] and triton_ns.choices() == {}
-    step(g)  # eager: measures (the kernels faster here)
-    assert triton_ns.choices() == {("cpu", torch.bfloat16, 24, 24, False, None): True}
+    assert calls == [] and triton_ns.verdicts() == {}
+    assert triton_ns.verify(24, 24, torch.bfloat16, "cpu", None, False)
     torch._dynamo.reset()
     calls.clear()
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     compiled(g)
     assert calls == ["standard_sym"]
     torch._dynamo.reset()
+
+
+def test_an_optimizer_checks_its_shapes_when_its_plan_is_built(interpreter, monkeypatch):
+    """With the kernels asked for, a compiled optimizer's plan checks every matrix shape
+    of its compiled groups before the graph is traced (the settings it captured say the
+    kernels are asked for), so the graph takes them for shapes that pass."""
+    import muonfx as mfx
+    from muonfx.optim.step import plan as plan_mod
+
+    monkeypatch.setattr(triton_ns, "runs_on", lambda d: True)
+    monkeypatch.setattr(plan_mod, "COMPILE_MIN_ELEMENTS", 0)
+    w = torch.nn.Parameter(torch.randn(24, 24))
+    opt = mfx.TransformOptimizer([("w", w)], mfx.muon, ns_dtype=torch.bfloat16, ns_method="standard")
+    assert opt.plan.settings.triton and opt.plan.groups[0].path == "compiled"
+    assert triton_ns.verdicts() == {("cpu", torch.bfloat16, 24, 24, False, None): True}
+    assert "triton" in str(opt.plan)

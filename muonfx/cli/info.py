@@ -204,9 +204,18 @@ def run_info(args) -> int:
     elif importlib.util.find_spec("triton") is None:
         cuda_products = "torch's (Triton not installed)"
     else:
-        env = os.environ.get("MUONFX_TRITON_NS", "auto")
-        cuda_products = ("symmetric Triton products or torch's, whichever the first batch of each shape "
-                         f"measures faster (MUONFX_TRITON_NS={env}; 1/0 switch them on/off)")
+        from ..linalg import triton_ns
+
+        try:
+            asked = triton_ns.requested()
+        except ValueError as e:
+            asked = None
+            cuda_products = f"torch's batched products ({e})"
+        if asked is not None:
+            cuda_products = ("symmetric Triton products, asked for (MUONFX_TRITON_NS / triton_ns.set_enabled), "
+                             "each shape checked against torch's products on first use" if asked else
+                             "torch's batched products (the default; MUONFX_TRITON_NS=1 asks for the symmetric "
+                             "Triton products, checked against torch's per shape)")
     print(f"ns products CUDA: {cuda_products}")
     if args.no_bf16_check:
         print("bf16        not checked (--no-bf16-check)")

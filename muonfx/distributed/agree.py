@@ -131,7 +131,8 @@ def agreed_work(records: Sequence[Any], param_groups: Sequence[dict], group, dev
     it refuses, such as ``ns_steps=0`` or an unknown ``ns_method``). If they raised on a
     rank, it raises its error and the others :class:`RankFailed`; if a parameter has a
     gradient on some ranks only, every rank raises :class:`GradientsDiffer`. Else the
-    list of :class:`~muonfx.optim.groups.GroupWork` is returned.
+    list of :class:`~muonfx.optim.groups.GroupWork` is returned, one per group (None for a
+    group without gradients).
     """
     from ..optim.groups import gather
 
@@ -143,7 +144,7 @@ def agreed_work(records: Sequence[Any], param_groups: Sequence[dict], group, dev
             w = gather(rec, group_)
             if w is not None:
                 _check_work(rec, w)
-                work.append(w)
+            work.append(w)
     except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
         err = e
     failed, counts = _flags(err, [int(x) for x in present], group, device)
@@ -178,6 +179,7 @@ def _who_has(records, odd: list[int], present: list[bool], group, device) -> dic
 def _check_work(rec, w) -> None:
     """What can fail on one rank alone before the exchange, for one group's work."""
     from ..base import check_like, key_str
+    from ..counts import Counts
     from ..hyperparams import check_group_values
     from ..wrappers import hyperparam_values, signature
 
@@ -186,7 +188,9 @@ def _check_work(rec, w) -> None:
                if isinstance(p.default, (int, float, tuple)) and not isinstance(p.default, bool)}
     check_group_values(w.hp, numeric)
     count = getattr(rec.state, "count", 0)
-    rec.factory(**hyperparam_values(w.hp, count))  # a static setting the transform refuses raises here
+    # a static setting the transform refuses raises here (at each count its parameters are at)
+    for c in (sorted(set(count.values)) or [0]) if isinstance(count, Counts) else [count]:
+        rec.factory(**hyperparam_values(w.hp, c))
     for i, p, g in zip(w.idx, w.params, w.grads):
         key = rec.keys[i]
         check_like(key, g, p, "gradient", "the parameter")

@@ -11,7 +11,8 @@ import torch
 
 from ..base import GradientTransformation
 from ..combine import named_chain
-from ..familiar import MeaningChangedWarning, model_labels, say_once
+from ..familiar import MeaningChangedWarning, model_labels
+from ..logs import say_once
 from ..optim import TransformOptimizer
 from ..options import MuonOptions, insert_step, takes_muon_options
 from ..presets import adamw

@@ -296,28 +296,57 @@ class NewtonSchulz:
         self.schedule, self.eps, self.method, self.restart, self.accuracy = schedule, eps, method, restart, accuracy
         self.compute_dtype = dtype
 
-    def __call__(self, g: torch.Tensor) -> torch.Tensor:
-        if g.ndim != 3:
-            raise ValueError(f"newton_schulz_batched takes [N, m, n], got {tuple(g.shape)}")
-        cdtype = self.compute_dtype if self.compute_dtype is not None else ns_dtype_for(g.device, g.dtype)
-        schedule, restart = self.schedule, self.restart
+    def _choose(self, m: int, n: int, in_dtype: torch.dtype, device: torch.device) -> tuple:
+        """``(compute dtype, method, restart)`` for ``m x n`` matrices of ``in_dtype`` on
+        ``device`` (the rules of :func:`auto_method`)."""
+        cdtype = self.compute_dtype if self.compute_dtype is not None else ns_dtype_for(device, in_dtype)
+        restart = self.restart
         low = cdtype in (torch.bfloat16, torch.float16)
-        if restart is None and low:  # default_restart(cdtype), inline: this runs once per batch
+        if restart is None and low:  # default_restart(cdtype)
             restart = 3
         method = self.method
         if method == "auto":
-            # auto_method(m, n, cdtype, accuracy, device), inline: this runs once per batch
-            m, n = g.shape[-2], g.shape[-1]
             if cdtype == torch.float32 and self.accuracy == "bf16":
-                method = "spectral" if g.device.type == "cpu" and min(m, n) >= SPECTRAL_MIN_DIM else (
-                    "gram" if gram_pays_off(m, n, len(schedule.steps), restart) else "standard")
+                method = "spectral" if device.type == "cpu" and min(m, n) >= SPECTRAL_MIN_DIM else (
+                    "gram" if gram_pays_off(m, n, len(self.schedule.steps), restart) else "standard")
             else:
-                method = "gram" if low and gram_pays_off(m, n, len(schedule.steps), restart) else "standard"
+                method = "gram" if low and gram_pays_off(m, n, len(self.schedule.steps), restart) else "standard"
+        return cdtype, method, restart
+
+    def route(self, m: int, n: int, in_dtype: torch.dtype, device: "torch.device | str") -> tuple[str, str, str]:
+        """``(compute dtype, method, products)`` of a batch of ``m x n`` matrices of
+        ``in_dtype`` on ``device``, as names: what :meth:`__call__` does with it (the
+        products: torch's batched ones, or the symmetric Triton kernels where they are
+        asked for and available; their check runs on first use).
+
+        Example::
+
+            >>> import torch
+            >>> from muonfx.linalg import NewtonSchulz, resolve
+            >>> NewtonSchulz(resolve("keller", 5), dtype=torch.bfloat16, method="gram").route(256, 1024, torch.float32, "cpu")
+            ('bfloat16', 'gram', 'torch')
+        """
+        device = torch.device(device)
+        cdtype, method, restart = self._choose(m, n, in_dtype, device)
+        if method == "spectral":
+            products = "eigh"
+        elif cdtype in (torch.bfloat16, torch.float16) and triton_ns.requested() and triton_ns.runs_on(device):
+            products = "triton (checked on first use)"
+        else:
+            products = "torch"
+        return str(cdtype).removeprefix("torch."), method, products
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        if g.ndim != 3:
+            raise ValueError(f"newton_schulz_batched takes [N, m, n], got {tuple(g.shape)}")
+        schedule = self.schedule
+        cdtype, method, restart = self._choose(g.shape[-2], g.shape[-1], g.dtype, g.device)
+        low = cdtype in (torch.bfloat16, torch.float16)
         if torch.compiler.is_compiling() and g.device.type == "cpu" and not triton_ns.available(g):
-            # traced on the CPU (the executor's compiled step): normalisation, iteration and
-            # cast are one opaque operator that runs the eager code, so the compiled step
-            # computes what the eager one does, bit for bit (inductor would keep the norm
-            # in float32 and split the fused products: 1e-2 apart in bf16, not torch's)
+            # traced on the CPU (a compiled step): normalisation, iteration and cast are one
+            # opaque operator that runs the eager code, so the compiled step computes what
+            # the eager one does, bit for bit (inductor would keep the norm in float32 and
+            # split the fused products: 1e-2 apart in bf16, not torch's)
             return torch.ops.muonfx.newton_schulz(g, [float(c) for abc in schedule.steps for c in abc],
                                                   float(schedule.safety), float(self.eps), cdtype, method,
                                                   int(restart or 0))

@@ -15,20 +15,25 @@ The functions here compute exactly the iterations of :mod:`muonfx.linalg.newton_
 (same order of operations, float32 accumulation, one rounding per product); the tests
 compare them to it in bf16 on square, wide, tall, ragged and single-matrix batches.
 Triton is optional and imported lazily: :func:`available` says whether this path can run
-for a tensor. The default route (:func:`muonfx.linalg.newton_schulz_batched`) takes it for
-bf16/fp16 on CUDA when Triton is installed and :func:`takes` agrees:
+for a tensor. torch's batched products are the rule on every device: measured on an H100
+(``docs/performance.md``) the symmetric kernels were slower than cuBLAS's batched products
+on six of seven Muon shapes (up to 2.7x) and level on the seventh. The kernels run only
+when asked for:
 
-* **measured per shape** (the default): the first batch of every matrix shape (and form)
-  runs the iteration with these kernels and with torch's full products
-  (:func:`muonfx.linalg.symmetric.plain`), timed after a warm-up, and later batches of
-  that shape take the faster (:func:`choices`). The symmetric products save about a
-  quarter of the flops; whether that beats cuBLAS's better use of the GPU depends on the
-  GPU and the shape, so it is measured, not assumed;
-* **switched** with :func:`set_enabled` or ``MUONFX_TRITON_NS=1`` / ``0`` (``auto``: measured).
+* **switched on** with :func:`set_enabled` (``True``) or ``MUONFX_TRITON_NS=1``; an
+  optimizer captures the switch when its step plan is built;
+* **checked on first use per shape**: the first time a matrix shape (and form, dtype,
+  device) would take them, the kernels and torch's products each orthogonalise the same
+  seeded random batch of that shape; if the kernels' distance to the float32 iteration
+  exceeds torch's bf16 rounding (more than 1.5x torch's distance plus 2e-3), they are
+  refused for that shape with one warning on the ``muonfx`` logger and torch's products
+  are used (:func:`verdicts`). No timing decides anything.
 
 If a launch ever fails, the torch products are used for the rest of the process (with one
 warning on the ``muonfx`` logger). Inside ``torch.compile`` (the executor's compiled step)
-the kernels are one opaque operator, ``torch.ops.muonfx.symmetric_newton_schulz``.
+the kernels are one opaque operator, ``torch.ops.muonfx.symmetric_newton_schulz``, for the
+shapes checked before the graph was traced (the optimizer's plan checks them when it is
+built); other shapes keep torch's products there.
 """
 
 from __future__ import annotations
@@ -37,14 +42,13 @@ import functools
 import importlib.util
 import logging
 import os
-import time
 
 import torch
 
 from . import symmetric
 
-__all__ = ["available", "takes", "set_enabled", "choices", "orthogonalize", "sym_product", "standard_sym",
-           "gram_sym", "interpreting"]
+__all__ = ["available", "runs_on", "takes", "set_enabled", "requested", "verify", "verdicts", "orthogonalize", "sym_product",
+           "standard_sym", "gram_sym", "interpreting"]
 
 log = logging.getLogger("muonfx")
 
@@ -57,6 +61,13 @@ def interpreting() -> bool:
 _INSTALLED = importlib.util.find_spec("triton") is not None
 
 
+def runs_on(device: "torch.device | str") -> bool:
+    """Whether the kernels can run on ``device``: Triton is installed, and the device is a
+    GPU (or the CPU under the interpreter)."""
+    kind = torch.device(device).type
+    return _INSTALLED and (kind == "cuda" or kind == "cpu" and interpreting())
+
+
 def available(t: torch.Tensor) -> bool:
     """Whether the symmetric Triton products can run for ``t``: Triton is installed and
     ``t`` is on CUDA (or, outside ``torch.compile``, on the CPU under the interpreter)."""
@@ -67,23 +78,24 @@ def available(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling() and interpreting()
 
 
-#: set_enabled's switch (None: MUONFX_TRITON_NS decides, "auto" by default)
+#: set_enabled's switch (None: MUONFX_TRITON_NS decides, off by default)
 _switch: bool | None = None
-#: the measured choice per matrix shape and form (True: the Triton products); see choices()
-_choices: dict[tuple, bool] = {}
+#: per matrix shape and form, whether the kernels passed their check (see verify())
+_verdicts: dict[tuple, bool] = {}
 _ENV = "MUONFX_TRITON_NS"
 
 
 def set_enabled(enabled: bool | None) -> None:
-    """Switch the symmetric Triton products on (``True``) or off (``False``) for every
-    shape, or back to the measured choice per shape (``None``, the default). Overrides
-    ``MUONFX_TRITON_NS`` (``1``/``on``, ``0``/``off``, ``auto``).
+    """Ask for the symmetric Triton products (``True``), keep torch's (``False``), or let
+    ``MUONFX_TRITON_NS`` decide (``None``, the default: off unless it says ``1``/``on``).
+    Shapes whose check fails keep torch's products either way (:func:`verify`). An
+    optimizer reads the switch when its step plan is built.
 
     Example::
 
         >>> from muonfx.linalg import triton_ns
-        >>> triton_ns.set_enabled(False)   # torch's products everywhere
-        >>> triton_ns.set_enabled(None)    # measured per shape (the default)
+        >>> triton_ns.set_enabled(True)    # the kernels, where they pass their check
+        >>> triton_ns.set_enabled(None)    # MUONFX_TRITON_NS decides (off by default)
     """
     global _switch
     if enabled is not None and not isinstance(enabled, bool):
@@ -91,53 +103,97 @@ def set_enabled(enabled: bool | None) -> None:
     _switch = enabled
 
 
-def _mode() -> bool | None:
-    """True/False where switched on/off, None where the choice is measured per shape."""
+def requested() -> bool:
+    """Whether the kernels are asked for: :func:`set_enabled`, else ``MUONFX_TRITON_NS``
+    (``1``/``on``/``true``/``yes``: on; ``0``/``off``/``auto``/unset: off)."""
     if _switch is not None:
         return _switch
-    value = os.environ.get(_ENV, "auto").strip().lower()
-    if value in ("", "auto"):
-        return None
+    value = os.environ.get(_ENV, "").strip().lower()
+    if value in ("", "auto", "0", "off", "false", "no"):
+        return False
     if value in ("1", "on", "true", "yes"):
         return True
-    if value in ("0", "off", "false", "no"):
-        return False
-    raise ValueError(f"{_ENV}={os.environ[_ENV]!r}: use 1 (on), 0 (off) or auto (measured per shape)")
+    raise ValueError(f"{_ENV}={os.environ[_ENV]!r}: use 1 (on) or 0 (off)")
 
 
 def _key(m: int, n: int, dtype: torch.dtype, device: torch.device, restart: int | None, gram: bool) -> tuple:
     return (str(device), dtype, min(m, n), max(m, n), bool(gram), (restart or None) if gram else None)
 
 
-def _measures(t: torch.Tensor) -> bool:
-    """Whether the choice for ``t``'s shape is measured (real GPUs; the interpreter, a
-    test harness, always takes the kernels unless switched off)."""
-    return t.device.type == "cuda"
-
-
 def takes(t: torch.Tensor, dtype: torch.dtype, restart: int | None, gram: bool) -> bool:
     """Whether the Newton-Schulz of the batch ``t`` (``[B, m, n]``, either orientation),
-    computed in ``dtype``, runs with the symmetric Triton products: they are
-    :func:`available` for ``t``, not switched off, and, where the choice is measured, not
-    measured slower than torch's products for this shape and form. A shape not measured
-    yet takes them eagerly (that call measures) and not inside ``torch.compile`` (a graph
-    cannot measure; the executor's first step of every group is eager, so its compiled
-    steps find every shape measured)."""
-    if not available(t):
+    computed in ``dtype``, runs with the symmetric Triton products: they are asked for
+    (:func:`requested`), :func:`available` for ``t``, and passed their check for this
+    shape (:func:`verify`; eagerly, a shape not checked yet is checked now; inside
+    ``torch.compile`` only shapes checked before take them)."""
+    if not requested() or not available(t):
         return False
-    mode = _mode()
-    if mode is not None:
-        return mode
-    if not _measures(t):
-        return True
-    return _choices.get(_key(t.shape[-2], t.shape[-1], dtype, t.device, restart, gram),
-                        not torch.compiler.is_compiling())
+    key = _key(t.shape[-2], t.shape[-1], dtype, t.device, restart, gram)
+    verdict = _verdicts.get(key)
+    if verdict is None:
+        if torch.compiler.is_compiling():
+            return False
+        verdict = verify(t.shape[-2], t.shape[-1], dtype, t.device, restart, gram)
+    return verdict
 
 
-def choices() -> dict[tuple, bool]:
-    """The measured choices so far: ``{(device, dtype, smaller side, larger side, gram,
-    restart): True where the Triton products were the faster}`` (a copy)."""
-    return dict(_choices)
+def verdicts() -> dict[tuple, bool]:
+    """The checks made so far: ``{(device, dtype, smaller side, larger side, gram,
+    restart): True where the kernels passed}`` (a copy)."""
+    return dict(_verdicts)
+
+
+#: the check's batch: this many seeded random matrices of the shape
+_CHECK_BATCH = 2
+
+
+def verify(m: int, n: int, dtype: torch.dtype, device: torch.device | str, restart: int | None,
+           gram: bool, steps=None) -> bool:
+    """Check the kernels on an ``m x n`` shape once (cached): the standard (or Gram)
+    iteration of a seeded random batch, normalised as Newton-Schulz normalises it, with
+    the kernels and with torch's products, both in ``dtype``; each compared with the
+    iteration in float32 on the same batch. The kernels pass when their distance is at
+    most 1.5x torch's plus 2e-3 (the rounding of a 16-bit dtype); otherwise they are
+    refused for the shape, with one warning on the ``muonfx`` logger. A launch that
+    fails refuses them for the process (see :func:`orthogonalize`)."""
+    global _failed
+    device = torch.device(device)
+    key = _key(m, n, dtype, device, restart, gram)
+    if key in _verdicts:
+        return _verdicts[key]
+    if steps is None:
+        from .coefficients import resolve
+
+        steps = resolve("keller", 5).steps
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(_CHECK_BATCH, min(m, n), max(m, n), generator=gen).to(device)
+    x = x / x.norm(dim=(-2, -1), keepdim=True)
+    lo = x.to(dtype)
+    ref = symmetric.gram(x, steps, restart, symmetric.plain) if gram else symmetric.standard(x, steps, symmetric.plain)
+    try:
+        ours = gram_sym(lo, steps, restart) if gram else standard_sym(lo, steps)
+    except Exception as e:  # noqa: BLE001 - a kernel that cannot launch: torch's products from now on
+        _failed = True
+        log.warning("muonfx: the symmetric Triton Newton-Schulz failed (%s: %s); using torch's "
+                    "products from now on", type(e).__name__, e)
+        _verdicts[key] = False
+        return False
+    theirs = symmetric.gram(lo, steps, restart, symmetric.plain) if gram else symmetric.standard(lo, steps,
+                                                                                                   symmetric.plain)
+
+    def rel(a: torch.Tensor) -> float:
+        return float((a.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+    e_ours, e_torch = rel(ours), rel(theirs)
+    ok = e_ours == e_ours and e_ours <= 1.5 * e_torch + 2e-3
+    _verdicts[key] = ok
+    if not ok:
+        log.warning("muonfx: the symmetric Triton Newton-Schulz of %d x %d %s matrices (%s form) differs from "
+                    "torch's products beyond %s rounding (distance to the float32 iteration %.3g, torch's %.3g): "
+                    "torch's products are used for this shape", min(m, n), max(m, n),
+                    str(dtype).removeprefix("torch."), "Gram" if gram else "standard",
+                    str(dtype).removeprefix("torch."), e_ours, e_torch)
+    return ok
 
 
 #: the tiles autotuned on a GPU: ``(BLOCK, BLOCK_K, num_warps, num_stages)``
@@ -273,7 +329,6 @@ def gram_sym(x: "torch.Tensor | list[torch.Tensor]", steps, restart: int | None)
 
 
 _failed = False
-_verified = False
 
 
 def orthogonalize(x: "torch.Tensor | list[torch.Tensor]", steps, restart: int | None,
@@ -281,81 +336,28 @@ def orthogonalize(x: "torch.Tensor | list[torch.Tensor]", steps, restart: int | 
     """The standard (or Gram) iteration on ``x`` with the symmetric products, or None where
     the caller should use torch's products. Eagerly, ``x`` handed over in a list is taken
     out of it by the iteration, which frees it with its first new iterate (a caller that
-    gets None normalises its input again).
+    gets None normalises its input again). Call it where :func:`takes` agreed.
 
-    Eagerly, the first call for a shape measures the kernels against torch's products
-    where the choice is measured (see the module doc; :func:`takes` then follows it), and
-    the first failure of a launch is logged once (``muonfx`` logger) and every later call
-    returns None. Inside ``torch.compile`` the kernels run as one opaque
-    operator (``torch.ops.muonfx.symmetric_newton_schulz``) once an eager call has
-    succeeded in this process (the executor's measured choice runs an eager step before
-    compiling); until then the graph keeps torch's products, so a kernel that cannot
-    build on some GPU never breaks a compiled step.
+    The first failure of a launch is logged once (``muonfx`` logger) and every later call
+    returns None. Inside ``torch.compile`` the kernels run as one opaque operator
+    (``torch.ops.muonfx.symmetric_newton_schulz``).
     """
-    global _failed, _verified
+    global _failed
+    if _failed:
+        return None
     if torch.compiler.is_compiling():
-        if not _verified or _failed:
-            return None
         flat = [float(c) for abc in steps for c in abc]
         x = x.pop() if isinstance(x, list) else x
         return torch.ops.muonfx.symmetric_newton_schulz(x, flat, int(restart or 0), bool(gram))
-    if _failed:
-        return None
     held = x if isinstance(x, list) else [x]
-    key = _key(held[0].shape[-2], held[0].shape[-1], held[0].dtype, held[0].device, restart, gram)
     try:
-        if _mode() is None and _measures(held[0]) and key not in _choices:
-            out = _measure(key, held.pop(), steps, restart, gram)  # runs it twice: keeps its input
-        else:  # handed over: the iteration frees the input with its first new iterate
-            out = gram_sym(held, steps, restart) if gram else standard_sym(held, steps)
+        # handed over: the iteration frees the input with its first new iterate
+        return gram_sym(held, steps, restart) if gram else standard_sym(held, steps)
     except Exception as e:  # noqa: BLE001 - any launch/compile failure: keep training on torch's path
         _failed = True
         log.warning("muonfx: the symmetric Triton Newton-Schulz failed (%s: %s); using torch's "
                     "products from now on", type(e).__name__, e)
         return None
-    _verified = True
-    return out
-
-
-def _timed(fn, device: torch.device) -> float:
-    """Seconds ``fn()`` takes on ``device``, queued work included."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda d=None: None)
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - t0
-
-
-#: timed runs of each side in the measurement (the fastest counts)
-_ROUNDS = 2
-
-
-def _measure(key: tuple, x: torch.Tensor, steps, restart: int | None, gram: bool) -> torch.Tensor:
-    """The iteration on ``x`` with the Triton products (returned), after timing it against
-    torch's full products on the same batch; the faster is recorded for ``key``. The first
-    runs of each (Triton compiling and autotuning its kernel, cuBLAS choosing its) are not
-    timed."""
-    def triton_run() -> torch.Tensor:
-        return gram_sym(x, steps, restart) if gram else standard_sym(x, steps)
-
-    def torch_run() -> torch.Tensor:
-        return symmetric.gram(x, steps, restart, symmetric.plain) if gram else symmetric.standard(x, steps,
-                                                                                                  symmetric.plain)
-
-    out = triton_run()
-    torch_run()
-    t_triton, t_torch = [], []
-    for _ in range(_ROUNDS):
-        t_triton.append(_timed(triton_run, x.device))
-        t_torch.append(_timed(torch_run, x.device))
-    faster = min(t_triton) < min(t_torch)
-    _choices[key] = faster
-    log.info("muonfx: Newton-Schulz of %d x %d %s matrices (batch of %d, %s form): Triton's symmetric products "
-             "%.2f ms, torch's %.2f ms: %s from now on", key[2], key[3], str(x.dtype).removeprefix("torch."),
-             x.shape[0], "Gram" if gram else "standard", 1e3 * min(t_triton), 1e3 * min(t_torch),
-             "Triton's" if faster else "torch's")
-    return out
 
 
 @torch.library.custom_op("muonfx::symmetric_newton_schulz", mutates_args=())

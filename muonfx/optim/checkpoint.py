@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from ..base import key_str
-from ..state_tree import own_scalars, unflatten_per_param
+from ..counts import Counts, values_of
+from ..state_tree import flatten_per_param, unflatten_per_param
 from ..wrappers import hyperparam_values, signature
 from .groups import GroupRecord, serialisable
 
@@ -24,13 +25,9 @@ __all__ = ["torch_state", "param_groups_for_saving", "load"]
 
 def torch_state(records: list[GroupRecord], param_groups: list[dict]) -> dict[torch.Tensor, dict[str, Any]]:
     """``{parameter: {flat name: tensor | number}}`` of every group (torch's ``opt.state``)."""
-    from ..state_tree import flatten_per_param
-
     out: dict[torch.Tensor, dict[str, Any]] = {}
     for rec, group in zip(records, param_groups):
         flat = flatten_per_param(rec.state, rec.keys)
-        for k, counters in rec.own.items():  # the parameter's own step counters
-            flat[k].update(counters)
         for p, k in zip(group["params"], rec.keys):
             out[p] = flat[k]
     return out
@@ -62,8 +59,10 @@ def _check_hyperparams(gi: int, rec: GroupRecord, group: dict[str, Any]) -> None
     """``ValueError`` naming the group (and the hyperparameter) unless the group's
     hyperparameters as they would be after loading are valid (the rules of
     :mod:`muonfx.hyperparams`) and build the group's transform."""
+    count = rec.state.count
     try:
-        values = hyperparam_values(rec.hyperparams(group), rec.state.count)
+        values = hyperparam_values(rec.hyperparams(group), max(values_of(count), default=0)
+                                   if isinstance(count, Counts) else count)
     except (TypeError, ValueError) as e:
         raise ValueError(f"param group {gi}: saved {e}") from None
     try:
@@ -125,17 +124,13 @@ def load(records: list[GroupRecord], param_groups: list[dict], state_dict: dict[
                 _check_value(gi, k, v, group[k])
         flat = {k: dict(state_dict["state"].get(pid, {})) for k, pid in zip(rec.keys, ids)}
         names_map = {k: key_str(k) for k in rec.keys}
-        state = unflatten_per_param(rec.state, rec.keys, flat, names_map)
-        # counters are per parameter: those that differ from the group's (the first
-        # parameter's, which the state took) are the parameter's own
-        new_states.append((state, own_scalars(state, rec.keys, flat, names_map)))
+        new_states.append(unflatten_per_param(rec.state, rec.keys, flat, names_map))
     for gi, (rec, group, saved) in enumerate(zip(records, param_groups, saved_groups)):
         _check_hyperparams(gi, rec, {**group, **{k: v for k, v in saved.items() if k not in ("params", "param_names")}})
     # everything checked: now change things
-    for rec, group, saved, (state, own) in zip(records, param_groups, saved_groups, new_states):
+    for rec, group, saved, state in zip(records, param_groups, saved_groups, new_states):
         for k, v in saved.items():
             if k not in ("params", "param_names"):
                 group[k] = v
         hp = rec.hyperparams(group)
         rec.state = state._replace(hyperparams={n: hp[n] for n in state.hyperparams if n in hp})
-        rec.own = own

@@ -11,6 +11,7 @@ from typing import Any, Callable, Union
 import torch
 
 from ..base import GradientTransformation, Key, build, foreach, key_str, leafwise_if, leaves
+from ..linalg import precision
 from ..wrappers import InjectHyperparamsState, inject_hyperparams, signature
 
 __all__ = ["GroupRecord", "lr_multiplier", "as_factory", "factory_defaults", "check_known", "serialisable",
@@ -18,8 +19,9 @@ __all__ = ["GroupRecord", "lr_multiplier", "as_factory", "factory_defaults", "ch
 
 TxOrFactory = Union[GradientTransformation, Callable[..., GradientTransformation]]
 
-#: param-group keys that belong to the adapter, not to the transform factory
-ADAPTER_KEYS = frozenset({"params", "param_names", "name", "sparse_grad", "initial_lr"})
+#: param-group keys that belong to the adapter, not to the transform factory (``"compile"``:
+#: ``None`` for the rule, ``True``/``False``; see :mod:`muonfx.optim.step.plan`)
+ADAPTER_KEYS = frozenset({"params", "param_names", "name", "sparse_grad", "initial_lr", "compile"})
 
 
 def lr_multiplier(tx: GradientTransformation) -> Callable[..., GradientTransformation]:
@@ -115,7 +117,7 @@ def numeric_values(hp: dict[str, Any]) -> tuple:
     """The numbers (and tuples of numbers, such as ``betas``) among the hyperparameters
     ``hp``: what :func:`static_key` leaves to the injected state, and the values a
     compiled step is pinned to on a torch that specialises them (see
-    :class:`muonfx.optim.executor.Executor`).
+    :class:`muonfx.optim.step.compiled.CompiledSteps`).
 
     Example::
 
@@ -163,25 +165,24 @@ class GroupRecord:
         factory: the transform factory (hyperparameters are its keyword arguments).
         keys: the TensorDict key of every parameter of the group, in order.
         base_lr: ``lr`` at creation (other ``*_lr`` hyperparameters follow its ratio).
-        state: the transform's state (an :class:`InjectHyperparamsState`).
-        stepped: whether the group has made a step (compiled steps start after it).
+        state: the transform's state (an :class:`InjectHyperparamsState`); its counts are
+            per parameter (:class:`muonfx.counts.Counts`), so a parameter that gets no
+            gradient in a step keeps them, as torch keeps ``state[p]["step"]``.
         transforms: the group's transforms, one per set of static hyperparameters
-            (numbers live in the state, so changing lr or momentum rebuilds nothing).
-        own: the scalar state entries (step counters: ``"count"``, ``"adam.count"``)
-            of the parameters whose counters differ from ``state``'s, by flat name
-            (see :func:`muonfx.state_tree.scalars_per_param`). A parameter that gets no
-            gradient in a step does not step, counters included (torch keeps
-            ``state[p]["step"]`` per parameter); empty while every parameter has
-            made every step.
+            (numbers live in the state, so changing lr or momentum rebuilds nothing);
+            rebuilt after a copy or an unpickling.
     """
 
     factory: Callable[..., GradientTransformation]
     keys: list[Key]
     base_lr: float | None
     state: Any = None
-    stepped: bool = False
     transforms: dict[Any, GradientTransformation] = field(default_factory=dict)
-    own: dict[Key, dict[str, Any]] = field(default_factory=dict)
+
+    def __getstate__(self) -> dict:
+        # the built transforms are closures (not picklable) and are rebuilt on use
+        return {"factory": self.factory, "keys": self.keys, "base_lr": self.base_lr, "state": self.state,
+                "transforms": {}}
 
     @classmethod
     def create(cls, factory: Callable[..., GradientTransformation], names: list[str],
@@ -194,8 +195,14 @@ class GroupRecord:
         one = isinstance(lr0, (int, float)) or isinstance(lr0, torch.Tensor) and lr0.numel() == 1
         rec = cls(factory, keys, float(lr0) if one else None)  # anything else is refused by the transform
         with torch.no_grad():
-            rec.state = rec.transform(rec.hyperparams(group)).init(build(keys, list(group["params"])))
+            rec.state = rec.transform(rec.hyperparams(group), precision.pinned_ns_dtype()).init(
+                build(keys, list(group["params"])))
         return rec
+
+    @property
+    def names(self) -> list[str]:
+        """The dotted name of every parameter of the group."""
+        return [key_str(k) for k in self.keys]
 
     def hyperparams(self, group: dict[str, Any]) -> dict[str, Any]:
         """The group's hyperparameters as the transform sees them.
@@ -217,14 +224,17 @@ class GroupRecord:
                         hp[n] = v * ratio
         return hp
 
-    def transform(self, hp: dict[str, Any]) -> GradientTransformation:
-        """The injected transform for ``hp``, built once per set of static values."""
+    def transform(self, hp: dict[str, Any], pin: Any = None) -> GradientTransformation:
+        """The injected transform for ``hp``, built once per set of static values (and per
+        default Newton-Schulz dtype ``pin`` held while it is built, see
+        :class:`muonfx.optim.step.plan.Settings`)."""
         # numbers (and tuples of them, such as betas) live in the state; anything
         # else (strings, dtypes, schedules) selects the transform
-        key = static_key(hp)
+        key = (static_key(hp), pin)
         tx = self.transforms.get(key)
         if tx is None:
-            tx = self.transforms[key] = inject_hyperparams(_reuse_last(self.factory))(**hp)
+            with precision.held(pin):
+                tx = self.transforms[key] = inject_hyperparams(_reuse_last(self.factory))(**hp)
         return tx
 
     def current_state(self, hp: dict[str, Any]) -> InjectHyperparamsState:
@@ -256,8 +266,7 @@ class GroupWork:
     idx: list[int]
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
-    #: the record's ``own`` counters after this step (set by the executor's compute)
-    own: dict[Key, dict[str, Any]] | None = None
+
 
 def gather(rec: GroupRecord, group: dict[str, Any]) -> GroupWork | None:
     """The group's parameters that have gradients, with those gradients (checked: a

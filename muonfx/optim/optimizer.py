@@ -1,9 +1,8 @@
 """``TransformOptimizer``: any muonfx transform as a real ``torch.optim.Optimizer``.
 
-A thin shell: it keeps one :class:`~muonfx.optim.groups.GroupRecord` per param group,
-gathers each step's gradients, and hands the step to the
-:class:`~muonfx.optim.executor.Executor`; checkpoints go through
-:mod:`muonfx.optim.checkpoint`.
+A thin shell: it keeps one :class:`~muonfx.optim.groups.GroupRecord` per param group
+and hands each step to its :class:`~muonfx.optim.step.Runner`, which runs it by a
+:class:`~muonfx.optim.step.StepPlan`; checkpoints go through :mod:`muonfx.optim.checkpoint`.
 """
 
 from __future__ import annotations
@@ -12,11 +11,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..base import key_str
-from . import checkpoint
-from .executor import Executor
-from .groups import ADAPTER_KEYS, GroupRecord, TxOrFactory, as_factory, check_known, factory_defaults, gather
+from ..base import is_dtensor, key_str
 from ..wrappers import signature
+from . import checkpoint
+from .groups import ADAPTER_KEYS, GroupRecord, TxOrFactory, as_factory, check_known, factory_defaults
+from .step import Runner, StepPlan
+from .step.compiled import CompiledSteps
+from .step.tune import tune as _tune
 
 __all__ = ["TransformOptimizer"]
 
@@ -52,6 +53,14 @@ class TransformOptimizer(torch.optim.Optimizer):
     parameter (``"momentum.mu"``, ``"adam.nu"``, ``"count"``); it loads with
     ``torch.load(..., weights_only=True)``.
 
+    How a step runs (eager or compiled, whole or in pieces, which Newton-Schulz dtype,
+    form and products) is decided by rules, once per set of present parameters and
+    static hyperparameters, in a plan you can print (:attr:`plan`); no timing decides
+    anything, so a resumed run takes the same path. Each param group has a ``"compile"``
+    entry: ``None`` (the rule: compiled from 2^24 parameter elements,
+    :data:`muonfx.optim.step.COMPILE_MIN_ELEMENTS`), ``True`` or ``False``
+    (:meth:`compile`, :meth:`tune`, or by hand); it is saved in the ``state_dict``.
+
     Example::
 
         >>> import torch, muonfx as mfx
@@ -67,8 +76,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         self._default_factory = as_factory(tx)
         #: one record per param group (factory, keys, functional state)
         self.records: list[GroupRecord] = []
-        #: runs the steps (eager, or compiled after :meth:`compile`)
-        self.executor = Executor()
+        self._runner = Runner()
         self._dtensor_ref = None
         self._torch_state: dict | None = None
         if isinstance(params, torch.Tensor):
@@ -80,7 +88,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         # Like torch.optim's own optimizers, ``defaults`` holds every hyperparameter of
         # the default transform (OneCycleLR's cycle_momentum looks for "momentum" or
         # "betas" there), the ones given here overriding the factory's defaults.
-        super().__init__(params, {**factory_defaults(self._default_factory), **hyperparams})
+        super().__init__(params, {**factory_defaults(self._default_factory), "compile": None, **hyperparams})
 
     # ``opt.state`` is torch's per-parameter view of the functional state, built when read
     @property
@@ -120,7 +128,7 @@ class TransformOptimizer(torch.optim.Optimizer):
                     del group[name]
             start = sum(len(g["params"]) for g in self.param_groups[:-1])
             names = group.get("param_names") or [f"param{start + i}" for i in range(len(group["params"]))]
-            if any(type(p).__name__ == "DTensor" for p in group["params"]):
+            if any([is_dtensor(p) for p in group["params"]]):
                 from ..distributed import check_params
 
                 self._dtensor_ref = check_params(names, group["params"], self._dtensor_ref)
@@ -130,6 +138,8 @@ class TransformOptimizer(torch.optim.Optimizer):
             raise
         self.records.append(rec)
         self._torch_state = None
+        if hasattr(self, "_runner"):
+            self._runner.forget()
 
     def transform_state(self, group: int = 0) -> Any:
         """The functional state of a param group's transform (an InjectHyperparamsState)."""
@@ -152,47 +162,80 @@ class TransformOptimizer(torch.optim.Optimizer):
         an error on one rank raises on every rank before the step's other collectives,
         and so does a parameter with a gradient on some ranks and ``grad=None`` on others
         (:class:`~muonfx.distributed.agree.GradientsDiffer`).
+        A group too large for one piece is checked before its first
+        piece is written (:mod:`muonfx.optim.step.pieces`); only an error a transform of
+        your own raises in a later piece ends the step part-way, with
+        :class:`~muonfx.optim.PartialStepError` naming the parameters stepped.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        agreement = None
+        works = None
         if self._dtensor_ref is not None:  # ranks agree on rank-local errors before any collective
-            from ..distributed.agree import step_group
+            from ..distributed.agree import agreed_work, step_group
 
             agreement = step_group(self._dtensor_ref)
-        if agreement is None:
-            work = [w for w in map(gather, self.records, self.param_groups) if w is not None]
-        else:
-            from ..distributed.agree import agreed_work
-
-            work = agreed_work(self.records, self.param_groups, *agreement)
+            if agreement is not None:
+                works = agreed_work(self.records, self.param_groups, *agreement)
         self._torch_state = None
-        self.executor.step(work)
+        self._runner.step(self.records, self.param_groups, works)
         return loss
 
-    def compile(self, **compile_kwargs: Any) -> "TransformOptimizer":
-        """Compute each group's update with ``torch.compile`` (after its first, eager step).
+    @property
+    def plan(self) -> StepPlan:
+        """How steps run: the plan of the last step, or (before the first) of a step in
+        which every parameter has a gradient. ``print(opt.plan)`` shows each group's
+        path, pieces and settings, and what its transform does with each parameter."""
+        if self._runner.last is not None:
+            return self._runner.last
+        return self._runner.preview(self.records, self.param_groups)
 
-        The compiled update is the same pure function; the executor still commits the
-        new state and the updates only after every group has computed, so a raising
-        step changes nothing. Defaults: ``dynamic=True`` (changing lr, momentum or
-        weight decay, by hand or by a scheduler, recompiles nothing on torch 2.13, and
-        changing lr or momentum nothing on 2.10 and 2.11 either; there a change of the others
-        recompiles once and the step runs eagerly from then on, see
-        :class:`~muonfx.optim.executor.Executor`) and
-        ``fullgraph=True``. Other keywords go to ``torch.compile`` (e.g. ``backend``,
-        ``mode``). Returns ``self``.
+    def replan(self) -> None:
+        """Build the plans anew at the next step, reading the process settings again
+        (:func:`muonfx.linalg.set_default_ns_dtype`, :func:`muonfx.linalg.set_batch_bytes`,
+        :func:`muonfx.linalg.triton_ns.set_enabled`): a plan holds the settings it was
+        built with."""
+        self._runner.forget()
+        self._runner.last = None
+
+    def compile(self, **compile_kwargs: Any) -> "TransformOptimizer":
+        """Run every group's step as one ``torch.compile`` graph (its ``"compile"`` setting
+        ``True``), from the next step on.
+
+        The graph computes the same pure update, writes the new state into the old
+        buffers and adds the updates to the parameters; errors of a transform are raised
+        while it is traced, before it runs, so a raising step changes nothing. Defaults:
+        ``dynamic=True`` (changing lr, momentum or weight decay, by hand or by a
+        scheduler, recompiles nothing on torch 2.13, and changing lr or momentum nothing
+        on 2.10 and 2.11 either; there a change of the others recompiles once and the
+        group steps eagerly from then on, see :class:`~muonfx.optim.step.compiled.CompiledSteps`)
+        and ``fullgraph=True``. Other keywords go to ``torch.compile`` (e.g. ``backend``,
+        ``mode``). Where the compiler fails the group steps eagerly and the ``muonfx``
+        logger says so once. Returns ``self``.
 
         Example::
 
             >>> import torch, muonfx as mfx
             >>> model = torch.nn.Linear(4, 4)
             >>> opt = mfx.TransformOptimizer(model.named_parameters(), mfx.adamw).compile(backend="eager")
+            >>> [g["compile"] for g in opt.param_groups]
+            [True]
         """
-        self.executor.compile(**compile_kwargs)
+        self._runner.compile_kwargs = {"dynamic": True, "fullgraph": True, **compile_kwargs}
+        self._runner.compiled = CompiledSteps()
+        for group in self.param_groups:
+            group["compile"] = True
+        self.replan()
         return self
+
+    def tune(self, rounds: int = 3) -> dict[str, Any]:
+        """Time eager and compiled steps on the current gradients and keep the faster in
+        every compilable group's ``"compile"`` setting (saved in the ``state_dict``, so a
+        resumed run follows it). The parameters and the state are restored after every
+        timed step: training goes on as if ``tune`` had not run. Returns the fastest
+        times and the choice (see :func:`muonfx.optim.step.tune.tune`)."""
+        return _tune(self, rounds)
 
     # -- checkpoints ---------------------------------------------------------
 
@@ -219,5 +262,24 @@ class TransformOptimizer(torch.optim.Optimizer):
                 state_dict = result
         checkpoint.load(self.records, self.param_groups, state_dict)
         self._torch_state = None
+        self.replan()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    # -- copies ---------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy`` and ``pickle`` keep: the param groups, the records (the
+        transforms' states; built transforms and compiled graphs are rebuilt on use) and
+        the compile keywords."""
+        return {"defaults": self.defaults, "param_groups": self.param_groups, "records": self.records,
+                "_default_tx": self._default_tx, "_default_factory": self._default_factory,
+                "_dtensor_ref": self._dtensor_ref, "compile_kwargs": self._runner.compile_kwargs}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        kwargs = state.pop("compile_kwargs", None)
+        super().__setstate__(state)
+        self._torch_state = None
+        self._runner = Runner()
+        if kwargs is not None:
+            self._runner.compile_kwargs = kwargs

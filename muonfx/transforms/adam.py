@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
+from ..counts import Counts, advance, by_count, zeros
 from ..hyperparams import check, check_float_dtype
 from ._dtypes import narrow, widen
 
@@ -17,12 +18,13 @@ class ScaleByAdamState(NamedTuple):
     """State of :func:`scale_by_adam`.
 
     Attributes:
-        count: number of updates made so far (for bias correction).
+        count: updates made so far, per parameter (for bias correction): a parameter
+            left out of an update keeps its count (torch's ``state[p]["step"]``).
         mu: first-moment EMA, per parameter, zeros at init.
         nu: second-moment EMA, per parameter, zeros at init.
     """
 
-    count: int
+    count: Counts
     mu: TensorDict
     nu: TensorDict
 
@@ -37,9 +39,11 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         m <- lerp(m, g, 1 - b1);   v <- b2 * v + (1 - b2) * g * g
         out = m_hat / (sqrt(v) / sqrt(1 - b2^t) + eps),    m_hat = m / (1 - b1^t)
 
-    Defaults are torch's. ``mu_dtype`` stores both moments in that dtype; each moment's
-    arithmetic runs in the wider of it and the update's dtype (float32 moments of bf16
-    parameters accumulate in float32), the output has the update's dtype. Two
+    ``t`` is each parameter's own count (a parameter left out of an update keeps it, as
+    torch's ``state[p]["step"]``). Defaults are torch's. ``mu_dtype`` stores both moments
+    in that dtype; each moment's arithmetic runs in the wider of it and the update's dtype
+    (float32 moments of bf16 parameters accumulate in float32), the output has the
+    update's dtype. Two
     variants other libraries compute, by name:
 
     * ``nesterov=True``: NAdam as optax computes it (``optax.nadamw``, and the 1-D
@@ -65,8 +69,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
-        zeros = lambda: build(keys, [torch.zeros_like(p, dtype=mu_dtype or p.dtype) for p in ps])  # noqa: E731
-        return ScaleByAdamState(count=0, mu=zeros(), nu=zeros())
+        moments = lambda: build(keys, [torch.zeros_like(p, dtype=mu_dtype or p.dtype) for p in ps])  # noqa: E731
+        return ScaleByAdamState(count=zeros(keys), mu=moments(), nu=moments())
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
@@ -76,23 +80,33 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         # moments of bf16 gradients accumulate in float32); the output in the update's
         ms_c, gs_c, back = widen(ms, gs)
         vs_c = vs if back is None else narrow(vs, [m.dtype for m in ms_c])
-        t = state.count + 1
         new_m = foreach("lerp", ms_c, gs_c, 1.0 - b1)
         new_v = foreach("mul", vs_c, b2)
         foreach("addcmul_", new_v, gs_c, gs_c, value=1.0 - b2)  # new_v is this update's own tensor
-        # out = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps) = (sqrt(bc2) / bc1) * m / (sqrt(v) + eps * sqrt(bc2))
-        bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
         den = foreach("sqrt", new_v)
-        foreach("add_", den, eps if eps_before_bias_correction else eps * math.sqrt(bc2))
-        if nesterov:  # bc1 * m_hat = b1 * m * bc1 / (1 - b1^(t+1)) + (1 - b1) * g
-            num = foreach("mul", new_m, b1 * bc1 / (1.0 - b1 ** (t + 1)))
-            foreach("add_", num, gs_c, alpha=1.0 - b1)
-        else:
-            num = new_m
-        out = foreach("div", num, den)
-        foreach("mul_", out, math.sqrt(bc2) / bc1)
+        out = [None] * len(keys)
+        # the bias corrections of each count (one, while every parameter steps every time):
+        # out = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps) = (sqrt(bc2) / bc1) * m / (sqrt(v) + eps * sqrt(bc2))
+        for count, pos in by_count(state.count, keys, "adam state (count)"):
+            whole = len(pos) == len(keys)
+            m_, d_, g_ = (new_m, den, gs_c) if whole else ([new_m[j] for j in pos], [den[j] for j in pos], [gs_c[j] for j in pos])
+            t = count + 1
+            bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
+            foreach("add_", d_, eps if eps_before_bias_correction else eps * math.sqrt(bc2))
+            if nesterov:  # bc1 * m_hat = b1 * m * bc1 / (1 - b1^(t+1)) + (1 - b1) * g
+                num = foreach("mul", m_, b1 * bc1 / (1.0 - b1 ** (t + 1)))
+                foreach("add_", num, g_, alpha=1.0 - b1)
+            else:
+                num = m_
+            o = foreach("div", num, d_)
+            foreach("mul_", o, math.sqrt(bc2) / bc1)
+            if whole:
+                out = o
+            else:
+                for j, x in zip(pos, o):
+                    out[j] = x
         if back is not None:
             out, new_m, new_v = narrow(out, back[1]), narrow(new_m, back[0]), narrow(new_v, back[0])
-        return build(keys, out), ScaleByAdamState(t, build(keys, new_m), build(keys, new_v))
+        return build(keys, out), ScaleByAdamState(advance(state.count), build(keys, new_m), build(keys, new_v))
 
     return LeafwiseTransformation(init_fn, update_fn)

@@ -8,6 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
+from ..counts import Counts, advance, by_count, zeros
 from ..hyperparams import check, check_float_dtype
 from ._dtypes import narrow, widen
 
@@ -87,11 +88,11 @@ class BiasCorrectedMomentumState(NamedTuple):
     """State of :func:`bias_corrected_momentum`.
 
     Attributes:
-        count: number of updates made so far (for the bias correction).
+        count: updates made so far, per parameter (for the bias correction).
         mu: EMA buffer, one tensor per parameter, zeros at ``init``.
     """
 
-    count: int
+    count: Counts
     mu: TensorDict
 
 
@@ -110,8 +111,8 @@ def bias_corrected_momentum(beta: float = 0.95, nesterov: bool = True,
     corrected separately, which changes the direction, not just the size, in the first
     steps (at ``t = 1`` both forms give ``g``; from ``t = 2`` on the mix of ``m`` and
     ``g`` differs from torch's ``lerp(g, m, beta)``, and Muon steps differ by 8-60 %);
-    the difference fades as ``beta^t -> 0``. State: ``count`` and ``mu`` (``mu_dtype`` or
-    the parameter's dtype).
+    the difference fades as ``beta^t -> 0``. State: ``count`` (per parameter: one left out
+    of an update keeps its own) and ``mu`` (``mu_dtype`` or the parameter's dtype).
 
     Example::
 
@@ -127,21 +128,31 @@ def bias_corrected_momentum(beta: float = 0.95, nesterov: bool = True,
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
-        return BiasCorrectedMomentumState(0, build(keys, [torch.zeros_like(p, dtype=mu_dtype or p.dtype) for p in ps]))
+        return BiasCorrectedMomentumState(zeros(keys), build(keys, [torch.zeros_like(p, dtype=mu_dtype or p.dtype)
+                                                                     for p in ps]))
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
         ms = aligned(state.mu, keys, "bias_corrected_momentum state (mu)")
         ms_c, gs_c, back = widen(ms, gs)  # as in momentum: the buffer's arithmetic in the wider dtype
-        t = state.count + 1
         new_m = foreach("lerp", ms_c, gs_c, 1.0 - beta)
-        if nesterov:
-            out = foreach("mul", new_m, beta / (1.0 - beta ** (t + 1)))
-            foreach("add_", out, gs_c, alpha=(1.0 - beta) / (1.0 - beta**t))
-        else:
-            out = foreach("mul", new_m, 1.0 / (1.0 - beta**t))
+        out = [None] * len(keys)
+        for count, pos in by_count(state.count, keys, "bias_corrected_momentum state (count)"):
+            whole = len(pos) == len(keys)
+            m_, g_ = (new_m, gs_c) if whole else ([new_m[j] for j in pos], [gs_c[j] for j in pos])
+            t = count + 1
+            if nesterov:
+                o = foreach("mul", m_, beta / (1.0 - beta ** (t + 1)))
+                foreach("add_", o, g_, alpha=(1.0 - beta) / (1.0 - beta**t))
+            else:
+                o = foreach("mul", m_, 1.0 / (1.0 - beta**t))
+            if whole:
+                out = o
+            else:
+                for j, x in zip(pos, o):
+                    out[j] = x
         if back is not None:
             out, new_m = narrow(out, back[1]), narrow(new_m, back[0])
-        return build(keys, out), BiasCorrectedMomentumState(t, build(keys, new_m))
+        return build(keys, out), BiasCorrectedMomentumState(advance(state.count), build(keys, new_m))
 
     return LeafwiseTransformation(init_fn, update_fn)

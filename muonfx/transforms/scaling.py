@@ -6,6 +6,7 @@ import math
 from typing import NamedTuple
 
 from ..base import EmptyState, GradientTransformation, LeafwiseTransformation, build, foreach, leaves
+from ..counts import Counts, advance, by_count, common, zeros
 from ..schedules import ScalarOrSchedule, evaluate
 from ._matrix import matrix_shapes
 
@@ -39,18 +40,20 @@ class ScaleByScheduleState(NamedTuple):
     """State of :func:`scale_by_learning_rate` with a schedule.
 
     Attributes:
-        count: number of updates done so far (the schedule's argument).
+        count: updates made so far, per parameter (the schedule's argument): a parameter
+            left out of an update keeps its own.
     """
 
-    count: int
+    count: Counts
 
 
 def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     """Multiply by ``-lr`` (descent): ``out = -lr(t) * u``.
 
     ``lr`` is a float or a schedule ``step -> float`` (see :mod:`muonfx.schedules`),
-    evaluated at the number of updates already made. A schedule value that is NaN
-    or infinite raises ``ValueError``.
+    evaluated at the number of updates already made (each parameter's own count: one
+    left out of an update keeps it). A schedule value that is NaN or infinite raises
+    ``ValueError``.
 
     Example::
 
@@ -76,12 +79,20 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
         return LeafwiseTransformation(lambda params: EmptyState(), constant_fn)
 
     def init_fn(params):
-        return ScaleByScheduleState(count=0)
+        return ScaleByScheduleState(count=zeros(leaves(params, "params")[0]))
 
     def update_fn(updates, state, params=None):
-        value = evaluate("lr", lr, state.count)
         keys, us = leaves(updates)
-        return build(keys, foreach("neg_mul", us, value)), ScaleByScheduleState(state.count + 1)
+        groups = by_count(state.count, keys, "scale_by_learning_rate state (count)")
+        if len(groups) <= 1:
+            value = evaluate("lr", lr, groups[0][0] if groups else common(state.count))
+        else:  # parameters with counts of their own: each at its count
+            value = [0.0] * len(keys)
+            for count, pos in groups:
+                v = evaluate("lr", lr, count)
+                for j in pos:
+                    value[j] = v
+        return build(keys, foreach("neg_mul", us, value)), ScaleByScheduleState(advance(state.count))
 
     return LeafwiseTransformation(init_fn, update_fn)
 

@@ -1,8 +1,6 @@
 """The hypothesis strategies of :mod:`muonfx.testing` (import them from there).
 
-They live in this module of their own so that :mod:`muonfx.conformance`, which draws
-its examples with them, and :mod:`muonfx.testing`, which re-exports both, import in
-one direction: ``_strategies`` <- ``conformance`` <- ``testing``.
+They know nothing of the laws, which draw their examples with them.
 
 Every strategy keeps its examples small (sides of at most 8 to 16) so that
 property suites stay fast. Tensor values come from a drawn integer seed fed to a

@@ -1,9 +1,16 @@
 """Hypothesis strategies for testing code built on muonfx, and a conformance check.
 
-:func:`check_transform` runs muonfx's laws (purity, eager state, dtypes, zero
-gradients, the combinator laws, a ``state_dict`` round-trip, and for a transform declared
-leafwise that a split of the tree computes what the whole does) on a transform you wrote
-and raises :class:`ConformanceError`, naming the broken law with a minimal example.
+:func:`check_transform` runs muonfx's laws on a transform you wrote: the transform laws
+(purity, eager state, dtypes, zero gradients, the combinator laws, and for a transform
+declared leafwise that a split of the tree computes what the whole does), then the
+adapter laws (:class:`muonfx.TransformOptimizer` computes what the functional loop
+computes, a ``state_dict`` round-trip, a parameter without a gradient), and raises
+:class:`ConformanceError` naming the broken law with a minimal example; a broken adapter
+law is reported as the adapter's.
+
+The package's modules: :mod:`.strategies` (hypothesis strategies), :mod:`.compare`
+(tree comparisons), :mod:`.laws`, :mod:`.adapter_laws`, :mod:`.compiled_law` and
+:mod:`.check` (:func:`check_transform`).
 
 This module imports `hypothesis <https://hypothesis.readthedocs.io>`_, which is
 not a runtime dependency of muonfx: import it only from tests.
@@ -30,13 +37,12 @@ Example::
 
 from __future__ import annotations
 
-# Imports flow one way: the strategies (``_strategies``) know nothing of the
-# conformance check, the check draws its examples with them, and this module only
-# re-exports both. ``import muonfx.conformance`` therefore works as a first import.
-from ._strategies import (DEFAULT_DTYPES, as_dtensors, key_paths, keys, matrices, param_tensordicts,
-                          params_and_grads, random_tensor, seeds, shapes, sharded_params_and_grads,
-                          singular_values)
-from .conformance import COMPILED_RTOL, LAWS, OPT_IN_LAWS, ConformanceError, check_transform
+# Imports flow one way: strategies <- compare <- laws <- adapter_laws, compiled_law
+# <- check <- this module, which only re-exports.
+from .check import ADAPTER_LAW_NAMES, COMPILED_RTOL, LAWS, OPT_IN_LAWS, ConformanceError, check_transform
+from .strategies import (DEFAULT_DTYPES, as_dtensors, key_paths, keys, matrices, param_tensordicts,
+                         params_and_grads, random_tensor, seeds, shapes, sharded_params_and_grads,
+                         singular_values)
 
 __all__ = [
     "DEFAULT_DTYPES",
@@ -52,6 +58,7 @@ __all__ = [
     "as_dtensors",
     "sharded_params_and_grads",
     "LAWS",
+    "ADAPTER_LAW_NAMES",
     "OPT_IN_LAWS",
     "COMPILED_RTOL",
     "ConformanceError",

@@ -1,0 +1,298 @@
+"""The step plan: how a step runs, decided once, by rules, and shown to the user.
+
+A :class:`StepPlan` is built for a set of present parameters (those with a gradient)
+and static hyperparameters (anything but numbers: dtypes, modes, schedules), and for the
+parameters' shapes, dtypes and devices; it is kept while those stay, and replaced, never
+changed, when one changes (or on an event: a compile that fails, a tuning the user asked
+for, a compile setting of a group). The same inputs give the same plan, also after a
+resume: no timing decides anything. Per param group it holds:
+
+* the group's transform (built once per set of static hyperparameters);
+* the path: ``"compiled"`` (one ``torch.compile`` graph does the step, write-back
+  included) or ``"eager"``, by the group's ``"compile"`` setting (``True``/``False``,
+  set by :meth:`~muonfx.TransformOptimizer.compile`, :meth:`~muonfx.TransformOptimizer.tune`
+  or by hand) or, where that is ``None``, by the rule: compiled when the group holds at
+  least :data:`COMPILE_MIN_ELEMENTS` parameter elements, every parameter has a gradient,
+  none is a DTensor and they live on the CPU or a GPU; eager otherwise;
+* the pieces: a group whose present parameters hold more bytes than the batch budget
+  (:func:`muonfx.linalg.batch_bytes`) and whose transform is leafwise
+  (:func:`muonfx.leafwise`) is computed and written piece by piece (eagerly always;
+  compiled when its transform does matrix work, whose batches one graph would hold at
+  once), after a dry run on fake tensors has found every error that depends on shapes,
+  dtypes and kinds (:mod:`.dryrun`);
+* the settings read once, when the plan is built, and held for each of its steps
+  (:class:`Settings`: the default Newton-Schulz dtype, the batch budgets, the symmetric
+  Triton kernels).
+
+``print(opt.plan)`` shows all of it, parameter by parameter (where each goes, which dims
+are the matrix and which the batch, the Newton-Schulz dtype, form and products).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from ...base import GradientTransformation, Key, is_dtensor, is_leafwise
+from ...linalg import batching, precision, triton_ns
+from .dryrun import DryRun, dry_run
+from .pieces import plan_pieces
+
+__all__ = ["COMPILE_MIN_ELEMENTS", "Settings", "GroupPlan", "StepPlan"]
+
+#: a param group with at least this many parameter elements (and every parameter with a
+#: gradient, none a DTensor) is compiled unless its ``"compile"`` setting says otherwise:
+#: large enough that the one-time compilation (about a minute for GPT-2 small's AdamW on
+#: 2 CPU cores) pays for itself within a few hundred steps
+COMPILE_MIN_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The process settings a plan reads once, when it is built, and holds for each of
+    its steps: a change between steps reaches a running optimizer through its next plan
+    (a new set of present parameters, :meth:`~muonfx.TransformOptimizer.replan`).
+
+    Attributes:
+        ns_dtype: the default Newton-Schulz dtype pinned for the process
+            (:func:`muonfx.linalg.set_default_ns_dtype`, ``MUONFX_NS_DTYPE``), or None.
+        batch_bytes: ``((device type, bytes), ...)``: the batch budget of each device type
+            of the step's parameters (:func:`muonfx.linalg.set_batch_bytes`).
+        triton: whether the symmetric Triton products are asked for
+            (:func:`muonfx.linalg.triton_ns.set_enabled`, ``MUONFX_TRITON_NS``).
+    """
+
+    ns_dtype: torch.dtype | None
+    batch_bytes: tuple[tuple[str, int], ...]
+    triton: bool
+
+    @classmethod
+    def capture(cls, device_types: set[str]) -> "Settings":
+        for d in device_types:  # each device's own default, decided now (a graph cannot read /proc/cpuinfo)
+            precision.device_ns_dtype(torch.device(d))
+        return cls(precision.pinned_ns_dtype(), tuple(sorted((d, batching.batch_bytes(d)) for d in device_types)),
+                   triton_ns.requested())
+
+    def budget(self, device_type: str) -> int:
+        for d, n in self.batch_bytes:
+            if d == device_type:
+                return n
+        return batching.batch_bytes(device_type)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Inside the block the process settings are the plan's (restored after)."""
+        before = [(d, batching.set_batch_bytes(n, d)) for d, n in self.batch_bytes]
+        switch = triton_ns._switch
+        triton_ns.set_enabled(self.triton)
+        try:
+            with precision.held(self.ns_dtype):
+                yield
+        finally:
+            triton_ns.set_enabled(switch)
+            for d, n in before:
+                batching.set_batch_bytes(n, d)
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """How one param group steps.
+
+    Attributes:
+        index: the param group's index.
+        keys: the keys of the parameters that step (those with a gradient).
+        positions: their places in the param group.
+        transform: the group's transform for its static hyperparameters.
+        path: ``"compiled"`` or ``"eager"``.
+        why: the rule or setting that chose the path.
+        pieces: ``None`` (whole) or the pieces, each a tuple of places in ``keys``.
+        nbytes: the bytes of the parameters that step.
+        partial: whether some parameters of the group have no gradient.
+        devices: the device types of the parameters.
+        dtensor: whether some parameter is a DTensor.
+    """
+
+    index: int
+    keys: tuple
+    positions: tuple
+    transform: GradientTransformation = field(compare=False)
+    path: str
+    why: str
+    pieces: tuple | None
+    nbytes: int
+    partial: bool
+    devices: tuple
+    dtensor: bool
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How a step runs, group by group (see the module doc); printable."""
+
+    key: tuple
+    groups: tuple
+    settings: Settings
+    #: names and parameters of every param group (for the description)
+    sources: tuple = field(compare=False, default=())
+
+    @property
+    def compiled(self) -> tuple:
+        """The groups that run compiled."""
+        return tuple(g for g in self.groups if g.path == "compiled")
+
+    def __str__(self) -> str:
+        return describe(self)
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _view(p: torch.Tensor) -> str:
+    """The matrix view of a parameter: ``m x n``, ``E x (m x n)`` or ``m x (a*b*c)``."""
+    s = tuple(p.shape)
+    if len(s) < 2:
+        return "-"
+    if len(s) == 2:
+        return f"{s[0]} x {s[1]}"
+    if len(s) == 3:
+        return f"batch {s[0]} of {s[1]} x {s[2]}"
+    return f"{s[0]} x {'*'.join(str(d) for d in s[1:])}"
+
+
+def parameter_rows(plan: StepPlan, group: GroupPlan) -> list[list[str]]:
+    """One row per parameter of ``group``: name, shape, what its transform does with it
+    (elementwise, or the matrix view and the Newton-Schulz dtype, form and products), by
+    a dry run of the transform on that parameter alone (fake tensors, no data)."""
+    names, params = plan.sources[group.index]
+    rows = []
+    for j, pos in enumerate(group.positions):
+        p = params[pos]
+        what = "elementwise"
+        if is_dtensor(p):
+            what = f"sharded {tuple(p.placements)}"
+        else:
+            try:
+                with plan.settings.held():
+                    seen: DryRun = dry_run(group.transform, [group.keys[j]], [p], None)
+            except Exception as e:  # noqa: BLE001 - a transform that needs data to run: say so
+                seen, what = None, f"(not known without data: {type(e).__name__})"
+            if seen is not None and seen.matrices:
+                routes = sorted({m.compute(p.device) for m in seen.matrices})
+                what = f"matrix {_view(p)}: " + "; ".join(f"{d} {m}, {pr} products" for d, m, pr in routes)
+        piece = "-"
+        if group.pieces is not None:
+            piece = str(next(i for i, pc in enumerate(group.pieces) if j in pc))
+        rows.append([names[pos], str(tuple(p.shape)), str(p.dtype).removeprefix("torch."), str(p.device), piece, what])
+    return rows
+
+
+def describe(plan: StepPlan, parameters: bool = True) -> str:
+    """The plan as text: settings, one line per group, and (``parameters``) a table of
+    its parameters (:func:`parameter_rows`)."""
+    s = plan.settings
+    lines = ["muonfx step plan",
+             f"  settings: default Newton-Schulz dtype {'the device default' if s.ns_dtype is None else s.ns_dtype}, "
+             f"batch budget {', '.join(f'{d} {_fmt_bytes(n)}' for d, n in s.batch_bytes) or '-'}, "
+             f"Triton products {'asked for' if s.triton else 'off (torch products)'}"]
+    for g in plan.groups:
+        pieces = "whole" if g.pieces is None else f"{len(g.pieces)} pieces"
+        present = f"{len(g.keys)} parameters" + (" (others have no gradient)" if g.partial else "")
+        lines.append(f"  group {g.index}: {present}, {_fmt_bytes(g.nbytes)}, {g.path} ({g.why}), {pieces}")
+        if parameters and plan.sources:
+            rows = parameter_rows(plan, g)
+            widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))] if rows else []
+            for r in rows:
+                lines.append("    " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if not plan.groups:
+        lines.append("  (no parameter has a gradient)")
+    return "\n".join(lines)
+
+
+def _elements(params: list[torch.Tensor]) -> int:
+    return sum([p.numel() for p in params])
+
+
+def choose_path(index: int, setting: Any, params_all: list[torch.Tensor], partial: bool, dtensor: bool,
+                devices: tuple, failed: bool) -> tuple[str, str]:
+    """``(path, why)`` of a group by its ``"compile"`` setting and the rules (module doc)."""
+    if dtensor:
+        return "eager", "DTensor parameters run eagerly"
+    if failed:
+        return "eager", "torch.compile failed on it"
+    if any(d not in ("cpu", "cuda") for d in devices):
+        return "eager", "parameters on " + ", ".join(sorted(set(devices)))
+    if setting is True:
+        return "compiled", "compile=True"
+    if setting is False:
+        return "eager", "compile=False"
+    n = _elements(params_all)
+    if n < COMPILE_MIN_ELEMENTS:
+        return "eager", f"{n:,} elements, below {COMPILE_MIN_ELEMENTS:,}"
+    if partial:
+        return "eager", "some parameters have no gradient"
+    return "compiled", f"{n:,} elements, at least {COMPILE_MIN_ELEMENTS:,}"
+
+
+def group_plan(index: int, keys: list[Key], positions: list[int], params: list[torch.Tensor],
+               params_all: list[torch.Tensor], transform: GradientTransformation, setting: Any,
+               settings: Settings, failed: bool, check: Any) -> GroupPlan:
+    """The plan of one group (see the module doc): its path by :func:`choose_path`, its
+    pieces by :func:`plan_pieces` under the settings' budget, checked by ``check()``: the
+    dry run of the whole group (see :func:`checked`)."""
+    dtensor = any([is_dtensor(p) for p in params_all])
+    devices = tuple(sorted({p.device.type for p in params_all}))
+    partial = len(positions) != len(params_all)
+    path, why = choose_path(index, setting, params_all, partial, dtensor, devices, failed)
+    nbytes = sum([p.numel() * p.element_size() for p in params])
+    pieces = None
+    if not dtensor and is_leafwise(transform) and len(devices) == 1:
+        pieces = plan_pieces(params, settings.budget(devices[0]))
+    if pieces is not None or (path == "compiled" and settings.triton):
+        seen, error = check()
+        if isinstance(error, (ValueError, TypeError)):
+            raise error  # an error of the group's parameters: raised before anything is written
+        if seen is None and pieces is not None:  # the transform needs data to run: whole, not checked
+            pieces, why = None, f"{why}; whole: a dry run could not check it ({type(error).__name__})"
+        if seen is not None:
+            if path == "compiled" and pieces is not None and not seen.matrices:
+                pieces = None  # elementwise work alone: one graph stores it in place
+            if path == "compiled" and settings.triton:
+                _check_triton(seen, devices[0] if devices else "cpu")
+    return GroupPlan(index, tuple(keys), tuple(positions), transform, path, why, pieces, nbytes, partial, devices,
+                     dtensor)
+
+
+def checked(transform: GradientTransformation, keys: list[Key], params: list[torch.Tensor], state: Any,
+            settings: Settings) -> tuple[DryRun | None, BaseException | None]:
+    """The dry run of a whole group (every parameter, its whole state): ``(what it saw,
+    None)``, or ``(None, the error)``. The plans of every set of present parameters share
+    it (a leafwise transform's errors are each parameter's own), so a model whose present
+    parameters change from step to step (experts without tokens) runs it once."""
+    try:
+        with settings.held():
+            return dry_run(transform, keys, params, state), None
+    except Exception as e:  # noqa: BLE001 - kept and judged by group_plan
+        return None, e
+
+
+def _check_triton(seen: DryRun, device_type: str) -> None:
+    """Check the symmetric Triton kernels on the matrix shapes of a compiled group before
+    its graph is traced (a graph cannot check them: it keeps the shapes checked before)."""
+    from ...linalg.newton_schulz import NewtonSchulz
+
+    device = torch.device(device_type) if device_type != "cuda" else torch.device("cuda", torch.cuda.current_device())
+    for m in seen.matrices:
+        fn = getattr(m.fn, "ns", m.fn)
+        if not isinstance(fn, NewtonSchulz):
+            continue
+        cdtype, method, restart = fn._choose(m.rows, m.cols, m.dtype, device)
+        if cdtype in (torch.bfloat16, torch.float16) and method in ("standard", "gram") and triton_ns.runs_on(device):
+            triton_ns.verify(m.rows, m.cols, cdtype, device, restart, method == "gram", fn.schedule.steps)
+

@@ -1,0 +1,352 @@
+"""The runner: one step by its plan, computed in full before anything is written.
+
+1. **plan**: the present parameters (those with a gradient) and the static
+   hyperparameters of every group select a :class:`~.plan.StepPlan` (built once, kept
+   while they stay; :mod:`.plan`).
+2. **compute**: every eager group's pure update (its first piece, for a group in pieces)
+   is computed from its state, the state of the present parameters only where some have
+   no gradient (:func:`muonfx.tree.restrict`). Nothing is written: an error (a bad
+   hyperparameter or schedule value, a parameter the transform refuses, the transform's
+   own exception) ends the step here and changes nothing.
+3. **compiled**: the compiled groups' graph runs (it writes its groups in place); its
+   hyperparameters are checked first, and a compiler failure happens before it runs.
+4. **commit**: each eager group's new state is written into its old buffers and its
+   updates added to its parameters (:func:`.writeback.commit`); then the groups in
+   pieces write their first piece and compute and write the rest, one by one
+   (:mod:`.pieces`).
+
+The settings the plan captured (:class:`~.plan.Settings`) are held for the whole step.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+from ... import tree
+from ...base import build, key_str, td_items
+from ...counts import Counts, by_count
+from ...hyperparams import check_group_values
+from ...wrappers import hyperparam_values
+from ..groups import GroupRecord, GroupWork, gather, static_key
+from .compiled import CompiledSteps
+from .pieces import PartialStepError
+from .plan import GroupPlan, Settings, StepPlan, checked, group_plan
+from .writeback import commit
+
+__all__ = ["Runner"]
+
+
+def _updates(upd: Any, keys: tuple, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The update tensors of ``upd`` in the order of ``keys``, checked against the
+    parameters (a TensorDict, a tensor per key and no other, each of its parameter's shape)."""
+    if not isinstance(upd, TensorDictBase):
+        raise TypeError(f"the transform returned updates of type {type(upd).__name__}, not a TensorDict")
+    ks, us = td_items(upd)
+    if ks != list(keys):
+        have = dict(zip(ks, us))
+        for k in keys:
+            if not isinstance(have.get(k), torch.Tensor):
+                raise ValueError(f"the transform returned no update tensor for parameter {key_str(k)!r}")
+        if len(have) != len(keys):
+            raise ValueError("the transform returned updates for keys that are not parameters of this group")
+        us = [have[k] for k in keys]
+    if [u.shape for u in us] != [p.shape for p in params]:
+        for k, u, p in zip(keys, us, params):
+            if not isinstance(u, torch.Tensor):
+                raise ValueError(f"the transform returned no update tensor for parameter {key_str(k)!r}")
+            if u.shape != p.shape:
+                raise ValueError(f"the transform's update for parameter {key_str(k)!r} has shape "
+                                 f"{tuple(u.shape)}, the parameter {tuple(p.shape)}")
+    return us
+
+
+class _Group:
+    """One group's share of a running step: its plan, record, work and state."""
+
+    def __init__(self, plan: GroupPlan, rec: GroupRecord, work: GroupWork) -> None:
+        self.plan, self.rec, self.work = plan, rec, work
+        self.full = rec.current_state(work.hp)
+        self.state = tree.restrict(self.full, plan.keys) if plan.partial else self.full
+
+    def compute(self, positions: tuple | None = None, state: Any = None) -> tuple[list, Any]:
+        """The updates and new state of the group (or of the parameters at ``positions``
+        of its present ones, from ``state``): nothing is written."""
+        g, w = self.plan, self.work
+        if positions is None:
+            keys, grads, params, state = g.keys, w.grads, w.params, self.state
+        else:
+            keys = tuple([g.keys[j] for j in positions])
+            grads, params = [w.grads[j] for j in positions], [w.params[j] for j in positions]
+        upd, new = g.transform.update(build(keys, grads), state, build(keys, params))
+        return _updates(upd, keys, params), new
+
+    def finish(self, kept: Any) -> None:
+        """The group's state after the step: ``kept`` (of the present parameters) in it."""
+        self.rec.state = tree.merge(self.full, kept) if self.plan.partial else kept
+
+    def names(self, positions) -> list[str]:
+        return [key_str(self.plan.keys[j]) for j in positions]
+
+
+class Runner:
+    """Runs an optimizer's steps by its plans (see the module doc); owned by
+    :class:`muonfx.TransformOptimizer`.
+
+    Attributes:
+        compile_kwargs: the keywords of ``torch.compile`` for the compiled groups
+            (:meth:`muonfx.TransformOptimizer.compile`; default ``dynamic=True,
+            fullgraph=True``).
+        compiled: the compiled graphs (:class:`~.compiled.CompiledSteps`).
+        last: the plan of the last step.
+    """
+
+    #: plans kept per optimizer (the least recently used goes first)
+    PLANS = 16
+
+    def __init__(self) -> None:
+        self.compile_kwargs: dict[str, Any] = {"dynamic": True, "fullgraph": True}
+        self.compiled = CompiledSteps()
+        self.plans: OrderedDict[tuple, StepPlan] = OrderedDict()
+        self.last: StepPlan | None = None
+        #: the dry runs of whole groups, shared by their plans (see plan.checked)
+        self._checks: dict[tuple, tuple] = {}
+
+    def forget(self) -> None:
+        """Drop every plan (the next step builds a new one, reading the settings again)."""
+        self.plans.clear()
+        self._checks.clear()
+
+    # -- plans -----------------------------------------------------------------
+
+    @staticmethod
+    def key(param_groups: list[dict], works: list[GroupWork | None]) -> tuple:
+        """What selects a plan: per group with a gradient, the present positions, the
+        static hyperparameters, the ``"compile"`` setting and every parameter's shape,
+        dtype and device."""
+        out = []
+        for gi, (group, w) in enumerate(zip(param_groups, works)):
+            if w is None:
+                continue
+            sig = tuple([(p.shape, p.dtype, p.device) for p in group["params"]])
+            out.append((gi, tuple(w.idx), static_key(w.hp), group.get("compile"), id(w.record.factory), sig))
+        return tuple(out)
+
+    def plan(self, records: list[GroupRecord], param_groups: list[dict], works: list[GroupWork | None]) -> StepPlan:
+        """The plan of a step with these gradients (built, or the one kept)."""
+        key = self.key(param_groups, works)
+        plan = self.plans.get(key)
+        if plan is not None:
+            self.plans.move_to_end(key)
+            return plan
+        devices = {p.device.type for group in param_groups for p in group["params"]}
+        settings = Settings.capture(devices)
+        groups = []
+        with settings.held():
+            for gi, (rec, group, w) in enumerate(zip(records, param_groups, works)):
+                if w is None:
+                    continue
+                tx = rec.transform(w.hp, settings.ns_dtype)
+                keys = [rec.keys[i] for i in w.idx]
+                params_all = list(group["params"])
+                check_key = (gi, static_key(w.hp), tuple([(p.shape, p.dtype, p.device) for p in params_all]),
+                             settings)
+
+                def check(tx=tx, rec=rec, w=w, params_all=params_all, check_key=check_key):
+                    if check_key not in self._checks:
+                        if len(self._checks) >= 4 * self.PLANS:
+                            self._checks.clear()
+                        self._checks[check_key] = checked(tx, rec.keys, params_all, rec.current_state(w.hp),
+                                                          settings)
+                    return self._checks[check_key]
+
+                groups.append(group_plan(gi, keys, w.idx, w.params, params_all, tx, group.get("compile"),
+                                         settings, (gi, static_key(w.hp)) in self.compiled.failed, check))
+        sources = tuple((rec.names, list(group["params"])) for rec, group in zip(records, param_groups))
+        plan = StepPlan(key, tuple(groups), settings, sources)
+        self.plans[key] = plan
+        while len(self.plans) > self.PLANS:
+            self.plans.popitem(last=False)
+        return plan
+
+    def preview(self, records: list[GroupRecord], param_groups: list[dict]) -> StepPlan:
+        """The plan of a step in which every parameter has a gradient (nothing runs)."""
+        works = [GroupWork(rec, rec.hyperparams(group), list(range(len(group["params"]))), list(group["params"]),
+                           list(group["params"])) for rec, group in zip(records, param_groups)]
+        return self.plan(records, param_groups, works)
+
+    # -- a step ------------------------------------------------------------------
+
+    def step(self, records: list[GroupRecord], param_groups: list[dict], works: list | None = None) -> None:
+        """One step of every group with a gradient (see the module doc). ``works``: each
+        group's gradients already gathered and checked (:func:`muonfx.optim.groups.gather`,
+        None for a group without any), as the ranks of a DTensor step agree on them."""
+        if works is None:
+            works = [gather(rec, group) for rec, group in zip(records, param_groups)]
+        if all(w is None for w in works):
+            return
+        plan = self.plan(records, param_groups, works)
+        self.last = plan
+        with plan.settings.held():
+            if not self._run(plan, records, works, param_groups):
+                # the compiled graph did not run (the compiler failed, or this torch would
+                # recompile it): nothing was written; the step again, by the plan that steps
+                # those groups eagerly
+                self._settings_events(param_groups)
+                self.forget()
+                plan = self.last = self.plan(records, param_groups, works)
+                if not self._run(plan, records, works, param_groups):
+                    raise RuntimeError("muonfx: the eager plan of a step tried to compile it")
+
+    def _run(self, plan: StepPlan, records: list[GroupRecord], works: list, param_groups: list[dict]) -> bool:
+        """Run ``plan``; False where its compiled graph could not be built (nothing written)."""
+        groups = [_Group(g, records[g.index], works[g.index]) for g in plan.groups]
+        compiled = [x for x in groups if x.plan.path == "compiled"]
+        if compiled and is_in_torch_dispatch_mode():
+            compiled = []  # dynamo skips frames under a dispatch mode (a memory counter): eager
+        eager = [x for x in groups if not any(x is c for c in compiled)]
+        # compute: nothing is written until every eager group (the first piece of a group
+        # in pieces) has its update
+        results: dict[int, Any] = {}
+        splits: dict[int, list] = {}
+        for x in eager:
+            if x.plan.pieces is None:
+                results[x.plan.index] = x.compute()
+            else:
+                subs = splits[x.plan.index] = tree.split(x.state, [[x.plan.keys[j] for j in pc] for pc in x.plan.pieces])
+                results[x.plan.index] = x.compute(x.plan.pieces[0], subs[0])
+        written: list[tuple] = []  # (group, positions) written so far: named only for an error
+        if compiled:
+            whole = [x for x in compiled if x.plan.pieces is None]
+            for x in compiled:  # what the graphs' tracing would raise, raised now, as eagerly
+                _check_hyperparameters(x)
+            if whole and not self._compiled(whole, param_groups):
+                return False
+            written += [(x, range(len(x.plan.keys))) for x in whole]
+            for x in compiled:
+                if x.plan.pieces is not None:
+                    self._compiled_pieces(x, param_groups, written)
+        for x in eager:
+            if x.plan.pieces is None:
+                us, new = results.pop(x.plan.index)
+                with torch.no_grad():
+                    x.finish(commit(x.state, new, x.work.params, us))
+                del us, new
+                written.append((x, range(len(x.plan.keys))))
+        for x in eager:
+            if x.plan.pieces is not None:
+                # the first piece handed over in a list: the callee holds its only reference
+                # and lets it go once written (an argument passed as it is stays alive until
+                # the call returns once a PEP 523 frame hook, dynamo's, has run in the process)
+                self._eager_pieces(x, splits[x.plan.index], [results.pop(x.plan.index)], written)
+        self._settings_events(param_groups)
+        return True
+
+    def _settings_events(self, param_groups: list[dict]) -> None:
+        """Apply the compile settings the compiled graphs turned off (see CompiledSteps)."""
+        if self.compiled.off:
+            for gi in sorted(self.compiled.off):
+                param_groups[gi]["compile"] = False
+            self.compiled.off.clear()
+            self.forget()
+
+    def _compiled(self, whole: list[_Group], param_groups: list[dict]) -> bool:
+        """The compiled groups run whole, in one graph; False (nothing written) where it
+        could not be built."""
+        key = ("whole",) + tuple((x.plan.index, x.plan.positions, static_key(x.work.hp), id(x.rec.factory))
+                                 for x in whole)
+        new = self.compiled.run(key, [(x.rec.factory, list(x.plan.keys)) for x in whole], [x.work.hp for x in whole],
+                                [x.work.grads for x in whole], [x.work.params for x in whole],
+                                [x.state for x in whole], self.compile_kwargs,
+                                [(x.plan.index, x.work.hp) for x in whole])
+        if new is None:
+            return False
+        for x, st in zip(whole, new):
+            x.finish(st)
+        return True
+
+    def _compiled_pieces(self, x: _Group, param_groups: list[dict], written: list[tuple]) -> None:
+        """A compiled group in pieces: one graph per piece, each written before the next;
+        a piece whose graph cannot be built and the rest run eagerly."""
+        g = x.plan
+        subs = tree.split(x.state, [[g.keys[j] for j in pc] for pc in g.pieces])
+        kept: list = []
+        eager = False
+        for n, pc in enumerate(g.pieces):
+            keys = [g.keys[j] for j in pc]
+            grads, params = [x.work.grads[j] for j in pc], [x.work.params[j] for j in pc]
+            try:
+                new = None
+                if not eager:
+                    key = ("piece", g.index, tuple(g.positions[j] for j in pc), static_key(x.work.hp),
+                           id(x.rec.factory))
+                    out = self.compiled.run(key, [(x.rec.factory, keys)], [x.work.hp], [grads], [params], [subs[n]],
+                                            self.compile_kwargs, [(g.index, x.work.hp)])
+                    if out is None:
+                        eager = True  # this graph cannot be built: this piece on, eagerly
+                    else:
+                        new = out[0]
+                if new is None:
+                    us, state = x.compute(pc, subs[n])
+                    with torch.no_grad():
+                        new = commit(subs[n], state, params, us)
+            except Exception as e:
+                if n == 0 and not kept:
+                    raise  # nothing of this group written
+                self._partial(x, subs, kept, n, written, e)
+            kept.append(new)
+            written.append((x, pc))
+        x.finish(_merged(x.state, kept))
+
+    def _eager_pieces(self, x: _Group, subs: list, head: list, written: list[tuple]) -> None:
+        """An eager group in pieces: the first piece (computed before anything was
+        written, handed over in the list ``head``) written, then each other piece computed
+        and written."""
+        g = x.plan
+        kept: list = []
+        for n, pc in enumerate(g.pieces):
+            params = [x.work.params[j] for j in pc]
+            try:
+                us, new = head.pop() if n == 0 else x.compute(pc, subs[n])
+            except Exception as e:
+                self._partial(x, subs, kept, n, written, e)
+            with torch.no_grad():
+                kept.append(commit(subs[n], new, params, us))
+            del us, new
+            written.append((x, pc))
+        x.finish(_merged(x.state, kept))
+
+    @staticmethod
+    def _partial(x: _Group, subs: list, kept: list, n: int, written: list[tuple], e: Exception) -> None:
+        """Piece ``n`` of ``x`` raised ``e`` after earlier pieces (and groups) were written:
+        keep what was written, raise :class:`PartialStepError` naming it."""
+        if kept:
+            x.finish(_merged(x.state, kept))
+        pending = [name for pc in x.plan.pieces[n:] for name in x.names(pc)]
+        stepped = [name for y, pos in written for name in y.names(pos)]
+        raise PartialStepError(f"param group {x.plan.index}, piece {n + 1} of {len(x.plan.pieces)}: "
+                               f"{type(e).__name__}: {e}", stepped, pending) from e
+
+
+def _merged(state: Any, parts: list) -> Any:
+    """``state`` with every part (the pieces written so far) merged back."""
+    for part in parts:
+        state = tree.merge(state, part)
+    return state
+
+
+def _check_hyperparameters(x: _Group) -> None:
+    """The group's hyperparameter values, checked as its compiled graph's tracing would
+    check them (at each of the present parameters' counts), eagerly: raised before any
+    graph runs, so a step with a bad value changes nothing."""
+    hp = x.work.hp
+    check_group_values(hp)
+    count = getattr(x.state, "count", None)
+    counts = [t for t, _ in by_count(count, list(x.plan.keys))] if isinstance(count, Counts) else [0]
+    for t in counts:
+        hyperparam_values(hp, t)
+
