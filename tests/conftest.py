@@ -89,3 +89,14 @@ def pytest_configure(config):
     if getattr(config.option, "muonfx_cov", None):
         raise pytest.UsageError("--cov needs pytest-cov, which is not installed: pip install pytest-cov "
                                 "(then pytest --cov=muonfx)")
+
+
+@pytest.fixture(autouse=True)
+def _process_wide_ns_settings_restored():
+    """A test that pins the Newton-Schulz dtype process-wide (``set_default_ns_dtype``,
+    ``precision.held``) leaves the next test the settings it found."""
+    from muonfx.linalg import precision
+
+    before = (precision._override, precision._held)
+    yield
+    precision._override, precision._held = before

@@ -484,6 +484,28 @@ def test_newton_schulz_is_unchanged_bit_for_bit_where_nothing_overflows():
     assert torch.equal(newton_schulz_batched(g, sched), plain)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("huge", [False, True])
+def test_the_cpu_skips_the_guard_only_where_it_changes_no_bit(dtype, huge, monkeypatch):
+    """On the CPU a batch without an overflowing norm skips the guard's multiply and second
+    norm; the branch-free guard (what a traced or CUDA step runs) gives the same bits, for
+    plain batches and for a batch with one overflowing matrix."""
+    from muonfx.linalg.newton_schulz import _normalized
+
+    g = torch.randn(3, 16, 24, generator=torch.Generator().manual_seed(4))
+    g[2] = 0.0  # the eps floor
+    if huge:  # float16: beyond its own range (65504) for the norm, which is taken in float32
+        g[1] *= 1e25 if dtype != torch.float16 else 3000.0
+    for tall in (False, True):
+        x = g.mT.contiguous() if tall else g
+        cpu = _normalized(x, 1.0, 1e-7, dtype, tall)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        branch_free = _normalized(x, 1.0, 1e-7, dtype, tall)
+        monkeypatch.undo()
+        assert torch.equal(cpu, branch_free), (dtype, huge, tall)
+        assert torch.isfinite(cpu).all() and cpu.abs().amax(dim=(-2, -1))[:2].min() > 0
+
+
 def test_float16_newton_schulz_of_a_matrix_whose_norm_exceeds_float16s_range():
     """A float16 norm overflows at 65504 (entries of ~1000 on a 64 x 128 matrix): it is
     taken in float32, so the result is the one of the matrix 1024 times smaller (a power

@@ -36,9 +36,10 @@ HEARTBEAT_S = 10.0
 #: seconds each script took with its default arguments: ``muonfx bench`` on a 2-core AMD
 #: EPYC VM (AVX512-BF16, torch 2.13.0+cpu) shared with other jobs (load average 5-7),
 #: 2026-11-26, 49 min 51 s in all; a quiet machine takes less (``adamw_step`` alone 177 s
-#: on a quiet 2-core Intel VM). The estimate scales them by the pace of the scripts run so far.
-MEASURED_S = {"adamw_step": 361.0, "fsdp_step": 43.0, "muon_step": 1618.0, "newton_schulz": 574.0,
-              "step_memory": 396.0}
+#: on a quiet 2-core Intel VM; ``host_cost`` and ``fsdp_scale`` were timed on the AMD VM at
+#: load 0.5-1). The estimate scales them by the pace of the scripts run so far.
+MEASURED_S = {"adamw_step": 361.0, "fsdp_scale": 12.0, "fsdp_step": 43.0, "host_cost": 6.0,
+              "muon_step": 1618.0, "newton_schulz": 574.0, "step_memory": 396.0}
 
 #: lines of the profiler itself, not of the benchmark (``torch.profiler`` start and stop,
 #: and its warning about blocks allocated before it started)

@@ -406,16 +406,21 @@ def _normalized(g: torch.Tensor, safety: float, eps: float, cdtype: torch.dtype,
         x = x.mT
     wide = torch.float32 if x.dtype == torch.float16 else None
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=wide)
-    if x.dtype != torch.float64:
+    if x.dtype != torch.float64 and not (x.device.type == "cpu" and not torch.compiler.is_compiling()
+                                         and not bool(torch.isinf(norm).any())):
         # Entries of ~1e19 and more overflow a float32 (or bfloat16) sum of squares: the
         # norm is inf and the result would be zero. The polar factor does not depend on
         # the scale, so those matrices are scaled by 2**-100 (exact) first. Branch-free (no
         # device sync): one multiply and one more norm, in place of nothing; where the
-        # norm did not overflow the scale is 1 and every bit is as before.
+        # norm did not overflow the scale is 1 and every bit is as before. On the CPU (no
+        # sync to avoid, eagerly or inside the compiled step's opaque operator) a batch
+        # without an overflowing norm skips both passes: the same bits either way.
         down = torch.where(torch.isinf(norm), 2.0 ** -100, 1.0).to(x.dtype)
         x = x * down  # a new tensor: x may alias g when no cast happened
         norm = torch.where(down < 1, torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=wide), norm)
         den = norm * safety
         return x.div_(torch.where(down < 1, den, den.clamp_min(eps)))
-    # out-of-place division: x may alias g when no cast happened
-    return x / (norm * safety).clamp_min(eps)
+    den = (norm * safety).clamp_min(eps)
+    # in place where the cast made a new tensor; else out of place (x aliases g), cast back
+    # where a float16 batch's float32 norm promoted the quotient (the same rounding)
+    return x.div_(den) if g.dtype != cdtype else torch.div(x, den).to(cdtype)
