@@ -435,6 +435,46 @@ def _rewrap(local_t: torch.Tensor, like: Any) -> Any:
                                  shape=like.shape, stride=like.stride())
 
 
+#: the spec of ``t.reshape(1, a, b)`` for a 2-D DTensor ``t`` (:func:`dtensor_stack_view`), by ``t``'s mesh (held, so
+#: its ``id`` stays its own), placements, shape, strides and dtype: DTensor's own view rule
+#: runs once per distinct layout, not once per parameter and step
+_STACK_SPECS: dict[tuple, tuple[Any, Any]] = {}
+
+
+def dtensor_stack_view(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """The 2-D DTensor ``t`` (``[a, b]``) viewed as a ``[1, a, b]`` stack: its shard's view
+    wrapped with a spec that DTensor's own view rule computes once per layout (that rule
+    is many Python calls per tensor, at every step), where the view is the shard's own.
+    Call with gradients off (an optimizer step)."""
+    key = (id(t.device_mesh), t.placements, t.shape, t.stride(), t.dtype)
+    hit = _STACK_SPECS.get(key)
+    if hit is None or hit[0] is not t.device_mesh:
+        view = t.reshape(1, a, b)
+        if view._local_tensor.shape != (1, *t._local_tensor.shape):
+            return view  # a layout whose view is not the shard's own: DTensor's rule each time
+        _STACK_SPECS[key] = (t.device_mesh, view._spec)
+        return view
+    return type(t)(t._local_tensor.unsqueeze(0), hit[1], requires_grad=False)
+
+
+def unstack_like(outs: Sequence[torch.Tensor], gs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each ``[k, a, b]`` result of a matrix stack back in the shape of its ``g``; a
+    2-D DTensor's is its shard's view wrapped with ``g``'s own spec (see :func:`_rewrap`)."""
+    cls = dtensor_class()
+    if cls is None or torch.is_grad_enabled():
+        return [o if o.shape == g.shape else o.reshape(g.shape) for o, g in zip(outs, gs)]
+    res = []
+    for o, g in zip(outs, gs):
+        if o.shape == g.shape:
+            res.append(o)
+        elif isinstance(o, cls) and isinstance(g, cls) and g.ndim == 2 and \
+                o._local_tensor.shape == (1, *g._local_tensor.shape):
+            res.append(_rewrap(o._local_tensor.view(g._local_tensor.shape), g))
+        else:
+            res.append(o.reshape(g.shape))
+    return res
+
+
 def _traced_foreach(op: str, lists: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """:func:`foreach` as the compiler sees it: per-tensor ops, scalars by arithmetic.
 

@@ -46,3 +46,67 @@ def test_sharded_strategy_runs_transforms_like_plain_tensors(mesh):
             torch.testing.assert_close(u[k].full_tensor(), ref_u[k], rtol=1e-6, atol=1e-7)
 
     check()
+
+
+def _sharded(mesh, placements, n, seed=0):
+    from torch.distributed.tensor import distribute_tensor
+
+    gen = torch.Generator().manual_seed(seed)
+    named, plain = [], []
+    for i in range(n):
+        w, g = torch.randn(24, 40, generator=gen), torch.randn(24, 40, generator=gen)
+        q = torch.nn.Parameter(distribute_tensor(w.clone(), mesh, placements[i % len(placements)]))
+        q.grad = distribute_tensor(g.clone(), mesh, placements[i % len(placements)])
+        named.append((f"w{i}", q))
+        p = torch.nn.Parameter(w.clone())
+        p.grad = g.clone()
+        plain.append((f"w{i}", p))
+    return named, plain
+
+
+def test_a_dtensor_step_views_its_matrices_without_dtensors_view_rule_and_computes_the_same(mesh):
+    """2-D DTensor matrices enter and leave Newton-Schulz as views of their shards under a
+    spec computed once per layout: the step equals the one of plain tensors, every
+    parameter keeps its placements, for Shard(0), Shard(1) and Replicate()."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    named, plain = _sharded(mesh, [[Shard(0)], [Shard(1)], [Replicate()]], 6)
+    opts = [mfx.TransformOptimizer(x, mfx.muon, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
+            for x in (named, plain)]
+    for _ in range(3):
+        for o in opts:
+            o.step()
+    for (k, q), (_, p), want in zip(named, plain, [[Shard(0)], [Shard(1)], [Replicate()]] * 2):
+        assert isinstance(q, DTensor) and tuple(q.placements) == tuple(want), k
+        torch.testing.assert_close(q.full_tensor(), p.detach(), rtol=1e-6, atol=1e-7, msg=k)
+
+
+def test_a_dtensor_steps_python_calls_per_parameter_are_bounded(mesh):
+    """The Python calls a DTensor group's step adds per parameter (sys.setprofile, 20 and
+    200 matrices): 113 measured on torch 2.13 (521 when every matrix view went through
+    DTensor's own rule and every mesh comparison rebuilt the mesh tensor;
+    ``torch.optim.Muon`` on the same DTensors: 1882)."""
+    import sys
+
+    from torch.distributed.tensor import Shard
+
+    def calls(n):
+        named, _ = _sharded(mesh, [[Shard(0)]], n)
+        opt = mfx.TransformOptimizer(named, mfx.muon, lr=0.02)
+        opt.step()
+        opt.step()
+        count = [0]
+
+        def prof(frame, event, arg):
+            if event == "call":
+                count[0] += 1
+
+        sys.setprofile(prof)
+        try:
+            opt.step()
+        finally:
+            sys.setprofile(None)
+        return count[0]
+
+    per = (calls(200) - calls(20)) / 180
+    assert per <= 200, per

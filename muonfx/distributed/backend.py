@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from ..base import _rewrap
 from ..linalg.batching import batch_bytes
 from ..seam import MatrixFn, ScalarFn, compute_dtype
 from .exchange import RankProgram, rank_program, run_program
@@ -72,8 +73,7 @@ class CommStats:
 
 
 def _from_local(local: torch.Tensor, like: DTensor) -> DTensor:
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride())
+    return _rewrap(local, like)
 
 
 _GROUPS: dict[int, tuple[Any, Any, tuple[int, ...]]] = {}

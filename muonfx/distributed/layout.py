@@ -180,10 +180,15 @@ def is_slice_of(mesh, onto) -> bool:
 def largest(meshes: Sequence) -> object:
     """The mesh with the most ranks (then the most dims; then the first): the one the
     others are lifted onto (:func:`lifted`). The same on every rank."""
-    best = None
+    best, size = None, None
+    seen: set[int] = set()
     for m in meshes:
-        if best is None or (m.mesh.numel(), m.ndim) > (best.mesh.numel(), best.ndim):
-            best = m
+        if id(m) in seen:  # (``DeviceMesh.mesh`` builds a tensor each time on torch 2.13)
+            continue
+        seen.add(id(m))
+        n = (m.mesh.numel(), m.ndim)
+        if best is None or n > size:
+            best, size = m, n
     return best
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import seam
-from ..base import EmptyState, GradientTransformation, LeafwiseTransformation, build, leaves
+from ..base import EmptyState, GradientTransformation, LeafwiseTransformation, build, leaves, unstack_like
 from ..hyperparams import check, check_float_dtype
 from ..linalg import CoefficientSpec, NewtonSchulz, resolve
 from ..linalg.newton_schulz import METHODS
@@ -141,6 +141,6 @@ def newton_schulz(
         if one is None:  # leaves on several devices or of several dtypes: per batch
             run = _PerBatch(run, pinned)
         outs = seam.map_matrices(run, as_stacks(keys, gs, "newton_schulz"))
-        return build(keys, [o.reshape(g.shape) for o, g in zip(outs, gs)]), state
+        return build(keys, unstack_like(outs, gs)), state
 
     return LeafwiseTransformation(init_fn, update_fn)
