@@ -454,7 +454,12 @@ def dtensor_stack_view(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
             return view  # a layout whose view is not the shard's own: DTensor's rule each time
         _STACK_SPECS[key] = (t.device_mesh, view._spec)
         return view
-    return type(t)(t._local_tensor.unsqueeze(0), hit[1], requires_grad=False)
+    if _FAST_REWRAP[0]:
+        try:
+            return type(t)(t._local_tensor.unsqueeze(0), hit[1], requires_grad=False)
+        except TypeError:  # a torch whose DTensor constructor takes other arguments
+            _FAST_REWRAP[0] = False
+    return t.reshape(1, a, b)
 
 
 def unstack_like(outs: Sequence[torch.Tensor], gs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

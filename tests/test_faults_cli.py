@@ -538,3 +538,54 @@ def test_an_invalid_ns_dtype_variable_is_one_line_in_info_and_train(value, env, 
     monkeypatch.setenv("MUONFX_NS_DTYPE", "bf16")  # a valid one still says it overrides the default
     assert main(["info", "--no-bf16-check"]) == 0
     assert "MUONFX_NS_DTYPE=bf16 overrides it" in capsys.readouterr().out
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds torchrun's ranks through /proc (Linux)")
+def test_fsdp_kill_9_of_a_rank_leaves_the_checkpoint_whole_and_the_resume_exact(env, tmp_path):
+    """``kill -9`` of one rank (an out-of-memory kill, a lost node) while a resumed FSDP2
+    run trains toward a new checkpoint: no rank waits for the dead one, the checkpoint the
+    run started from is untouched and no partial new one is left; resumed again, the run
+    ends bit for bit where an uninterrupted FSDP2 run ends (the same ranks, the same
+    reduction order)."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "muonfx",
+           "train", "--steps", "12", "--eval-every", "3", *FAST, "--fsdp"]
+    full, ck, lost, end = (tmp_path / n for n in ("full.pt", "ck.pt", "lost.pt", "end.pt"))
+    for out, extra in (("a", ["--save", str(full)]), ("b", ["--stop-at", "3", "--save", str(ck)])):
+        proc = subprocess.run([*run, *extra, "--out", str(tmp_path / out)], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    before = ck.read_bytes()
+    p = subprocess.Popen([*run, "--resume", str(ck), "--save", str(lost), "--out", str(tmp_path / "killed")],
+                         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    lines, killed = [], None
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            if "resumed at step 3 of 12" in line:
+                ranks = _children(p.pid)
+                assert len(ranks) == 2, (ranks, "".join(lines))
+                killed = ranks[-1]
+                os.kill(killed, signal.SIGKILL)
+                break
+        lines.append(p.communicate(timeout=120)[0])  # the other rank does not wait for the dead one
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    out = "".join(lines)
+    assert killed is not None and p.returncode != 0, out
+    assert ck.read_bytes() == before and load_checkpoint(ck)["step"] == 3
+    assert not lost.exists() or load_checkpoint(lost)["step"] > 3, out  # never a partial file
+    proc = subprocess.run([*run, "--resume", str(ck), "--save", str(end), "--out", str(tmp_path / "again")],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_same_run(torch.load(full, weights_only=True), torch.load(end, weights_only=True))
