@@ -21,7 +21,7 @@ what counts is the Python work per parameter. Measured side by side in one run:
   for ``mfx.TransformOptimizer(..., mfx.muon)`` and ``torch.optim.Muon``.
 
 Targets: calls at 200 matrices <= 3x torch's; <= 10 more calls per parameter from 20 to
-200; after a missing gradient <= 1.15x the calls of before; time over 200 32 x 32
+200, for plain tensors and for DTensors; after a missing gradient <= 1.15x the calls of before; time over 200 32 x 32
 matrices <= 0.5x torch's.
 """
 
@@ -159,6 +159,8 @@ def main(argv=None) -> None:
           f"{paths['muonfx']}): muonfx {secs['muonfx'] * 1e3:.2f} ms, torch {secs['torch'] * 1e3:.2f} ms "
           f"({secs['muonfx'] / secs['torch']:.2f}x)")
     dt = dtensor_calls()
+    checks.append(("DTensor calls per extra parameter (20 -> 200) <= 10", (dt["muonfx", 200] - dt["muonfx", 20]) / 180,
+                   10.0))
     print("DTensor matrices (Shard(0), one gloo rank), 64 x 64, calls of one step:")
     print(_common.table(["", "20", "200", "per extra parameter"],
                         [[who, dt[who, 20], dt[who, 200], f"{(dt[who, 200] - dt[who, 20]) / 180:.1f}"]

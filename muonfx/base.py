@@ -420,63 +420,94 @@ def local(t: Any) -> Any:
 _FAST_REWRAP = [True]
 
 
-def _rewrap(local_t: torch.Tensor, like: Any) -> Any:
-    """``local_t`` as a DTensor placed like ``like``: with ``like``'s own spec where the
-    shard has its shape, strides and dtype (the DTensor constructor: a few calls, where
+def _dtensor_new(cls: type) -> Any:
+    """How to make a DTensor of class ``cls`` from ``(local, spec, requires_grad=...)``:
+    eagerly its ``__new__`` alone (``DTensor.__init__`` only marks the constructor for
+    export, behind wrappers that cost seven Python calls per tensor), traced the class."""
+    if torch.compiler.is_compiling():
+        return lambda c, local_t, spec, requires_grad: c(local_t, spec, requires_grad=requires_grad)
+    return cls.__new__
+
+
+def rewrap_all(locals_: Sequence[torch.Tensor], likes: Sequence[Any]) -> list[Any]:
+    """Each ``locals_[i]`` as a DTensor placed like ``likes[i]``: with that one's own spec
+    where the shard has its shape, strides and dtype (the constructor: one call, where
     ``from_local`` makes dozens), else through ``from_local``."""
-    mine = like._local_tensor
-    if _FAST_REWRAP[0] and local_t.shape == mine.shape and local_t.dtype == mine.dtype \
-            and local_t.stride() == mine.stride():
-        try:
-            return type(like)(local_t, like._spec, requires_grad=False)
-        except TypeError:  # a torch whose DTensor constructor takes other arguments
-            _FAST_REWRAP[0] = False
-    return type(like).from_local(local_t, like.device_mesh, like.placements, run_check=False,
-                                 shape=like.shape, stride=like.stride())
+    if not likes:
+        return []
+    cls = type(likes[0])
+    new = _dtensor_new(cls) if _FAST_REWRAP[0] else None
+    out = []
+    for loc, like in zip(locals_, likes):
+        mine = like._local_tensor
+        if new is not None and type(like) is cls and loc.shape == mine.shape and loc.dtype == mine.dtype \
+                and loc.stride() == mine.stride():
+            try:
+                out.append(new(cls, loc, like._spec, requires_grad=False))
+                continue
+            except TypeError:  # a torch whose DTensor constructor takes other arguments
+                _FAST_REWRAP[0] = False
+                new = None
+        out.append(type(like).from_local(loc, like.device_mesh, like.placements, run_check=False,
+                                         shape=like.shape, stride=like.stride()))
+    return out
 
 
-#: the spec of ``t.reshape(1, a, b)`` for a 2-D DTensor ``t`` (:func:`dtensor_stack_view`), by ``t``'s mesh (held, so
-#: its ``id`` stays its own), placements, shape, strides and dtype: DTensor's own view rule
+#: the spec of ``t.reshape(1, a, b)`` for a 2-D DTensor ``t`` (:func:`dtensor_stack_views`), by
+#: ``t``'s mesh (held, so its ``id`` stays its own), placements, shape, strides and dtype: DTensor's own view rule
 #: runs once per distinct layout, not once per parameter and step
 _STACK_SPECS: dict[tuple, tuple[Any, Any]] = {}
 
 
-def dtensor_stack_view(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    """The 2-D DTensor ``t`` (``[a, b]``) viewed as a ``[1, a, b]`` stack: its shard's view
-    wrapped with a spec that DTensor's own view rule computes once per layout (that rule
-    is many Python calls per tensor, at every step), where the view is the shard's own.
-    Call with gradients off (an optimizer step)."""
-    key = (id(t.device_mesh), t.placements, t.shape, t.stride(), t.dtype)
-    hit = _STACK_SPECS.get(key)
-    if hit is None or hit[0] is not t.device_mesh:
-        view = t.reshape(1, a, b)
-        if view._local_tensor.shape != (1, *t._local_tensor.shape):
-            return view  # a layout whose view is not the shard's own: DTensor's rule each time
-        _STACK_SPECS[key] = (t.device_mesh, view._spec)
-        return view
-    if _FAST_REWRAP[0]:
-        try:
-            return type(t)(t._local_tensor.unsqueeze(0), hit[1], requires_grad=False)
-        except TypeError:  # a torch whose DTensor constructor takes other arguments
-            _FAST_REWRAP[0] = False
-    return t.reshape(1, a, b)
+def dtensor_stack_views(ts: Sequence[torch.Tensor], dims: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+    """Each 2-D DTensor ``ts[i]`` (``dims[i]`` = ``(a, b)``) viewed as a ``[1, a, b]``
+    stack: its shard's view wrapped with a spec that DTensor's own view rule computes once
+    per layout (that rule is many Python calls per tensor, at every step), where the view
+    is the shard's own. Call with gradients off (an optimizer step)."""
+    out = []
+    new = _dtensor_new(type(ts[0])) if ts and _FAST_REWRAP[0] else None
+    for t, (a, b) in zip(ts, dims):
+        spec = t._spec
+        key = (id(spec.mesh), spec.placements, t.shape, t.stride(), t.dtype)
+        hit = _STACK_SPECS.get(key)
+        if hit is None or hit[0] is not spec.mesh:
+            view = t.reshape(1, a, b)
+            if view._local_tensor.shape == (1, *t._local_tensor.shape):
+                _STACK_SPECS[key] = (spec.mesh, view._spec)
+            # else: a layout whose view is not the shard's own: DTensor's rule each time
+            out.append(view)
+            continue
+        if new is not None:
+            try:
+                out.append(new(type(t), t._local_tensor.unsqueeze(0), hit[1], requires_grad=False))
+                continue
+            except TypeError:  # a torch whose DTensor constructor takes other arguments
+                _FAST_REWRAP[0] = False
+                new = None
+        out.append(t.reshape(1, a, b))
+    return out
 
 
 def unstack_like(outs: Sequence[torch.Tensor], gs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Each ``[k, a, b]`` result of a matrix stack back in the shape of its ``g``; a
-    2-D DTensor's is its shard's view wrapped with ``g``'s own spec (see :func:`_rewrap`)."""
+    2-D DTensor's is its shard's view wrapped with ``g``'s own spec (see :func:`rewrap_all`)."""
     cls = dtensor_class()
     if cls is None or torch.is_grad_enabled():
         return [o if o.shape == g.shape else o.reshape(g.shape) for o, g in zip(outs, gs)]
-    res = []
+    res: list = []
+    fast = []  # (position, shard view, g): rewrapped together
     for o, g in zip(outs, gs):
         if o.shape == g.shape:
             res.append(o)
         elif isinstance(o, cls) and isinstance(g, cls) and g.ndim == 2 and \
                 o._local_tensor.shape == (1, *g._local_tensor.shape):
-            res.append(_rewrap(o._local_tensor.view(g._local_tensor.shape), g))
+            fast.append((len(res), o._local_tensor.view(g._local_tensor.shape), g))
+            res.append(None)
         else:
             res.append(o.reshape(g.shape))
+    if fast:
+        for (i, _, _), r in zip(fast, rewrap_all([f[1] for f in fast], [f[2] for f in fast])):
+            res[i] = r
     return res
 
 
@@ -574,11 +605,16 @@ def foreach(op: str, *lists: Sequence[Any], **kwargs: Any) -> list[torch.Tensor]
         idx = [i for i in range(n) if dt[i] is want]
         if not idx:
             continue
-        sub = [[local(lst[i]) for i in idx] if isinstance(lst, (list, tuple)) else lst for lst in lists]
+        if want and not torch.is_grad_enabled():  # the shards themselves (local() inline)
+            sub = [[lst[i]._local_tensor if isinstance(lst[i], cls) else lst[i] for i in idx]
+                   if isinstance(lst, (list, tuple)) else lst for lst in lists]
+        else:
+            sub = [[local(lst[i]) for i in idx] if isinstance(lst, (list, tuple)) else lst for lst in lists]
         res = fn(*sub, **kwargs)
         if not inplace:
+            res = rewrap_all(res, [first[i] for i in idx]) if want else res
             for i, r in zip(idx, res):
-                out[i] = _rewrap(r, first[i]) if want else r
+                out[i] = r
     return out
 
 

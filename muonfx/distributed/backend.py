@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..base import _rewrap
+from ..base import rewrap_all
 from ..linalg.batching import batch_bytes
 from ..seam import MatrixFn, ScalarFn, compute_dtype
 from .exchange import RankProgram, rank_program, run_program
@@ -70,10 +70,6 @@ class CommStats:
         self.collectives = self.buckets = self.reductions = self.plans = self.matrices_orthogonalized = 0
         self.wait_seconds = 0.0
         self.shapes = []
-
-
-def _from_local(local: torch.Tensor, like: DTensor) -> DTensor:
-    return _rewrap(local, like)
 
 
 _GROUPS: dict[int, tuple[Any, Any, tuple[int, ...]]] = {}
@@ -128,16 +124,26 @@ class DTensorBackend:
         # of first appearance (the same on every rank: the stacks are)
         jobs: dict[tuple, list[int]] = {}
         views = []
-        onto = largest([s.device_mesh for s in stacks])
+        onto = largest([s._spec.mesh for s in stacks])
+        # per distinct layout (mesh, placements) and per (dtype, device, matrix shape), not per stack
+        layouts: dict[tuple, tuple] = {}
+        dtypes: dict[tuple, torch.dtype] = {}
         for i, s in enumerate(stacks):
-            if any(p.is_partial() for p in s.placements):
-                raise ValueError(f"map_matrices: Partial placements {s.placements} cannot be orthogonalised; "
-                                 "reduce them first")
-            mesh, keys = lifted(s.device_mesh, s.placements, onto)
-            views.append((mesh, keys))
+            spec = s._spec
+            lay = layouts.get((id(spec.mesh), spec.placements))
+            if lay is None:
+                if any(p.is_partial() for p in spec.placements):
+                    raise ValueError(f"map_matrices: Partial placements {spec.placements} cannot be orthogonalised; "
+                                     "reduce them first")
+                mesh, keys = lifted(spec.mesh, spec.placements, onto)
+                lay = layouts[id(spec.mesh), spec.placements] = (mesh, keys, id(mesh_group(mesh)[0]))
+            views.append(lay[:2])
             # sent both ways in the dtype fn computes in where it is narrower (seam.compute_dtype:
             # bf16 Newton-Schulz on float32 shards sends half the bytes, same results)
-            jobs.setdefault((id(mesh_group(mesh)[0]), compute_dtype(fn, s)), []).append(i)
+            dt = dtypes.get((s.dtype, s.device, s.shape[1:]))
+            if dt is None:
+                dt = dtypes[s.dtype, s.device, s.shape[1:]] = compute_dtype(fn, s)
+            jobs.setdefault((lay[2], dt), []).append(i)
         out: list[torch.Tensor | None] = [None] * len(stacks)
         for (_, dtype), idx in jobs.items():
             sub = [stacks[i] for i in idx]
@@ -188,7 +194,7 @@ class DTensorBackend:
     def _map(self, fn: MatrixFn, stacks: Sequence[DTensor], views: Sequence[tuple], dtype: torch.dtype
              ) -> list[DTensor]:
         plan, prog, group = self.planned(stacks, views, dtype)
-        locals_ = [s.to_local() for s in stacks]
+        locals_ = [s._local_tensor for s in stacks] if not torch.is_grad_enabled() else [s.to_local() for s in stacks]
         outs = [torch.empty_like(loc) for loc in locals_]
         stats = self.stats
 
@@ -199,7 +205,7 @@ class DTensorBackend:
 
         run_program(prog, fn, locals_, outs, dtype, group, stats, wait, comm_device(views[0][0]))
         self.stats.buckets += plan.buckets
-        return [_from_local(o, s) for o, s in zip(outs, stacks)]
+        return rewrap_all(outs, stacks)
 
     # -- global reductions ----------------------------------------------------
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ..base import Key, dtensor_class, dtensor_stack_view, key_str
+from ..base import Key, dtensor_class, dtensor_stack_views, key_str
 
 
 def _require_matrix(key: Key, t: torch.Tensor, who: str) -> None:
@@ -61,14 +61,19 @@ def matrix_shapes(keys: list[Key], ts: list[torch.Tensor], who: str) -> list[tup
 
 def as_stacks(keys: list[Key], ts: list[torch.Tensor], who: str) -> list[torch.Tensor]:
     """Every leaf viewed as a ``[k, A, B]`` stack (see :func:`as_stack`), in one call."""
-    out = []
+    out: list = []
     cls = dtensor_class()
-    fast = cls is not None and not torch.is_grad_enabled()  # 2-D DTensors: dtensor_stack_view
+    fast = cls is not None and not torch.is_grad_enabled()  # 2-D DTensors: dtensor_stack_views
+    views: list = []  # (position, tensor, (a, b))
     for (a, b), t in zip(matrix_shapes(keys, ts, who), ts):
         if t.ndim == 3:
             out.append(t)
         elif fast and t.ndim == 2 and isinstance(t, cls):
-            out.append(dtensor_stack_view(t, a, b))
+            views.append((len(out), t, (a, b)))
+            out.append(None)
         else:
             out.append(t.reshape(1, a, b))
+    if views:
+        for (i, _, _), v in zip(views, dtensor_stack_views([v[1] for v in views], [v[2] for v in views])):
+            out[i] = v
     return out

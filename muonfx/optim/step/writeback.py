@@ -124,7 +124,11 @@ def commit(old: Any, new: Any, params: list[torch.Tensor] = (), updates: list[to
     if dst:
         cls = dtensor_class()
         if cls is not None and any([isinstance(t, cls) for t in dst]):
-            dst, src = [local(t) for t in dst], [local(t) for t in src]
+            if torch.is_grad_enabled():
+                dst, src = [local(t) for t in dst], [local(t) for t in src]
+            else:  # the shards themselves, inline
+                dst = [t._local_tensor if isinstance(t, cls) else t for t in dst]
+                src = [t._local_tensor if isinstance(t, cls) else t for t in src]
         torch._foreach_copy_(dst, src)
     if us:
         foreach("add_", list(params), us)
