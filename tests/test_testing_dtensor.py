@@ -83,11 +83,10 @@ def test_a_dtensor_step_views_its_matrices_without_dtensors_view_rule_and_comput
 
 def test_a_dtensor_steps_python_calls_per_parameter_are_bounded(mesh):
     """The Python calls a DTensor group's step adds per parameter (sys.setprofile, 20 and
-    200 matrices): 7 measured on torch 2.13 (521 when every matrix view went through
-    DTensor's own rule, every mesh comparison rebuilt the mesh tensor and every result
-    went through DTensor's decorated constructor; ``torch.optim.Muon`` on the same
-    DTensors: 1882). The bound leaves room for torch versions whose DTensor constructor
-    is itself decorated (2.10, 2.11: about seven calls more per DTensor made)."""
+    200 matrices): 7 measured on torch 2.10 and 2.13 (521 when every matrix view went
+    through DTensor's own rule, every mesh comparison rebuilt the mesh tensor and every
+    result went through DTensor's decorated constructor; ``torch.optim.Muon`` on the same
+    DTensors: 1,683 on 2.10, 1,882 on 2.13)."""
     import sys
 
     from torch.distributed.tensor import Shard
@@ -111,4 +110,4 @@ def test_a_dtensor_steps_python_calls_per_parameter_are_bounded(mesh):
         return count[0]
 
     per = (calls(200) - calls(20)) / 180
-    assert per <= 60, per
+    assert per <= 20, per
