@@ -558,6 +558,9 @@ def test_where_torch_miscompiles_min_max_only_muonfxs_schedules_are_traced(monke
     compiled."""
     import logging
 
+    import muonfx.logs
+
+    monkeypatch.setattr(muonfx.logs, "_said", set())  # said at WARNING even if said before in the process
     monkeypatch.setattr(mfx.schedules, "FLOAT_MIN_MAX_MISCOMPILED", True)
     assert mfx.schedules.traceable(mfx.schedules.warmup_cosine_decay(0.0, 1.0, 3, 20))
     assert mfx.schedules.traceable(mfx.momentum_warmup())
