@@ -4,6 +4,7 @@ between steps recompiles nothing (dynamic=True makes them symbolic)."""
 from typing import NamedTuple
 
 import pytest
+import tensordict
 import torch
 import torch._dynamo
 import torch._dynamo.testing
@@ -227,12 +228,11 @@ def test_inductor_does_not_recompile_when_lr_momentum_or_weight_decay_change(fac
             after_first = counter.frame_count
     assert after_first >= 1
     if opt.param_groups[0]["compile"] is False:
-        # torch 2.10 / 2.11 specialise Adam's betas and eps: one recompilation, detected,
-        # then the step runs eagerly (tests/test_compile.py::test_a_torch_that_specialises...)
+        # torch 2.10 / 2.11 specialise Adam's betas and eps: step 1's new values recompiled
+        # once (counted in after_first), which was detected, and every later step ran
+        # eagerly (tests/test_compile.py::test_a_torch_that_specialises...)
         assert factory is mfx.adamw and torch.__version__ < "2.13", "only Adam's betas/eps specialise, on 2.10/2.11"
-        assert counter.frame_count == after_first + 1, f"recompiled: {after_first} -> {counter.frame_count} frames"
-    else:
-        assert counter.frame_count == after_first, f"recompiled: {after_first} -> {counter.frame_count} frames"
+    assert counter.frame_count == after_first, f"recompiled: {after_first} -> {counter.frame_count} frames"
     for (n, a), (_, b) in zip(params(ref), params(named)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
@@ -407,7 +407,10 @@ def test_every_in_graph_schedule_compiles_into_the_step(name):
     opt, named, ref = _lockstep(make, 7, 18)
     assert not _fell_back(opt) and opt.param_groups[0]["compile"] is True
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert 1 <= graphs <= 1 + (2 if name == "join" else 1 if name == "warmup_cosine_decay" else 0), graphs
+    # tensordict before 0.15 (what pip pairs with torch 2.10) guards the step's graph on the
+    # length of its tensorclass memo, which grows once between steps: one graph more
+    memo = 1 if tuple(int(v) for v in tensordict.__version__.split(".")[:2]) < (0, 15) else 0
+    assert 1 <= graphs <= 1 + memo + (2 if name == "join" else 1 if name == "warmup_cosine_decay" else 0), graphs
     for (n, a), (_, b) in zip(ref, named):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
