@@ -27,11 +27,11 @@ Example::
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 Key = tuple[str, ...]
 
-__all__ = ["Counts", "zeros", "of", "by_count", "common", "advance", "from_values", "values_of"]
+__all__ = ["Counts", "zeros", "of", "by_count", "per_count", "common", "advance", "from_values", "values_of"]
 
 
 class Counts(NamedTuple):
@@ -149,6 +149,27 @@ def by_count(c: Counts, keys: Sequence[Key], what: str = "counts") -> list[tuple
             where.setdefault(ord(ch), []).append(j)
         return [(c.values[i], js) for i, js in where.items()]
     return by_count(from_values(keys, of(c, keys, what)), keys)
+
+
+def per_count(c: Counts, keys: Sequence[Key], what: str, fn: Any, *lists: Sequence[Any]) -> list:
+    """``fn(count, *subsets)`` once per distinct count, on the entries of ``lists`` (each
+    aligned with ``keys``) at that count's positions; its results put back in ``keys``'
+    order. One call on the whole lists while every parameter has the same count.
+
+    Example::
+
+        >>> c = from_values([("a",), ("b",)], [3, 5])
+        >>> per_count(c, [("a",), ("b",)], "counts", lambda t, xs: [x * t for x in xs], [1.0, 1.0])
+        [3.0, 5.0]
+    """
+    groups = by_count(c, keys, what)
+    if len(groups) == 1:
+        return list(fn(groups[0][0], *lists))
+    out: list = [None] * len(keys)
+    for count, pos in groups:
+        for j, x in zip(pos, fn(count, *[[lst[j] for j in pos] for lst in lists])):
+            out[j] = x
+    return out
 
 
 def advance(c: Counts, by: int = 1) -> Counts:

@@ -56,3 +56,19 @@ def sweep(values, keep, ids=None):
     unknown = set(keep) - set(ids)
     assert not unknown, f"sweep: keep names no value: {sorted(unknown)}"
     return [pytest.param(v, id=i, marks=() if i in keep else pytest.mark.slow) for v, i in zip(values, ids)]
+
+
+def resumed(model, opt, fresh, make_opt):
+    """``fresh`` and a new optimizer (``make_opt(fresh)``) given ``model``'s and ``opt``'s
+    state through ``torch.save`` and ``torch.load(weights_only=True)``, as a resumed run
+    gets them; returns that optimizer."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    fresh.load_state_dict(saved["model"])
+    new = make_opt(fresh)
+    new.load_state_dict(saved["opt"])
+    return new

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 import muonfx as mfx
+from helpers import resumed  # noqa: E402
 
 VOCAB, DIM, SEQ, BATCH = 24, 16, 6, 4
 
@@ -626,14 +627,8 @@ def test_a_model_of_2_24_elements_resumes_bit_for_bit_with_every_default():
     for step in range(2):
         grads(first, step)
         o1.step()
-    buf = io.BytesIO()
-    torch.save({"model": first.state_dict(), "opt": o1.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
     again = model(seed=3)
-    again.load_state_dict(saved["model"])
-    o2 = mfx.MuonOptimizer(again)
-    o2.load_state_dict(saved["opt"])
+    o2 = resumed(first, o1, again, mfx.MuonOptimizer)
     for step in range(2, 4):
         grads(again, step)
         o2.step()

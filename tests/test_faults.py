@@ -24,7 +24,7 @@ from tensordict import TensorDict
 from torch import nn
 
 import muonfx as mfx
-from helpers import flatten_state  # noqa: E402
+from helpers import flatten_state, resumed  # noqa: E402
 
 NAN, INF = float("nan"), float("inf")
 
@@ -414,6 +414,25 @@ def test_adamw_matches_torch_for_a_parameter_that_skips_steps():
     assert opt.state[got[0]]["adam.count"] == 20
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_bias_corrected_momentum_corrects_each_parameter_at_its_own_count(nesterov):
+    """Two parameters at counts 5 and 2 in one update: each gets the correction of its
+    own count, as when updated alone."""
+    from muonfx.counts import from_values
+
+    gen = torch.Generator().manual_seed(9)
+    g = TensorDict({"a": torch.randn(3, 4, generator=gen), "b": torch.randn(5, generator=gen)}, [])
+    mu = TensorDict({"a": torch.randn(3, 4, generator=gen), "b": torch.randn(5, generator=gen)}, [])
+    tx = mfx.bias_corrected_momentum(0.9, nesterov=nesterov)
+    state = tx.init(g)._replace(count=from_values([("a",), ("b",)], [5, 2]), mu=mu)
+    both, _ = tx.update(g, state)
+    for k, t in (("a", 5), ("b", 2)):
+        one = TensorDict({k: g[k]}, [])
+        alone, _ = tx.update(one, tx.init(one)._replace(count=t, mu=TensorDict({k: mu[k]}, [])))
+        assert torch.equal(both[k], alone[k]), k
+    assert not torch.equal(both["b"], tx.update(g, state._replace(count=5))[0]["b"])  # the count matters
+
+
 def test_per_parameter_counters_resume_bitwise_through_torch_save():
     ref, _ = _every_other(lambda ps: mfx.TransformOptimizer(list(zip("ab", ps)), mfx.adamw, lr=1e-2), steps=9)
     half, opt = _every_other(lambda ps: mfx.TransformOptimizer(list(zip("ab", ps)), mfx.adamw, lr=1e-2), steps=5)
@@ -597,14 +616,8 @@ def test_resume_through_torch_save_weights_only_is_bitwise(setup):
     for s in range(2):
         _backward(a, s)
         a_opt.step()
-    buf = io.BytesIO()
-    torch.save({"model": a.state_dict(), "opt": a_opt.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
     b = _model(seed=7)
-    b.load_state_dict(saved["model"])
-    b_opt = SETUPS[setup](b)
-    b_opt.load_state_dict(saved["opt"])
+    b_opt = resumed(a, a_opt, b, SETUPS[setup])
     for s in range(2, 4):
         _backward(b, s)
         b_opt.step()
@@ -826,14 +839,8 @@ def test_resume_under_the_default_path_choice_is_bitwise(monkeypatch):
         m1 = _mlp()
         o1 = mfx.MuonOptimizer(m1, lr=0.02)
         _train(m1, o1, stop)
-        buf = io.BytesIO()
-        torch.save({"model": m1.state_dict(), "opt": o1.state_dict()}, buf)
-        buf.seek(0)
-        saved = torch.load(buf, weights_only=True)
         m2 = _mlp(seed=5)
-        m2.load_state_dict(saved["model"])
-        o2 = mfx.MuonOptimizer(m2, lr=0.02)
-        o2.load_state_dict(saved["opt"])
+        o2 = resumed(m1, o1, m2, lambda m: mfx.MuonOptimizer(m, lr=0.02))
         gen = torch.Generator().manual_seed(1)
         for step in range(5):
             x = torch.randn(4, 8, generator=gen)

@@ -39,24 +39,14 @@ from __future__ import annotations
 
 # Imports flow one way: strategies <- compare <- laws <- adapter_laws, compiled_law
 # <- check <- this module, which only re-exports.
+from . import strategies as _strategies
 from .check import ADAPTER_LAW_NAMES, COMPILED_RTOL, LAWS, OPT_IN_LAWS, ConformanceError, check_transform
 from .strategies import (DEFAULT_DTYPES, as_dtensors, key_paths, keys, matrices, param_tensordicts,
                          params_and_grads, random_tensor, seeds, shapes, sharded_params_and_grads,
                          singular_values)
 
 __all__ = [
-    "DEFAULT_DTYPES",
-    "keys",
-    "key_paths",
-    "shapes",
-    "seeds",
-    "random_tensor",
-    "param_tensordicts",
-    "params_and_grads",
-    "singular_values",
-    "matrices",
-    "as_dtensors",
-    "sharded_params_and_grads",
+    *_strategies.__all__,
     "LAWS",
     "ADAPTER_LAW_NAMES",
     "OPT_IN_LAWS",

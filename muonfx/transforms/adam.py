@@ -9,7 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
-from ..counts import Counts, advance, by_count, zeros
+from ..counts import Counts, advance, per_count, zeros
 from ..hyperparams import check, check_float_dtype
 from ._dtypes import narrow, widen
 
@@ -84,12 +84,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         new_v = foreach("mul", vs_c, b2)
         foreach("addcmul_", new_v, gs_c, gs_c, value=1.0 - b2)  # new_v is this update's own tensor
         den = foreach("sqrt", new_v)
-        out = [None] * len(keys)
         # the bias corrections of each count (one, while every parameter steps every time):
         # out = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps) = (sqrt(bc2) / bc1) * m / (sqrt(v) + eps * sqrt(bc2))
-        for count, pos in by_count(state.count, keys, "adam state (count)"):
-            whole = len(pos) == len(keys)
-            m_, d_, g_ = (new_m, den, gs_c) if whole else ([new_m[j] for j in pos], [den[j] for j in pos], [gs_c[j] for j in pos])
+        def corrected(count, m_, d_, g_):
             t = count + 1
             bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
             foreach("add_", d_, eps if eps_before_bias_correction else eps * math.sqrt(bc2))
@@ -100,11 +97,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                 num = m_
             o = foreach("div", num, d_)
             foreach("mul_", o, math.sqrt(bc2) / bc1)
-            if whole:
-                out = o
-            else:
-                for j, x in zip(pos, o):
-                    out[j] = x
+            return o
+
+        out = per_count(state.count, keys, "adam state (count)", corrected, new_m, den, gs_c)
         if back is not None:
             out, new_m, new_v = narrow(out, back[1]), narrow(new_m, back[0]), narrow(new_v, back[0])
         return build(keys, out), ScaleByAdamState(advance(state.count), build(keys, new_m), build(keys, new_v))

@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
-from ..counts import Counts, advance, by_count, zeros
+from ..counts import Counts, advance, per_count, zeros
 from ..hyperparams import check, check_float_dtype
 from ._dtypes import narrow, widen
 
@@ -136,21 +136,15 @@ def bias_corrected_momentum(beta: float = 0.95, nesterov: bool = True,
         ms = aligned(state.mu, keys, "bias_corrected_momentum state (mu)")
         ms_c, gs_c, back = widen(ms, gs)  # as in momentum: the buffer's arithmetic in the wider dtype
         new_m = foreach("lerp", ms_c, gs_c, 1.0 - beta)
-        out = [None] * len(keys)
-        for count, pos in by_count(state.count, keys, "bias_corrected_momentum state (count)"):
-            whole = len(pos) == len(keys)
-            m_, g_ = (new_m, gs_c) if whole else ([new_m[j] for j in pos], [gs_c[j] for j in pos])
+        def corrected(count, m_, g_):
             t = count + 1
             if nesterov:
                 o = foreach("mul", m_, beta / (1.0 - beta ** (t + 1)))
                 foreach("add_", o, g_, alpha=(1.0 - beta) / (1.0 - beta**t))
-            else:
-                o = foreach("mul", m_, 1.0 / (1.0 - beta**t))
-            if whole:
-                out = o
-            else:
-                for j, x in zip(pos, o):
-                    out[j] = x
+                return o
+            return foreach("mul", m_, 1.0 / (1.0 - beta**t))
+
+        out = per_count(state.count, keys, "bias_corrected_momentum state (count)", corrected, new_m, gs_c)
         if back is not None:
             out, new_m = narrow(out, back[1]), narrow(new_m, back[0])
         return build(keys, out), BiasCorrectedMomentumState(advance(state.count), build(keys, new_m))
