@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 #: public name -> the module that defines it
 _EXPORTS = {
     **dict.fromkeys(["EmptyState", "GradientTransformation", "apply_updates", "identity", "is_leafwise", "leafwise"],
-                    ".base"),
+                    ".core"),
     **dict.fromkeys(["MaskedState", "PartitionState", "chain", "mask_by_ndim", "masked", "named_chain", "partition"],
                     ".combine"),
     "FSDPMuonOptimizer": ".distributed.fsdp",
@@ -63,7 +63,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from . import linalg, schedules, seam
-    from .base import EmptyState, GradientTransformation, apply_updates, identity, is_leafwise, leafwise
+    from .core import EmptyState, GradientTransformation, apply_updates, identity, is_leafwise, leafwise
     from .combine import MaskedState, PartitionState, chain, mask_by_ndim, masked, named_chain, partition
     from .distributed.fsdp import FSDPMuonOptimizer
     from .familiar import MeaningChangedWarning, MuonOptimizer, create_hybrid_optimizer

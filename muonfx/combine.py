@@ -13,7 +13,7 @@ from typing import Any, Callable, Hashable, Mapping, NamedTuple, Union
 import torch
 from tensordict import TensorDictBase, is_leaf_nontensor
 
-from .base import GradientTransformation, Key, build, check_keys, key_str, leaves, leafwise_if
+from .core import GradientTransformation, Key, build, check_keys, key_str, leaves, leafwise_if
 
 Predicate = Callable[[str, torch.Tensor], bool]
 MaskSpec = Union[Predicate, TensorDictBase, Mapping[str, bool]]

@@ -117,7 +117,7 @@ def of(c: Counts, keys: Sequence[Key], what: str = "counts") -> list[int]:
         return values_of(c)
     mine = dict(zip(c.keys, values_of(c)))
     if set(mine) != set(keys):
-        from .base import key_str
+        from .core import key_str
 
         missing = sorted(key_str(k) for k in keys if k not in mine)
         extra = sorted(key_str(k) for k in set(mine) - set(keys))

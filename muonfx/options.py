@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import torch
 
-from .base import GradientTransformation
+from .core import GradientTransformation
 from .hyperparams import check_args, check_float_dtype
 from .linalg import CoefficientSpec
 from .schedules import ScalarOrSchedule

@@ -11,8 +11,8 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from .base import GradientTransformation
 from .combine import named_chain, partition
+from .core import GradientTransformation
 from .hyperparams import check_args
 from .options import MuonOptions, takes_muon_options
 from .schedules import ScalarOrSchedule

@@ -37,8 +37,9 @@ from typing import Any, Callable, Hashable, Sequence, Union
 
 import torch
 
-from .base import GradientTransformation, Key, aligned, build, is_dtensor, key_str, leafwise_if, leaves
+from ._compat.dtensor import is_dtensor
 from .combine import chain, named_chain, partition
+from .core import GradientTransformation, Key, aligned, build, key_str, leafwise_if, leaves
 from .options import MuonOptions, insert_step, takes_muon_options
 from .presets import adamw, default_muon_labels, muon
 from .schedules import linear
@@ -265,7 +266,7 @@ def _block_sizes(key: Key, length: int, split_sizes: SplitSizes, what: str, who:
 
 
 def _placed_like(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Give ``out`` the DTensor placements of ``ref`` (:func:`muonfx.base.is_dtensor`: no
+    """Give ``out`` the DTensor placements of ``ref`` (:func:`muonfx._compat.dtensor.is_dtensor`: no
     distributed import)."""
     if is_dtensor(ref) and tuple(out.placements) != tuple(ref.placements):
         out = out.redistribute(ref.device_mesh, ref.placements)

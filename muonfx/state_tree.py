@@ -24,7 +24,7 @@ import torch
 from tensordict import TensorDictBase
 from torch.utils import _pytree as pytree
 
-from .base import Key, build, key_str
+from .core import Key, build, key_str
 from .counts import Counts, from_values
 from .tree import flatten, keyed_items, merge, owner, restrict, split, unflatten
 from .wrappers import InjectHyperparamsState

@@ -35,7 +35,7 @@ import torch
 from tensordict import TensorDictBase
 from torch.utils import _pytree as pytree
 
-from .base import Key, build, td_items
+from .core import Key, build, td_items
 from .counts import Counts, from_values, values_of
 
 __all__ = ["is_keyed", "flatten", "unflatten", "paths", "tensors", "owner", "restrict", "split", "merge",

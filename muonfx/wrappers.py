@@ -12,10 +12,11 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from . import seam, tree
-from .base import (GradientTransformation, LeafwiseTransformation, aligned, build, foreach, is_leafwise, leafwise,
+from .core import (GradientTransformation, LeafwiseTransformation, aligned, build, is_leafwise, leafwise,
                    leafwise_if, leaves, td_items)
 from .counts import Counts, advance, by_count, common, from_values, zeros
 from .hyperparams import check
+from .ops import foreach
 from .schedules import evaluate
 
 __all__ = ["apply_if_finite", "ApplyIfFiniteState", "accumulate", "AccumulateState",

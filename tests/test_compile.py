@@ -646,7 +646,7 @@ def test_foreach_neg_mul_and_ema_are_the_eager_ops_and_trace_to_the_same_maths()
     beta)`` is ``_foreach_lerp(m, g, 1 - beta)`` bit for bit eagerly; traced (where the
     scalars must reach the graph as they are), the same values to float rounding, and a
     new scalar recompiles nothing."""
-    from muonfx.base import foreach
+    from muonfx.ops import foreach
 
     gen = torch.Generator().manual_seed(7)
     us = [torch.randn(5, 3, generator=gen), torch.randn(4, generator=gen)]

@@ -14,7 +14,7 @@ from tensordict import TensorDict
 
 import muonfx as mfx
 from muonfx import schedules
-from muonfx.base import aligned, build, leaves
+from muonfx.core import aligned, build, leaves
 from muonfx.testing import LAWS, OPT_IN_LAWS, ConformanceError, check_transform, params_and_grads
 
 FAST = dict(max_examples=5, derandomize=True)

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 import muonfx as mfx
 import muonfx.optim.step.compiled as compiled_mod
 from muonfx import tree
-from muonfx.base import GradientTransformation, build, td_items
+from muonfx.core import GradientTransformation, build, td_items
 from muonfx.testing import COMPILED_RTOL, LAWS, OPT_IN_LAWS, ConformanceError, check_transform, params_and_grads
 
 from helpers import one_intra_op_thread  # noqa: F401  (autouse: one thread in this module)

@@ -21,7 +21,7 @@ from tensordict import TensorDict, TensorDictBase
 
 import muonfx as mfx
 from muonfx import schedules
-from muonfx.base import key_str
+from muonfx.core import key_str
 from muonfx.linalg import resolve
 from muonfx.testing import matrices, param_tensordicts, params_and_grads, shapes
 

@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 import muonfx as mfx
 from muonfx import schedules
-from muonfx.base import Key, build
+from muonfx.core import Key, build
 from muonfx.testing.compare import tree_diff as _tree_diff
 from muonfx.optim.groups import lr_multiplier
 from muonfx.tree import merge, restrict

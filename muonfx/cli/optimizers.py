@@ -18,7 +18,7 @@ import inspect
 import torch
 
 from .. import presets
-from ..base import GradientTransformation
+from ..core import GradientTransformation
 from ..familiar import create_hybrid_optimizer
 from ..optim import TransformOptimizer
 from ..options import MuonOptions

@@ -159,7 +159,7 @@ def agreed_work(records: Sequence[Any], param_groups: Sequence[dict], group, dev
 def _who_has(records, odd: list[int], present: list[bool], group, device) -> dict[str, tuple[list[int], list[int]]]:
     """Which ranks have the gradients of parameters ``odd`` (flat positions): one more
     small all-reduce, on the error path only."""
-    from ..base import key_str
+    from ..core import key_str
 
     world, me = dist.get_world_size(group), dist.get_rank(group)
     table = torch.zeros(world, len(odd), dtype=torch.int32)
@@ -178,7 +178,7 @@ def _who_has(records, odd: list[int], present: list[bool], group, device) -> dic
 
 def _check_work(rec, w) -> None:
     """What can fail on one rank alone before the exchange, for one group's work."""
-    from ..base import check_like, key_str
+    from ..core import check_like, key_str
     from ..counts import Counts
     from ..hyperparams import check_group_values
     from ..wrappers import hyperparam_values, signature

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from ..base import rewrap_all
+from .._compat.dtensor import meshes_and_placements, rewrap_all, shards
 from ..linalg.batching import batch_bytes
 from ..seam import MatrixFn, ScalarFn, compute_dtype
 from .exchange import RankProgram, rank_program, run_program
@@ -124,19 +124,20 @@ class DTensorBackend:
         # of first appearance (the same on every rank: the stacks are)
         jobs: dict[tuple, list[int]] = {}
         views = []
-        onto = largest([s._spec.mesh for s in stacks])
+        meshes, placements = meshes_and_placements(stacks)
+        onto = largest(meshes)
         # per distinct layout (mesh, placements) and per (dtype, device, matrix shape), not per stack
         layouts: dict[tuple, tuple] = {}
         dtypes: dict[tuple, torch.dtype] = {}
         for i, s in enumerate(stacks):
-            spec = s._spec
-            lay = layouts.get((id(spec.mesh), spec.placements))
+            on, pl = meshes[i], placements[i]
+            lay = layouts.get((id(on), pl))
             if lay is None:
-                if any(p.is_partial() for p in spec.placements):
-                    raise ValueError(f"map_matrices: Partial placements {spec.placements} cannot be orthogonalised; "
+                if any(p.is_partial() for p in pl):
+                    raise ValueError(f"map_matrices: Partial placements {pl} cannot be orthogonalised; "
                                      "reduce them first")
-                mesh, keys = lifted(spec.mesh, spec.placements, onto)
-                lay = layouts[id(spec.mesh), spec.placements] = (mesh, keys, id(mesh_group(mesh)[0]))
+                mesh, keys = lifted(on, pl, onto)
+                lay = layouts[id(on), pl] = (mesh, keys, id(mesh_group(mesh)[0]))
             views.append(lay[:2])
             # sent both ways in the dtype fn computes in where it is narrower (seam.compute_dtype:
             # bf16 Newton-Schulz on float32 shards sends half the bytes, same results)
@@ -194,7 +195,7 @@ class DTensorBackend:
     def _map(self, fn: MatrixFn, stacks: Sequence[DTensor], views: Sequence[tuple], dtype: torch.dtype
              ) -> list[DTensor]:
         plan, prog, group = self.planned(stacks, views, dtype)
-        locals_ = [s._local_tensor for s in stacks] if not torch.is_grad_enabled() else [s.to_local() for s in stacks]
+        locals_ = shards(stacks, DTensor)
         outs = [torch.empty_like(loc) for loc in locals_]
         stats = self.stats
 

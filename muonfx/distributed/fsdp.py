@@ -9,8 +9,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from ..base import GradientTransformation
 from ..combine import named_chain
+from ..core import GradientTransformation
 from ..familiar import MeaningChangedWarning, model_labels
 from ..logs import say_once
 from ..optim import TransformOptimizer

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..base import key_str
+from ..core import key_str
 from ..counts import Counts, values_of
 from ..state_tree import flatten_per_param, unflatten_per_param
 from ..wrappers import hyperparam_values, signature

@@ -10,8 +10,9 @@ from typing import Any, Callable, Union
 
 import torch
 
-from ..base import GradientTransformation, Key, build, foreach, key_str, leafwise_if, leaves
+from ..core import GradientTransformation, Key, build, key_str, leafwise_if, leaves
 from ..linalg import precision
+from ..ops import foreach
 from ..wrappers import InjectHyperparamsState, inject_hyperparams, signature
 
 __all__ = ["GroupRecord", "lr_multiplier", "as_factory", "factory_defaults", "check_known", "serialisable",

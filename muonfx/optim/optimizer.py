@@ -11,7 +11,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..base import is_dtensor, key_str
+from .._compat.dtensor import is_dtensor
+from ..core import key_str
 from ..wrappers import signature
 from . import checkpoint
 from .groups import ADAPTER_KEYS, GroupRecord, TxOrFactory, as_factory, check_known, factory_defaults

@@ -11,7 +11,7 @@ import io
 
 import torch
 
-from ..base import apply_updates as _apply_updates, build as _build
+from ..core import apply_updates as _apply_updates, build as _build
 from .compare import drop_hyperparams as _drop_hyperparams, snapshot as _snapshot, td_leaves as _td_leaves
 from .compare import tree_diff as _tree_diff
 from .laws import _call, _Config, _Fail, _grad_seq, _init, _update

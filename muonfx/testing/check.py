@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Flaky
 from tensordict import TensorDictBase
 
-from ..base import GradientTransformation, is_leafwise
+from ..core import GradientTransformation, is_leafwise
 from .adapter_laws import ADAPTER_LAWS
 from .compare import tensor_str as _tensor_str, td_leaves as _td_leaves
 from .compiled_law import COMPILED_RTOL, _compiled_report, law_compiled

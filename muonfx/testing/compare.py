@@ -15,7 +15,7 @@ from tensordict import TensorDictBase
 from torch.utils import _pytree as pytree
 
 from .. import tree
-from ..base import key_str, td_items
+from ..core import key_str, td_items
 from ..counts import Counts, values_of
 from ..wrappers import InjectHyperparamsState
 

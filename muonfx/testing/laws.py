@@ -10,10 +10,10 @@ import torch
 from tensordict import TensorDictBase
 
 from .. import tree
-from ..base import build as _build
-from ..base import identity as _identity
-from ..base import apply_updates as _apply_updates, key_str
 from ..combine import chain as _chain, masked as _masked
+from ..core import build as _build
+from ..core import identity as _identity
+from ..core import apply_updates as _apply_updates, key_str
 from ..wrappers import accumulate as _accumulate, inject_hyperparams as _inject_hyperparams
 from .compare import kind as _kind, snapshot as _snapshot, td_leaves as _td_leaves, tensor_paths as _tensor_paths
 from .compare import tensor_str as _tensor_str, tree_diff as _tree_diff

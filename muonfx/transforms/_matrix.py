@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from ..base import Key, dtensor_class, dtensor_stack_views, key_str
+from .._compat.dtensor import dtensor_class, dtensor_stack_views
+from ..core import Key, key_str
 
 
 def _require_matrix(key: Key, t: torch.Tensor, who: str) -> None:

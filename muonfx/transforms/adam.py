@@ -8,9 +8,10 @@ from typing import NamedTuple
 import torch
 from tensordict import TensorDict
 
-from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
+from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves
 from ..counts import Counts, advance, per_count, zeros
 from ..hyperparams import check, check_float_dtype
+from ..ops import foreach
 from ._dtypes import narrow, widen
 
 

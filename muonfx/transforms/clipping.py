@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from .. import seam
-from ..base import EmptyState, GradientTransformation, build, foreach, leaves
+from ..core import EmptyState, GradientTransformation, build, leaves
 from ..hyperparams import check
+from ..ops import foreach
 
 
 _DOWN, _UP = 2.0 ** -100, 2.0 ** 100  # powers of two: scaling by them is exact

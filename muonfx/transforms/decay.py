@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from ..base import EmptyState, GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
 from ..combine import MaskSpec, masked
+from ..core import EmptyState, GradientTransformation, LeafwiseTransformation, aligned, build, leaves
 from ..hyperparams import check
+from ..ops import foreach
 
 
 def _decay(weight_decay: float, mask: MaskSpec | None, cautious: bool, who: str) -> GradientTransformation:

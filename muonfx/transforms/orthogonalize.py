@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from .. import seam
-from ..base import EmptyState, GradientTransformation, LeafwiseTransformation, build, leaves, unstack_like
+from .._compat.dtensor import unstack_like
+from ..core import EmptyState, GradientTransformation, LeafwiseTransformation, build, leaves
 from ..hyperparams import check, check_float_dtype
 from ..linalg import CoefficientSpec, NewtonSchulz, resolve
 from ..linalg.newton_schulz import METHODS

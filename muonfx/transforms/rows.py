@@ -8,8 +8,9 @@ import torch
 from tensordict import TensorDict
 
 from .. import seam
-from ..base import GradientTransformation, LeafwiseTransformation, aligned, build, foreach, leaves
+from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves
 from ..hyperparams import check, check_float_dtype
+from ..ops import foreach
 from ._dtypes import widen
 from ._matrix import matrix_dims
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ..base import EmptyState, GradientTransformation, LeafwiseTransformation, build, foreach, leaves
+from ..core import EmptyState, GradientTransformation, LeafwiseTransformation, build, leaves
 from ..counts import Counts, advance, by_count, common, zeros
+from ..ops import foreach
 from ..schedules import ScalarOrSchedule, evaluate
 from ._matrix import matrix_shapes
 

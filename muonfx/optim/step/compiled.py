@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from ...base import build
+from ...core import build
 from ...logs import say_once
 from ...schedules import ScheduleNotTraceable
 from ...wrappers import inject_hyperparams

@@ -19,7 +19,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ... import seam, tree
-from ...base import Key, build, td_items
+from ...core import Key, build, td_items
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 __all__ = ["MatrixWork", "DryRun", "dry_run", "fake_state"]

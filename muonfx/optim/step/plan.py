@@ -36,7 +36,8 @@ from typing import Any, Iterator
 
 import torch
 
-from ...base import GradientTransformation, Key, is_dtensor, is_leafwise
+from ..._compat.dtensor import is_dtensor
+from ...core import GradientTransformation, Key, is_leafwise
 from ...linalg import batching, precision, triton_ns
 from .dryrun import DryRun, dry_run
 from .pieces import plan_pieces

@@ -28,7 +28,7 @@ from tensordict import TensorDictBase
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ... import tree
-from ...base import build, key_str, td_items
+from ...core import build, key_str, td_items
 from ...counts import Counts, by_count
 from ...hyperparams import check_group_values
 from ...wrappers import hyperparam_values

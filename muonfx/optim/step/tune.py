@@ -16,7 +16,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ... import tree
-from ...base import build, td_items
+from ...core import build, td_items
 from ...logs import log
 from .writeback import commit
 

@@ -23,17 +23,11 @@ import torch
 from tensordict import TensorDictBase
 
 from ... import tree
-from ...base import build, dtensor_class, foreach, local, td_items
+from ..._compat.dtensor import dtensor_class, shards, storages as _storages
+from ...core import build, td_items
+from ...ops import foreach
 
 __all__ = ["write_back", "store", "commit"]
-
-
-def _storages(tensors: list) -> list[int]:
-    """The storage address of each tensor (of its local shard for a DTensor)."""
-    cls = dtensor_class()
-    if cls is None:
-        return [t.untyped_storage().data_ptr() for t in tensors]
-    return [(t._local_tensor if isinstance(t, cls) else t).untyped_storage().data_ptr() for t in tensors]
 
 
 def _pairs(old: Any, new: Any) -> tuple[list, Any, list, list]:
@@ -124,11 +118,7 @@ def commit(old: Any, new: Any, params: list[torch.Tensor] = (), updates: list[to
     if dst:
         cls = dtensor_class()
         if cls is not None and any([isinstance(t, cls) for t in dst]):
-            if torch.is_grad_enabled():
-                dst, src = [local(t) for t in dst], [local(t) for t in src]
-            else:  # the shards themselves, inline
-                dst = [t._local_tensor if isinstance(t, cls) else t for t in dst]
-                src = [t._local_tensor if isinstance(t, cls) else t for t in src]
+            dst, src = shards(dst, cls), shards(src, cls)
         torch._foreach_copy_(dst, src)
     if us:
         foreach("add_", list(params), us)

@@ -1,0 +1,25 @@
+"""The ground floor of muonfx: the transform contract and the leaf toolkit every transform
+uses.
+
+* :mod:`muonfx.core.contract`: :class:`GradientTransformation` (``init``/``update``), its
+  leafwise declaration (:func:`leafwise`, :func:`is_leafwise`, :func:`leafwise_if`),
+  :class:`EmptyState` and :func:`identity`;
+* :mod:`muonfx.core.leaves`: keys (:data:`Key`, :func:`key_str`), the leaf checks
+  (:func:`leaves`, :func:`aligned`, :func:`check_keys`, :func:`check_like`) and
+  :func:`apply_updates`;
+* :func:`build` and :func:`td_items`, TensorDicts made and walked without a Python call per
+  leaf (defined in :mod:`muonfx._compat.tensordict`, the one module touching tensordict's
+  private fields).
+
+It imports torch, tensordict and :mod:`muonfx._compat` only; everything else in muonfx
+sits above it.
+"""
+
+from .._compat.tensordict import build, td_items
+from .contract import EmptyState, GradientTransformation, LeafwiseTransformation, identity, is_leafwise, leafwise, \
+    leafwise_if
+from .leaves import Key, aligned, apply_updates, check_keys, check_like, key_str, leaves
+
+__all__ = ["GradientTransformation", "LeafwiseTransformation", "leafwise", "is_leafwise", "leafwise_if", "EmptyState",
+           "identity", "apply_updates", "Key", "key_str", "leaves", "aligned", "build", "check_keys", "check_like",
+           "td_items"]
