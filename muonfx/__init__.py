@@ -20,19 +20,19 @@ __version__ = "0.1.0"
 _EXPORTS = {
     **dict.fromkeys(["EmptyState", "GradientTransformation", "apply_updates", "identity", "is_leafwise", "leafwise"],
                     ".core"),
-    **dict.fromkeys(["MaskedState", "PartitionState", "chain", "mask_by_ndim", "masked", "named_chain", "partition"],
-                    ".combine"),
+    **dict.fromkeys(["MaskedState", "PartitionState", "blockwise", "chain", "mask_by_ndim", "masked", "named_chain",
+                     "partition"], ".combine"),
     "FSDPMuonOptimizer": ".distributed.fsdp",
-    **dict.fromkeys(["MeaningChangedWarning", "MuonOptimizer", "create_hybrid_optimizer"], ".familiar"),
+    **dict.fromkeys(["MuonOptimizer", "create_hybrid_optimizer"], ".optim.muon_optimizer"),
     **dict.fromkeys(["TransformOptimizer", "lr_multiplier"], ".optim"),
-    "MuonOptions": ".options",
-    **dict.fromkeys(["adamw", "default_muon_labels", "muon", "muon_adamw"], ".presets"),
-    **dict.fromkeys(["blockwise", "cautious_decay", "momentum_warmup", "moonlight", "muon_cautious", "muon_per_head",
-                     "modded_nanogpt_normuon", "muon_with_momentum_warmup", "normuon", "optax_muon",
-                     "split_newton_schulz"], ".recipes"),
+    **dict.fromkeys(["MeaningChangedWarning", "MuonOptions"], ".presets.options"),
+    **dict.fromkeys(["adamw", "default_muon_labels", "muon", "muon_adamw"], ".presets.standard"),
+    **dict.fromkeys(["moonlight", "muon_cautious", "muon_per_head", "modded_nanogpt_normuon", "muon_with_momentum_warmup",
+                     "normuon", "optax_muon", "split_newton_schulz"], ".presets.variants"),
+    "momentum_warmup": ".schedules",
     **dict.fromkeys(["BiasCorrectedMomentumState", "MomentumState", "RowNormalizeState", "bias_corrected_momentum",
-                     "ScaleByAdamState", "ScaleByScheduleState", "clip_by_global_norm", "decoupled_decay",
-                     "global_norm", "momentum", "nesterov", "newton_schulz", "row_normalize", "scale",
+                     "ScaleByAdamState", "ScaleByScheduleState", "cautious_decay", "clip_by_global_norm",
+                     "decoupled_decay", "global_norm", "momentum", "nesterov", "newton_schulz", "row_normalize", "scale",
                      "scale_by_adam", "scale_by_learning_rate", "scale_by_shape"], ".transforms"),
     **dict.fromkeys(["AccumulateState", "ApplyIfFiniteState", "InjectHyperparamsState", "accumulate",
                      "apply_if_finite", "inject_hyperparams"], ".wrappers"),
@@ -63,19 +63,20 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from . import linalg, schedules, seam
+    from .combine import (MaskedState, PartitionState, blockwise, chain, mask_by_ndim, masked, named_chain,
+                          partition)
     from .core import EmptyState, GradientTransformation, apply_updates, identity, is_leafwise, leafwise
-    from .combine import MaskedState, PartitionState, chain, mask_by_ndim, masked, named_chain, partition
     from .distributed.fsdp import FSDPMuonOptimizer
-    from .familiar import MeaningChangedWarning, MuonOptimizer, create_hybrid_optimizer
     from .optim import TransformOptimizer, lr_multiplier
-    from .options import MuonOptions
-    from .presets import adamw, default_muon_labels, muon, muon_adamw
-    from .recipes import (blockwise, cautious_decay, momentum_warmup, moonlight, muon_cautious, muon_per_head,
-                          modded_nanogpt_normuon, muon_with_momentum_warmup, normuon, optax_muon,
-                          split_newton_schulz)
+    from .optim.muon_optimizer import MuonOptimizer, create_hybrid_optimizer
+    from .presets.options import MeaningChangedWarning, MuonOptions
+    from .presets.standard import adamw, default_muon_labels, muon, muon_adamw
+    from .presets.variants import (moonlight, muon_cautious, muon_per_head, modded_nanogpt_normuon,
+                                   muon_with_momentum_warmup, normuon, optax_muon, split_newton_schulz)
+    from .schedules import momentum_warmup
     from .transforms import (BiasCorrectedMomentumState, MomentumState, RowNormalizeState, ScaleByAdamState,
-                             ScaleByScheduleState, bias_corrected_momentum, clip_by_global_norm, decoupled_decay,
-                             global_norm, momentum, nesterov, newton_schulz, row_normalize, scale, scale_by_adam,
-                             scale_by_learning_rate, scale_by_shape)
+                             ScaleByScheduleState, bias_corrected_momentum, cautious_decay, clip_by_global_norm,
+                             decoupled_decay, global_norm, momentum, nesterov, newton_schulz, row_normalize, scale,
+                             scale_by_adam, scale_by_learning_rate, scale_by_shape)
     from .wrappers import (AccumulateState, ApplyIfFiniteState, InjectHyperparamsState, accumulate,
                            apply_if_finite, inject_hyperparams)

@@ -1,4 +1,5 @@
-"""Combinators: chain transforms, name them, and route leaves to different transforms.
+"""Combinators: chain transforms, name them, route leaves to different transforms, and run
+a transform on blocks of each matrix (:func:`blockwise`).
 
 Predicates and label functions are called as ``fn(key, tensor)`` with ``key`` the
 dotted name of the leaf (``"layers.0.weight"``, as in ``model.named_parameters()``)
@@ -8,19 +9,21 @@ and ``tensor`` the parameter (or, when ``update`` gets no params, the update).
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Hashable, Mapping, NamedTuple, Union
+from typing import Any, Callable, Hashable, Mapping, NamedTuple, Sequence, Union
 
 import torch
 from tensordict import TensorDictBase, is_leaf_nontensor
 
-from .core import GradientTransformation, Key, build, check_keys, key_str, leaves, leafwise_if
+from ._compat.dtensor import is_dtensor
+from .core import GradientTransformation, Key, aligned, build, check_keys, key_str, leaves, leafwise_if
 
 Predicate = Callable[[str, torch.Tensor], bool]
 MaskSpec = Union[Predicate, TensorDictBase, Mapping[str, bool]]
 LabelSpec = Union[Callable[[str, torch.Tensor], Hashable], TensorDictBase, Mapping[str, Hashable]]
+SplitSizes = Union[int, Sequence[int]]
 
 __all__ = ["chain", "named_chain", "masked", "mask_by_ndim", "partition", "MaskedState",
-           "PartitionState", "resolve_labels"]
+           "PartitionState", "resolve_labels", "blockwise", "SplitSizes"]
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -278,3 +281,110 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], labels: Lab
         return build(keys, [out[k] for k in keys]), PartitionState(new_states)
 
     return leafwise_if(GradientTransformation(init_fn, update_fn), *transforms.values())
+
+
+# ---------------------------------------------------------------------------
+# blocks of a matrix (fused QKV, per head)
+# ---------------------------------------------------------------------------
+
+
+def _check_split(split_sizes: SplitSizes, who: str) -> None:
+    if isinstance(split_sizes, bool) or not (
+        (isinstance(split_sizes, int) and split_sizes > 0)
+        or (isinstance(split_sizes, Sequence) and len(split_sizes) > 0
+            and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in split_sizes))
+    ):
+        raise ValueError(f"{who}: split_sizes must be a positive int (block size) or a non-empty "
+                         f"sequence of positive ints, got {split_sizes!r}")
+
+
+def _block_sizes(key: Key, length: int, split_sizes: SplitSizes, what: str, who: str) -> list[int]:
+    if isinstance(split_sizes, int):
+        if length % split_sizes:
+            raise ValueError(f"{who}: leaf {key_str(key)!r} has {length} {what}, not a multiple of "
+                             f"the block size {split_sizes}")
+        return [split_sizes] * (length // split_sizes)
+    if sum(split_sizes) != length:
+        raise ValueError(f"{who}: leaf {key_str(key)!r} has {length} {what}, but split_sizes "
+                         f"{list(split_sizes)} sum to {sum(split_sizes)}")
+    return list(split_sizes)
+
+
+def _placed_like(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Give ``out`` the DTensor placements of ``ref`` (:func:`muonfx._compat.dtensor.is_dtensor`: no
+    distributed import)."""
+    if is_dtensor(ref) and tuple(out.placements) != tuple(ref.placements):
+        out = out.redistribute(ref.device_mesh, ref.placements)
+    return out
+
+
+def blockwise(inner: GradientTransformation, split_sizes: SplitSizes, dim: int = 0) -> GradientTransformation:
+    """Run ``inner`` on blocks of each matrix, as if every block were its own parameter.
+
+    Each leaf's matrix view (2-D as is, 3-D ``[E, A, B]`` per matrix, 4-D+ as
+    ``[out, rest]``) is split along its rows (``dim=0``) or columns (``dim=1``) into
+    blocks of ``split_sizes`` (``torch.split``'s meaning: one block size that must divide
+    the dim, or a list of sizes that must sum to it). ``inner`` sees a TensorDict of
+    the blocks, keyed ``(*key, "block<i>")``, and its outputs are concatenated back::
+
+        out = cat([inner(U_1), ..., inner(U_k)], dim)
+
+    The state is ``inner``'s state over the blocks. Same-shape blocks are batched by the
+    matrix transforms inside (one batched Newton-Schulz for all heads of all layers).
+    On DTensors, blocks along a sharded dim are gathered first (correct, not fast);
+    the output gets the input's placements back. Leafwise (:func:`muonfx.leafwise`) when
+    ``inner`` is: a leaf's blocks are keyed under the leaf's own key.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> g = TensorDict({"qkv": torch.randn(12, 4)}, [])
+        >>> tx = mfx.blockwise(mfx.scale_by_shape("match_rms_adamw"), 4)   # three 4 x 4 blocks
+        >>> out, _ = tx.update(g, tx.init(g))
+        >>> torch.allclose(out["qkv"], 0.4 * g["qkv"])
+        True
+    """
+    from .transforms._matrix import matrix_dims  # (muonfx.transforms imports this module)
+
+    _check_split(split_sizes, "blockwise")
+    if dim not in (0, 1, -1, -2):
+        raise ValueError(f"blockwise: dim must be 0 (rows) or 1 (columns) of the matrix view, got {dim!r}")
+    row_or_col = dim % 2
+
+    def split(keys: list[Key], tensors: list[torch.Tensor]):
+        block_keys, blocks, counts = [], [], []
+        for k, t in zip(keys, tensors):
+            matrix_dims(k, t, "blockwise")  # validates ndim >= 2
+            view = t if t.ndim <= 3 else t.flatten(1)
+            axis = view.ndim - 2 + row_or_col
+            sizes = _block_sizes(k, view.shape[axis], split_sizes, ("rows", "columns")[row_or_col],
+                                 "blockwise")
+            parts = view.split(sizes, dim=axis)
+            block_keys.extend(k + (f"block{i}",) for i in range(len(parts)))
+            blocks.extend(parts)
+            counts.append(len(parts))
+        return block_keys, blocks, counts
+
+    def init_fn(params):
+        keys, ps = leaves(params, "params")
+        bkeys, bps, _ = split(keys, ps)
+        return inner.init(build(bkeys, bps))
+
+    def update_fn(updates, state, params=None):
+        keys, us = leaves(updates)
+        bkeys, bus, counts = split(keys, us)
+        bparams = None
+        if params is not None:
+            bparams = build(bkeys, split(keys, aligned(params, keys, "params"))[1])
+        new, state = inner.update(build(bkeys, bus), state, bparams)
+        outs, i = [], 0
+        for u, n in zip(us, counts):
+            view_ndim = u.ndim if u.ndim <= 3 else 2  # the split view: 4-D+ leaves are [out, in*kh*kw]
+            pieces = [new.get(bkeys[j]) for j in range(i, i + n)]
+            i += n
+            out = torch.cat(pieces, dim=view_ndim - 2 + row_or_col).reshape(u.shape)
+            outs.append(_placed_like(out, u))
+        return build(keys, outs), state
+
+    return leafwise_if(GradientTransformation(init_fn, update_fn), inner)

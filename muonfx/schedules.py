@@ -27,7 +27,7 @@ ScalarOrSchedule = Union[float, Schedule]
 
 __all__ = ["Schedule", "ScalarOrSchedule", "constant", "linear", "cosine_decay",
            "warmup_cosine_decay", "join", "evaluate", "traceable", "ScheduleNotTraceable",
-           "FLOAT_MIN_MAX_MISCOMPILED"]
+           "FLOAT_MIN_MAX_MISCOMPILED", "momentum_warmup"]
 
 
 def _step(count) -> int:
@@ -195,3 +195,19 @@ def _number(v):
     """A checked value as a float; a tensor (a tensor hyperparameter inside a compiled
     step, checked before it) stays a tensor."""
     return v if isinstance(v, torch.Tensor) else float(v)
+
+
+def momentum_warmup(start: float = 0.85, end: float = 0.95, steps: int = 300) -> linear:
+    """The momentum schedule ``start -> end`` linearly over ``steps``, then ``end``.
+
+    Formula: ``mu(t) = start + (end - start) * min(t / steps, 1)``; defaults from
+    nanochat / modded-nanogpt (0.85 -> 0.95 over the first 300 steps).
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> s = mfx.momentum_warmup()
+        >>> [round(s(t), 6) for t in (0, 150, 300, 1000)]
+        [0.85, 0.9, 0.95, 0.95]
+    """
+    return linear(start, end, steps)

@@ -118,7 +118,7 @@ def test_inject_hyperparams_law_holds_for_public_factories(factory, hyperparams,
 
 def test_blockwise_on_4d_leaves():
     """4-D leaves are split on their [out, in*kh*kw] view and put back in place (this
-    law check found the reassembly on the wrong dim; fixed in muonfx/recipes.py)."""
+    law check found the reassembly on the wrong dim; fixed in blockwise, now in muonfx/combine.py)."""
     check_transform(mfx.split_newton_schulz(1, dim=1), params=params_and_grads(min_ndim=4, max_ndim=4),
                     laws=["purity", "dtype_preservation"], **FAST)
     u = TensorDict({"w": torch.arange(24.0).reshape(4, 6, 1, 1)}, [])

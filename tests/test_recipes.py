@@ -1,4 +1,4 @@
-"""The variant recipes of muonfx.recipes: each test checks the property that defines the
+"""The variant recipes of muonfx.presets.variants: each test checks the property that defines the
 variant (not just that it runs). Comparisons are ``torch.equal`` where both sides run the
 same arithmetic, and a stated tolerance where they compute differently."""
 
@@ -16,7 +16,7 @@ from tensordict import TensorDict
 import muonfx as mfx
 from muonfx import seam
 from muonfx.distributed.fsdp import fsdp_muon
-from muonfx.options import MuonOptions, muon_options_of, takes_muon_options
+from muonfx.presets.options import MuonOptions, muon_options_of, takes_muon_options
 from muonfx.testing import params_and_grads
 
 

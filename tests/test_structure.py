@@ -122,7 +122,7 @@ _WHO_IMPORTS_DTENSOR = """
     by_dependency = "torch.distributed.tensor" in sys.modules
     builtins.__import__ = spy
     import muonfx
-    import muonfx.distributed, muonfx.distributed.fsdp, muonfx.familiar, muonfx.recipes
+    import muonfx.distributed, muonfx.distributed.fsdp, muonfx.optim.muon_optimizer, muonfx.presets
     builtins.__import__ = real_import
     print(repr(seen))
     print(by_dependency, "torch.distributed.tensor" in sys.modules)

@@ -34,7 +34,7 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = DEFAULTS
     g = p.add_argument_group("what to train")
     g.add_argument("--optimizer", metavar="NAME",
-                   help="muon_adamw (default), adamw, muon or any preset in muonfx.presets")
+                   help="muon_adamw (default), adamw, muon or any preset in muonfx.presets.standard")
     g.add_argument("--model", choices=sorted(MODELS),
                    help="tiny: 4x128, 4 heads, ctx 128 (default, CPU); small: 6x256, 8 heads, ctx 256; "
                         "gpt2: the GPT-2 124M configuration 12x768, ctx 1024 (GPUs)")

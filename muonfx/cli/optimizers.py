@@ -4,7 +4,7 @@
   matrices, AdamW (``--adamw-lr``, betas 0.9/0.95) on embeddings, head, norms, biases.
 * ``adamw``: ``TransformOptimizer(model.named_parameters(), mfx.adamw, ...)`` on
   everything (lr: ``--lr`` when given, else 1e-2, the best of a small sweep).
-* any other preset of :mod:`muonfx.presets` (a function returning a
+* any other preset of :mod:`muonfx.presets.standard` (a function returning a
   ``GradientTransformation``): one taking ``adamw_lr`` gets the whole model with
   ``lr=--lr, adamw_lr=--adamw-lr``; a matrix optimizer (``muon``) gets every
   parameter of 2 or more dimensions (embeddings and head included: the "Muon on
@@ -17,11 +17,11 @@ import inspect
 
 import torch
 
-from .. import presets
 from ..core import GradientTransformation
-from ..familiar import create_hybrid_optimizer
 from ..optim import TransformOptimizer
-from ..options import MuonOptions
+from ..optim.muon_optimizer import create_hybrid_optimizer
+from ..presets import standard as presets
+from ..presets.options import MuonOptions
 
 __all__ = ["optimizer_names", "check_optimizer", "build_optimizer", "MUON_LR", "ADAMW_BETAS"]
 
@@ -34,7 +34,7 @@ ADAMW_BETAS = (0.9, 0.95)
 
 
 def optimizer_names() -> list[str]:
-    """Every preset of :mod:`muonfx.presets` that builds a transform, sorted.
+    """Every preset of :mod:`muonfx.presets.standard` that builds a transform, sorted.
 
     Example::
 

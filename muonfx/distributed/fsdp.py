@@ -11,10 +11,10 @@ import torch
 
 from ..combine import named_chain
 from ..core import GradientTransformation
-from ..familiar import MeaningChangedWarning, model_labels
+from ..optim.muon_optimizer import MeaningChangedWarning, model_labels
 from ..logs import say_once
 from ..optim import TransformOptimizer
-from ..options import MuonOptions, insert_step, takes_muon_options
+from ..presets.options import MuonOptions, insert_step, takes_muon_options
 from ..presets import adamw
 from ..transforms import row_normalize, scale
 from ..wrappers import accumulate

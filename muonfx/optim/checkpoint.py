@@ -2,7 +2,7 @@
 
 ``state_dict()["state"][index]`` holds each parameter's slice of its group's
 transform state, flattened to names like ``"momentum.mu"``, ``"adam.nu"``, ``"count"``
-(see :mod:`muonfx.state_tree`); it loads with ``torch.load(..., weights_only=True)``.
+(see :mod:`muonfx.optim.checkpoint_names`); it loads with ``torch.load(..., weights_only=True)``.
 Loading checks everything first and changes nothing unless all of it fits.
 """
 
@@ -16,8 +16,8 @@ import torch
 
 from ..core import key_str
 from ..counts import Counts, values_of
-from ..state_tree import flatten_per_param, unflatten_per_param
 from ..wrappers import hyperparam_values, signature
+from .checkpoint_names import flatten_per_param, unflatten_per_param
 from .groups import GroupRecord, serialisable
 
 __all__ = ["torch_state", "param_groups_for_saving", "load"]

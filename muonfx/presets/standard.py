@@ -11,12 +11,12 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from .combine import named_chain, partition
-from .core import GradientTransformation
-from .hyperparams import check_args
+from ..combine import named_chain, partition
+from ..core import GradientTransformation
+from ..hyperparams import check_args
+from ..schedules import ScalarOrSchedule
+from ..transforms import decoupled_decay, scale_by_adam, scale_by_learning_rate
 from .options import MuonOptions, takes_muon_options
-from .schedules import ScalarOrSchedule
-from .transforms import decoupled_decay, scale_by_adam, scale_by_learning_rate
 
 __all__ = ["muon", "adamw", "muon_adamw", "default_muon_labels", "ADAMW_KEY_PATTERN"]
 

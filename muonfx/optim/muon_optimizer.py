@@ -7,10 +7,10 @@ from typing import Any, Callable, Hashable, Iterable
 
 import torch
 
-from .logs import say_once
-from .optim import TransformOptimizer
-from .options import MeaningChangedWarning, takes_muon_options
-from .presets import adamw, default_muon_labels, muon
+from ..logs import say_once
+from ..presets import adamw, default_muon_labels, muon
+from ..presets.options import MeaningChangedWarning, takes_muon_options
+from .optimizer import TransformOptimizer
 
 __all__ = ["MuonOptimizer", "create_hybrid_optimizer", "model_labels", "MeaningChangedWarning"]
 

@@ -25,11 +25,11 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import torch
 
-from .core import GradientTransformation
-from .hyperparams import check_args, check_float_dtype
-from .linalg import CoefficientSpec
-from .schedules import ScalarOrSchedule
-from .transforms import decoupled_decay, momentum as _momentum, newton_schulz, scale_by_learning_rate, scale_by_shape
+from ..core import GradientTransformation
+from ..hyperparams import check_args, check_float_dtype
+from ..linalg import CoefficientSpec
+from ..schedules import ScalarOrSchedule
+from ..transforms import decoupled_decay, momentum as _momentum, newton_schulz, scale_by_learning_rate, scale_by_shape
 
 __all__ = ["MuonOptions", "takes_muon_options", "muon_options_of", "insert_step", "MeaningChangedWarning"]
 
@@ -145,7 +145,7 @@ def insert_step(steps: Steps, after: str, name: str, tx: GradientTransformation)
     Example::
 
         >>> import muonfx as mfx
-        >>> from muonfx.options import insert_step
+        >>> from muonfx.presets.options import insert_step
         >>> steps = insert_step(mfx.MuonOptions().steps(), "orthogonalize", "row_normalize", mfx.row_normalize())
         >>> list(steps)
         ['momentum', 'orthogonalize', 'row_normalize', 'scale_by_shape', 'weight_decay', 'lr']
@@ -199,7 +199,7 @@ def takes_muon_options(
     Example::
 
         >>> import inspect, muonfx as mfx
-        >>> from muonfx.options import takes_muon_options
+        >>> from muonfx.presets.options import takes_muon_options
         >>> @takes_muon_options(defaults={"weight_decay": 0.1})
         ... def my_muon(*, clip=1.0, **options):
         ...     return mfx.chain(mfx.clip_by_global_norm(clip), mfx.muon(**options))
@@ -281,7 +281,7 @@ def muon_options_of(builder: Callable[..., Any]) -> dict[str, str]:
     Example::
 
         >>> import muonfx as mfx
-        >>> from muonfx.options import muon_options_of
+        >>> from muonfx.presets.options import muon_options_of
         >>> muon_options_of(mfx.create_hybrid_optimizer)["lr"]
         'muon_lr'
     """

@@ -1,18 +1,20 @@
-"""Variant recipes: published Muon variants, each a short chain of public transforms.
+"""Variants: published Muon variants, each a short chain of public transforms.
 
 =============================  ===============================================================
 :func:`moonlight`              Muon with AdamW's lr and weight decay (Liu et al., 2025)
 :func:`normuon`                Muon + per-row second-moment normalisation (Li et al., 2025)
-:func:`cautious_decay`         weight decay only where update and parameter agree in sign
-:func:`muon_cautious`          Muon with :func:`cautious_decay` (Chen et al., 2025)
-:func:`momentum_warmup`        the momentum schedule 0.85 -> 0.95 over 300 steps (nanochat)
-:func:`muon_with_momentum_warmup`  Muon with that schedule injected into its state
-:func:`blockwise`              run a matrix transform on blocks of each matrix
+:func:`muon_cautious`          Muon with cautious weight decay (Chen et al., 2025)
+:func:`muon_with_momentum_warmup`  Muon with momentum 0.85 -> 0.95 over 300 steps (nanochat)
 :func:`split_newton_schulz`    Newton-Schulz per block (q, k, v or per head)
 :func:`muon_per_head`          Muon orthogonalising fused QKV weights per block
 :func:`optax_muon`             optax ``contrib.muon``: bias-corrected Nesterov, NAdamW for the rest
 :func:`modded_nanogpt_normuon` modded-nanogpt's NorMuon: wide matrices by column, lr^2 decay
 =============================  ===============================================================
+
+Their pieces live with their kind: :func:`muonfx.cautious_decay` in
+:mod:`muonfx.transforms.decay`, :func:`muonfx.momentum_warmup` in :mod:`muonfx.schedules`,
+:func:`muonfx.blockwise` (a matrix transform on blocks of each matrix) in
+:mod:`muonfx.combine`.
 
 MoE expert stacks need no recipe: :func:`muonfx.muon` treats a 3-D leaf ``[E, m, n]``
 as ``E`` independent ``m x n`` matrices (each expert orthogonalised and shape-scaled on
@@ -33,26 +35,21 @@ its own, by ``(m, n)``), exactly as if the experts were ``E`` separate parameter
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Hashable, Sequence, Union
+from typing import Any, Callable, Hashable
 
 import torch
 
-from ._compat.dtensor import is_dtensor
-from .combine import chain, named_chain, partition
-from .core import GradientTransformation, Key, aligned, build, key_str, leafwise_if, leaves
-from .options import MuonOptions, insert_step, takes_muon_options
-from .presets import adamw, default_muon_labels, muon
-from .schedules import linear
-from .transforms import (bias_corrected_momentum, cautious_decay, decoupled_decay, newton_schulz, row_normalize,
+from ..combine import SplitSizes, blockwise, chain, named_chain, partition
+from ..core import GradientTransformation
+from ..schedules import momentum_warmup
+from ..transforms import (bias_corrected_momentum, cautious_decay, decoupled_decay, newton_schulz, row_normalize,
                          scale_by_adam, scale_by_learning_rate)
-from .transforms._matrix import matrix_dims
-from .wrappers import inject_hyperparams
+from ..wrappers import inject_hyperparams
+from .options import MuonOptions, insert_step, takes_muon_options
+from .standard import adamw, default_muon_labels, muon
 
-SplitSizes = Union[int, Sequence[int]]
-
-__all__ = ["moonlight", "normuon", "cautious_decay", "muon_cautious", "momentum_warmup",
-           "muon_with_momentum_warmup", "blockwise", "split_newton_schulz", "muon_per_head", "optax_muon",
-           "modded_nanogpt_normuon"]
+__all__ = ["moonlight", "normuon", "muon_cautious", "muon_with_momentum_warmup", "split_newton_schulz",
+           "muon_per_head", "optax_muon", "modded_nanogpt_normuon"]
 
 
 # ---------------------------------------------------------------------------
@@ -195,22 +192,6 @@ def muon_cautious(**muon_options: Any) -> GradientTransformation:
 # ---------------------------------------------------------------------------
 
 
-def momentum_warmup(start: float = 0.85, end: float = 0.95, steps: int = 300) -> linear:
-    """The momentum schedule ``start -> end`` linearly over ``steps``, then ``end``.
-
-    Formula: ``mu(t) = start + (end - start) * min(t / steps, 1)``; defaults from
-    nanochat / modded-nanogpt (0.85 -> 0.95 over the first 300 steps).
-
-    Example::
-
-        >>> import muonfx as mfx
-        >>> s = mfx.momentum_warmup()
-        >>> [round(s(t), 6) for t in (0, 150, 300, 1000)]
-        [0.85, 0.9, 0.95, 0.95]
-    """
-    return linear(start, end, steps)
-
-
 @takes_muon_options(exclude=("momentum",))
 def muon_with_momentum_warmup(
     *,
@@ -241,106 +222,6 @@ def muon_with_momentum_warmup(
 # ---------------------------------------------------------------------------
 # blocks of a matrix (fused QKV, per head)
 # ---------------------------------------------------------------------------
-
-
-def _check_split(split_sizes: SplitSizes, who: str) -> None:
-    if isinstance(split_sizes, bool) or not (
-        (isinstance(split_sizes, int) and split_sizes > 0)
-        or (isinstance(split_sizes, Sequence) and len(split_sizes) > 0
-            and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in split_sizes))
-    ):
-        raise ValueError(f"{who}: split_sizes must be a positive int (block size) or a non-empty "
-                         f"sequence of positive ints, got {split_sizes!r}")
-
-
-def _block_sizes(key: Key, length: int, split_sizes: SplitSizes, what: str, who: str) -> list[int]:
-    if isinstance(split_sizes, int):
-        if length % split_sizes:
-            raise ValueError(f"{who}: leaf {key_str(key)!r} has {length} {what}, not a multiple of "
-                             f"the block size {split_sizes}")
-        return [split_sizes] * (length // split_sizes)
-    if sum(split_sizes) != length:
-        raise ValueError(f"{who}: leaf {key_str(key)!r} has {length} {what}, but split_sizes "
-                         f"{list(split_sizes)} sum to {sum(split_sizes)}")
-    return list(split_sizes)
-
-
-def _placed_like(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Give ``out`` the DTensor placements of ``ref`` (:func:`muonfx._compat.dtensor.is_dtensor`: no
-    distributed import)."""
-    if is_dtensor(ref) and tuple(out.placements) != tuple(ref.placements):
-        out = out.redistribute(ref.device_mesh, ref.placements)
-    return out
-
-
-def blockwise(inner: GradientTransformation, split_sizes: SplitSizes, dim: int = 0) -> GradientTransformation:
-    """Run ``inner`` on blocks of each matrix, as if every block were its own parameter.
-
-    Each leaf's matrix view (2-D as is, 3-D ``[E, A, B]`` per matrix, 4-D+ as
-    ``[out, rest]``) is split along its rows (``dim=0``) or columns (``dim=1``) into
-    blocks of ``split_sizes`` (``torch.split``'s meaning: one block size that must divide
-    the dim, or a list of sizes that must sum to it). ``inner`` sees a TensorDict of
-    the blocks, keyed ``(*key, "block<i>")``, and its outputs are concatenated back::
-
-        out = cat([inner(U_1), ..., inner(U_k)], dim)
-
-    The state is ``inner``'s state over the blocks. Same-shape blocks are batched by the
-    matrix transforms inside (one batched Newton-Schulz for all heads of all layers).
-    On DTensors, blocks along a sharded dim are gathered first (correct, not fast);
-    the output gets the input's placements back. Leafwise (:func:`muonfx.leafwise`) when
-    ``inner`` is: a leaf's blocks are keyed under the leaf's own key.
-
-    Example::
-
-        >>> import torch, muonfx as mfx
-        >>> from tensordict import TensorDict
-        >>> g = TensorDict({"qkv": torch.randn(12, 4)}, [])
-        >>> tx = mfx.blockwise(mfx.scale_by_shape("match_rms_adamw"), 4)   # three 4 x 4 blocks
-        >>> out, _ = tx.update(g, tx.init(g))
-        >>> torch.allclose(out["qkv"], 0.4 * g["qkv"])
-        True
-    """
-    _check_split(split_sizes, "blockwise")
-    if dim not in (0, 1, -1, -2):
-        raise ValueError(f"blockwise: dim must be 0 (rows) or 1 (columns) of the matrix view, got {dim!r}")
-    row_or_col = dim % 2
-
-    def split(keys: list[Key], tensors: list[torch.Tensor]):
-        block_keys, blocks, counts = [], [], []
-        for k, t in zip(keys, tensors):
-            matrix_dims(k, t, "blockwise")  # validates ndim >= 2
-            view = t if t.ndim <= 3 else t.flatten(1)
-            axis = view.ndim - 2 + row_or_col
-            sizes = _block_sizes(k, view.shape[axis], split_sizes, ("rows", "columns")[row_or_col],
-                                 "blockwise")
-            parts = view.split(sizes, dim=axis)
-            block_keys.extend(k + (f"block{i}",) for i in range(len(parts)))
-            blocks.extend(parts)
-            counts.append(len(parts))
-        return block_keys, blocks, counts
-
-    def init_fn(params):
-        keys, ps = leaves(params, "params")
-        bkeys, bps, _ = split(keys, ps)
-        return inner.init(build(bkeys, bps))
-
-    def update_fn(updates, state, params=None):
-        keys, us = leaves(updates)
-        bkeys, bus, counts = split(keys, us)
-        bparams = None
-        if params is not None:
-            bparams = build(bkeys, split(keys, aligned(params, keys, "params"))[1])
-        new, state = inner.update(build(bkeys, bus), state, bparams)
-        outs, i = [], 0
-        for u, n in zip(us, counts):
-            view_ndim = u.ndim if u.ndim <= 3 else 2  # the split view: 4-D+ leaves are [out, in*kh*kw]
-            pieces = [new.get(bkeys[j]) for j in range(i, i + n)]
-            i += n
-            out = torch.cat(pieces, dim=view_ndim - 2 + row_or_col).reshape(u.shape)
-            outs.append(_placed_like(out, u))
-        return build(keys, outs), state
-
-    return leafwise_if(GradientTransformation(init_fn, update_fn), inner)
 
 
 def split_newton_schulz(split_sizes: SplitSizes, dim: int = 0, **ns_kwargs) -> GradientTransformation:

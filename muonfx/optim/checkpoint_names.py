@@ -24,10 +24,10 @@ import torch
 from tensordict import TensorDictBase
 from torch.utils import _pytree as pytree
 
-from .core import Key, build, key_str
-from .counts import Counts, from_values
-from .tree import flatten, keyed_items, merge, owner, restrict, split, unflatten
-from .wrappers import InjectHyperparamsState
+from ..core import Key, build, key_str
+from ..counts import Counts, from_values
+from ..tree import flatten, keyed_items, merge, owner, restrict, split, unflatten
+from ..wrappers import InjectHyperparamsState
 
 __all__ = ["flatten_per_param", "unflatten_per_param", "restrict", "split", "merge"]
 
