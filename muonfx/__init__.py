@@ -22,7 +22,7 @@ _EXPORTS = {
                     ".core"),
     **dict.fromkeys(["MaskedState", "PartitionState", "blockwise", "chain", "mask_by_ndim", "masked", "named_chain",
                      "partition"], ".combine"),
-    "FSDPMuonOptimizer": ".distributed.fsdp",
+        "FSDPMuonOptimizer": ".optim.fsdp_optimizer",
     **dict.fromkeys(["MuonOptimizer", "create_hybrid_optimizer"], ".optim.muon_optimizer"),
     **dict.fromkeys(["TransformOptimizer", "lr_multiplier"], ".optim"),
     **dict.fromkeys(["MeaningChangedWarning", "MuonOptions"], ".presets.options"),
@@ -66,8 +66,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from .combine import (MaskedState, PartitionState, blockwise, chain, mask_by_ndim, masked, named_chain,
                           partition)
     from .core import EmptyState, GradientTransformation, apply_updates, identity, is_leafwise, leafwise
-    from .distributed.fsdp import FSDPMuonOptimizer
     from .optim import TransformOptimizer, lr_multiplier
+    from .optim.fsdp_optimizer import FSDPMuonOptimizer
     from .optim.muon_optimizer import MuonOptimizer, create_hybrid_optimizer
     from .presets.options import MeaningChangedWarning, MuonOptions
     from .presets.standard import adamw, default_muon_labels, muon, muon_adamw

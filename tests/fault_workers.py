@@ -74,7 +74,8 @@ def rank_local_error(rank: int, world: int, bad_rank: int, hold_s: float) -> dic
 def agreement_cost(rank: int, world: int, steps: int = 30, d: int = 64) -> dict:
     """Seconds of the step's agreement (gather, checks and the one all-reduce) and of a
     whole step of TransformOptimizer(mfx.muon_adamw) on an FSDP2 model, median of ``steps``."""
-    from muonfx.distributed.agree import agreed_work, step_group
+    from muonfx.distributed.agree import step_group
+    from muonfx.optim.agreement import agreed_work
 
     model = _model(world, d)
     opt = mfx.TransformOptimizer(model.named_parameters(), mfx.muon_adamw, lr=0.02)

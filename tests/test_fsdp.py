@@ -631,7 +631,7 @@ def test_fsdp_muon_honours_ns_coefficients(coefficients):
     exactly ``mfx.muon``'s update with the same options; and ``FSDPMuonOptimizer`` on a
     plain model moves exactly as ``create_hybrid_optimizer`` with the same settings."""
     import muonfx as mfx
-    from muonfx.distributed.fsdp import fsdp_muon
+    from muonfx.presets.predecessor import fsdp_muon
     from tensordict import TensorDict
 
     torch.manual_seed(0)

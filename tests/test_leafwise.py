@@ -92,7 +92,7 @@ DECLARED: dict[str, tuple[Callable[[], mfx.GradientTransformation], bool]] = {
     "muon_per_head": (lambda: mfx.muon_per_head(2), True),
     "optax_muon": (mfx.optax_muon, True),
     "modded_nanogpt_normuon": (mfx.modded_nanogpt_normuon, True),
-    "fsdp_muon": (lambda: mfx.distributed.fsdp.fsdp_muon(gradient_accumulation_steps=2), True),
+    "fsdp_muon": (lambda: mfx.presets.fsdp_muon(gradient_accumulation_steps=2), True),
 }
 
 

@@ -15,7 +15,7 @@ from tensordict import TensorDict
 
 import muonfx as mfx
 from muonfx import seam
-from muonfx.distributed.fsdp import fsdp_muon
+from muonfx.presets.predecessor import fsdp_muon
 from muonfx.presets.options import MuonOptions, muon_options_of, takes_muon_options
 from muonfx.testing import params_and_grads
 

@@ -76,6 +76,8 @@ _NEVER = {
     "muonfx/tree.py": ("muonfx.optim", "muonfx.transforms", "muonfx.wrappers", "muonfx.distributed"),
     "muonfx/linalg": ("muonfx.optim", "muonfx.transforms", "muonfx.wrappers", "muonfx.distributed", "muonfx.tree"),
     "muonfx/transforms": ("muonfx.optim", "muonfx.distributed", "torch.distributed"),
+    "muonfx/presets": ("muonfx.optim", "muonfx.distributed", "muonfx.cli", "torch.distributed"),
+    "muonfx/distributed": ("muonfx.optim", "muonfx.cli"),
     "muonfx/testing/strategies.py": ("muonfx.testing.laws", "muonfx.testing.check", "muonfx.testing.adapter_laws",
                                      "muonfx.optim"),
     "muonfx/testing/laws.py": ("muonfx.testing.check", "muonfx.testing.adapter_laws", "muonfx.optim"),
@@ -86,7 +88,8 @@ _NEVER = {
 
 def test_imports_flow_one_way():
     """The bottom modules (_compat, core, ops, counts, tree, linalg) import nothing above them, no
-    transform imports the adapter or distributed code, and the conformance kit's modules
+    transform or preset imports the adapter or distributed code, the distributed backend
+    imports nothing of the adapter (``optim``), and the conformance kit's modules
     import in one direction (strategies <- compare <- laws <- adapter_laws, compiled_law
     <- check <- muonfx.testing)."""
     bad = []
@@ -122,7 +125,7 @@ _WHO_IMPORTS_DTENSOR = """
     by_dependency = "torch.distributed.tensor" in sys.modules
     builtins.__import__ = spy
     import muonfx
-    import muonfx.distributed, muonfx.distributed.fsdp, muonfx.optim.muon_optimizer, muonfx.presets
+    import muonfx.distributed, muonfx.optim.fsdp_optimizer, muonfx.optim.muon_optimizer, muonfx.presets
     builtins.__import__ = real_import
     print(repr(seen))
     print(by_dependency, "torch.distributed.tensor" in sys.modules)
@@ -130,8 +133,8 @@ _WHO_IMPORTS_DTENSOR = """
 
 
 def test_import_muonfx_does_not_import_torch_distributed_tensor():
-    """``import muonfx`` (and ``muonfx.distributed``, which ``FSDPMuonOptimizer`` lives
-    under) imports no DTensor code: the DTensor backend is imported when the adapter
+    """``import muonfx`` (and ``muonfx.distributed``, and ``muonfx.optim.fsdp_optimizer``,
+    where ``FSDPMuonOptimizer`` lives) imports no DTensor code: the DTensor backend is imported when the adapter
     first sees a DTensor parameter."""
     proc = run_python(_WHO_IMPORTS_DTENSOR)
     assert proc.returncode == 0, proc.stderr

@@ -159,10 +159,10 @@ class TransformOptimizer(torch.optim.Optimizer):
         sparse gradient, a NaN learning rate or schedule value, a parameter the
         transform cannot take) leaves every parameter, state tensor and param group
         exactly as it was. On DTensor parameters the ranks first agree on the step's
-        rank-local checks in one all-reduce (:func:`muonfx.distributed.agree.agreed_work`):
+        rank-local checks in one all-reduce (:func:`muonfx.optim.agreement.agreed_work`):
         an error on one rank raises on every rank before the step's other collectives,
         and so does a parameter with a gradient on some ranks and ``grad=None`` on others
-        (:class:`~muonfx.distributed.agree.GradientsDiffer`).
+        (:class:`~muonfx.optim.agreement.GradientsDiffer`).
         A group too large for one piece is checked before its first
         piece is written (:mod:`muonfx.optim.step.pieces`); only an error a transform of
         your own raises in a later piece ends the step part-way, with
@@ -174,7 +174,8 @@ class TransformOptimizer(torch.optim.Optimizer):
                 loss = closure()
         works = None
         if self._dtensor_ref is not None:  # ranks agree on rank-local errors before any collective
-            from ..distributed.agree import agreed_work, step_group
+            from ..distributed.agree import step_group
+            from .agreement import agreed_work
 
             agreement = step_group(self._dtensor_ref)
             if agreement is not None:

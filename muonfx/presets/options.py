@@ -3,7 +3,7 @@
 :class:`MuonOptions` lists Muon's options with :func:`muonfx.muon`'s defaults and
 builds Muon's named chain from them. Every builder that runs Muon
 (:func:`~muonfx.muon`, :func:`~muonfx.muon_adamw`, the recipes,
-:func:`~muonfx.distributed.fsdp.fsdp_muon`, :class:`~muonfx.MuonOptimizer`,
+:func:`~muonfx.presets.predecessor.fsdp_muon`, :class:`~muonfx.MuonOptimizer`,
 :func:`~muonfx.create_hybrid_optimizer`, :class:`~muonfx.FSDPMuonOptimizer`) takes them
 through :func:`takes_muon_options`, which writes them into the builder's signature. A
 new option is therefore added in one place, here, and reaches every builder, the

@@ -1,4 +1,5 @@
-"""FSDP2 conveniences: the predecessor's ``FSDPMuonOptimizer`` and ``unshard_params``."""
+"""FSDP2 conveniences: the predecessor's ``FSDPMuonOptimizer`` and ``unshard_params``
+(its matrices' chain is :func:`muonfx.presets.predecessor.fsdp_muon`)."""
 
 from __future__ import annotations
 
@@ -9,44 +10,16 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from ..combine import named_chain
 from ..core import GradientTransformation
-from ..optim.muon_optimizer import MeaningChangedWarning, model_labels
 from ..logs import say_once
-from ..optim import TransformOptimizer
-from ..presets.options import MuonOptions, insert_step, takes_muon_options
 from ..presets import adamw
-from ..transforms import row_normalize, scale
+from ..presets.options import MeaningChangedWarning, MuonOptions, takes_muon_options
+from ..presets.predecessor import fsdp_muon
 from ..wrappers import accumulate
+from .muon_optimizer import model_labels
+from .optimizer import TransformOptimizer
 
-__all__ = ["FSDPMuonOptimizer", "fsdp_muon", "unshard"]
-
-
-@takes_muon_options(defaults={"weight_decay": 0.01})
-def fsdp_muon(
-    *,
-    ns_stepsize: float = 1.0,
-    beta2: float | None = None,
-    row_eps: float = 1e-8,
-    gradient_accumulation_steps: int = 1,
-    **muon_options: Any,
-) -> GradientTransformation:
-    """The chain behind :class:`FSDPMuonOptimizer`'s matrices: :func:`muonfx.muon`'s
-    options (:class:`~muonfx.MuonOptions`, ``weight_decay`` defaulting to 0.01) and
-    named chain, with two more steps::
-
-        momentum -> newton_schulz -> [row_normalize(beta2, row_eps)] -> scale_by_shape
-          -> scale(ns_stepsize) -> decoupled_decay -> scale_by_learning_rate
-
-    wrapped in ``accumulate(..., gradient_accumulation_steps)`` when that is > 1.
-    ``eps`` is the Newton-Schulz floor (as in ``muon``); ``row_eps`` the row
-    normaliser's (used when ``beta2`` is given).
-    """
-    steps = MuonOptions(**muon_options).steps()
-    if beta2 is not None:
-        steps = insert_step(steps, "orthogonalize", "row_normalize", row_normalize(beta2, row_eps))
-    tx = named_chain(*insert_step(steps, "scale_by_shape", "ns_stepsize", scale(ns_stepsize)).items())
-    return accumulate(tx, gradient_accumulation_steps) if gradient_accumulation_steps > 1 else tx
+__all__ = ["FSDPMuonOptimizer", "unshard"]
 
 
 def _adamw_accumulated(
