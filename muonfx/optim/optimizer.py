@@ -175,10 +175,11 @@ class TransformOptimizer(torch.optim.Optimizer):
         works = None
         if self._dtensor_ref is not None:  # ranks agree on rank-local errors before any collective
             from ..distributed.agree import step_group
-            from .agreement import agreed_work
 
             agreement = step_group(self._dtensor_ref)
             if agreement is not None:
+                from .agreement import agreed_work
+
                 works = agreed_work(self.records, self.param_groups, *agreement)
         self._torch_state = None
         self._runner.step(self.records, self.param_groups, works)
