@@ -14,6 +14,7 @@ from ..combine import named_chain
 from ..familiar import MeaningChangedWarning, model_labels
 from ..logs import say_once
 from ..optim import TransformOptimizer
+from ..optim.step.fused import FusedAdamW, register
 from ..options import MuonOptions, insert_step, takes_muon_options
 from ..presets import adamw
 from ..transforms import row_normalize, scale
@@ -58,6 +59,11 @@ def _adamw_accumulated(
 ) -> GradientTransformation:
     tx = adamw(lr, betas, eps, weight_decay)
     return accumulate(tx, gradient_accumulation_steps) if gradient_accumulation_steps > 1 else tx
+
+
+# without gradient accumulation the group is mfx.adamw's chain: torch's fused AdamW kernel runs it
+register(_adamw_accumulated, FusedAdamW,
+         lambda hp: None if hp.get("gradient_accumulation_steps", 1) == 1 else "gradient accumulation")
 
 
 def _is_rank_zero() -> bool:
