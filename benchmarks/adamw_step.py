@@ -10,8 +10,8 @@ gradients (shared: neither writes them); steps are timed in alternating rounds (
 
 Before the timed rounds every optimizer makes one untimed step (a compiled muonfx step
 compiles there); the ``path`` column is the path of muonfx's step plan (by rules:
-compiled from 2^24 parameter elements; nothing is measured). ``--compile`` adds a row for
-``opt.compile()`` only where the default row is not compiled already. Extra step
+``fused``: torch's fused AdamW kernel on muonfx's state, for a group built with
+``mfx.adamw``; nothing is measured). ``--compile`` adds a row for ``opt.compile()``. Extra step
 memory: the peak bytes allocated during one ``opt.step()`` of that path beyond what existed
 before it, measured in one more, untimed step per optimizer: ``torch.cuda.max_memory_allocated``
 on CUDA, the CPU allocator's own records (``muonfx.memory.AllocatorPeak``) on the CPU, which

@@ -32,8 +32,8 @@ that spin for the whole run (more runnable threads than cores, on purpose).
 
 Before the timed rounds every optimizer makes one untimed step (a compiled muonfx step
 compiles there); the ``path`` column is the path of muonfx's step plan (by rules:
-compiled from 2^24 parameter elements, in pieces where a group exceeds the batch
-budget; nothing is measured). Extra step memory: the peak bytes allocated during one
+eager unless asked to compile, in pieces where a group exceeds the batch budget;
+nothing is measured). Extra step memory: the peak bytes allocated during one
 ``opt.step()`` of that path beyond what existed before it (the optimizer state already
 created), measured in one more, untimed step per optimizer: ``torch.cuda.max_memory_allocated``
 on CUDA, the CPU allocator's own records (``muonfx.memory.AllocatorPeak``) on the CPU. The gradients are shared by all optimizers (none

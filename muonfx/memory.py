@@ -15,7 +15,7 @@ Example::
     >>> import torch, muonfx as mfx
     >>> from muonfx.memory import step_memory
     >>> w = torch.nn.Parameter(torch.zeros(256))
-    >>> opt = mfx.TransformOptimizer([("w", w)], mfx.adamw)
+    >>> opt = mfx.TransformOptimizer([("w", w)], mfx.adamw, fused=False)  # the chain, transform by transform
     >>> w.grad = torch.ones(256); opt.step()          # the first step creates the state
     >>> step_memory(opt.step, torch.device("cpu")) >= 256 * 4
     True

@@ -2,7 +2,7 @@
 # Every GPU figure of docs/performance.md, measured on one CUDA machine (H100/H200).
 #
 # `all` runs every figure in one command, most wanted first, inside one deadline
-# (FIGURES_BUDGET_S, default 540 s), so that a GPU rented for a few minutes gives the
+# (FIGURES_BUDGET_S, default 480 s), so that a GPU rented for a few minutes gives the
 # most it can: a step that would outlast the deadline is stopped, those after it are
 # skipped, and the log says so. The single parts below rerun one group each.
 #
@@ -13,12 +13,15 @@
 # on the first batch of every shape (autotuning the kernels); the benchmarks drew every
 # value on the CPU (two billion for Llama-1B and MoE). Now paths come from rules (a
 # compiled group compiles once, at its first step, its pieces' graphs only), nothing is
-# measured, Triton is off unless asked for, and values are drawn on the GPU. The CUDA test
+# measured, Triton is off unless asked for, and values are drawn on the GPU. Nothing is
+# compiled unless asked (the default path is eager, AdamW groups in torch's fused kernel),
+# so no step of `all` waits for a compiler. The CUDA test
 # step runs the GPU-marked tests of tests/test_cuda.py without the slow compile sweeps
 # (`-m "cuda and not slow"`); the Triton-interpreter tests (tests/test_triton_ns.py) run
 # in the CPU suite, and with everything else in the `tests` part.
 #
-#   scripts/gpu-figures.sh all       # info; Muon Llama-1B, MoE, GPT-2 default rows (extra memory too); CUDA tests; AdamW; NS
+#   scripts/gpu-figures.sh all       # info; Muon Llama-1B, MoE, GPT-2 default rows (extra memory too); first step; CUDA tests; AdamW; NS
+#   scripts/gpu-figures.sh first     # time to the first step and steady step of the hybrid optimizer vs torch's pair
 #   scripts/gpu-figures.sh tests     # muonfx info; every CUDA, Triton-kernel and compile test
 #   scripts/gpu-figures.sh ns        # Newton-Schulz GFLOP/s against the measured bf16 peak, per shape and route
 #   scripts/gpu-figures.sh muon      # Muon step vs torch.optim.Muon: GPT-2 small (12 layers), MoE (8 x 32 experts)
@@ -40,8 +43,8 @@ set -u -o pipefail
 
 part="${1:-}"
 case "$part" in
-    all|tests|ns|muon|llama|rows|adamw|memory|host) ;;
-    *) echo "usage: scripts/gpu-figures.sh all|tests|ns|muon|llama|rows|adamw|memory|host" >&2; exit 2 ;;
+    all|tests|ns|muon|llama|rows|adamw|memory|host|first) ;;
+    *) echo "usage: scripts/gpu-figures.sh all|tests|ns|muon|llama|rows|adamw|memory|host|first" >&2; exit 2 ;;
 esac
 out="${OUT:-/tmp/muonfx-gpu-figures}"
 mkdir -p "$out"
@@ -55,7 +58,7 @@ run() {
 }
 
 # all: one deadline for every step; a step gets at most CAP seconds and what is left
-budget="${FIGURES_BUDGET_S:-540}"
+budget="${FIGURES_BUDGET_S:-480}"
 min_step="${FIGURES_MIN_STEP_S:-20}"  # no step is started with less than this left
 worst=0  # all's exit status: 1 once a step failed, was stopped or was skipped
 deadline=$(( $(date +%s) + budget ))
@@ -90,9 +93,11 @@ case "$part" in
         step 170 python3 benchmarks/muon_step.py --device cuda --sets llama1b --repeats 5 --variants default
         step 130 python3 benchmarks/muon_step.py --device cuda --sets moe32 --repeats 5 --variants default
         step 80 python3 benchmarks/muon_step.py --device cuda --sets gpt2 --layers 12 --repeats 5 --variants default
+        # time to the first step: the hybrid optimizer against torch.optim.Muon + AdamW(fused=True)
+        step 60 python3 benchmarks/first_step.py --device cuda --sets gpt2,moe
         # whether the CUDA paths compute what they should (GPU-marked tests, no compile sweeps)
         step 110 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -m "cuda and not slow" -rs --durations=8
-        step 80 python3 benchmarks/adamw_step.py --device cuda --layers 12 --repeats 7 --fused --compile
+        step 50 python3 benchmarks/adamw_step.py --device cuda --layers 12 --repeats 7 --fused
         step 90 python3 benchmarks/newton_schulz.py --only speed --device cuda --repeats 5
         ;;
     tests)
@@ -101,6 +106,9 @@ case "$part" in
         # the GPU machine's torch (2.11) specialises float hyperparameters: the compiled
         # step's schedule handling, on its own version
         run python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_compile.py
+        ;;
+    first)
+        run python3 benchmarks/first_step.py --device cuda --sets gpt2,moe --rounds 2
         ;;
     ns)
         run python3 benchmarks/newton_schulz.py --only speed --device cuda --repeats 5

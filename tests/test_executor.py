@@ -402,31 +402,37 @@ def _aot_eager_compile(fn, **kwargs):
     return _real_compile(fn, **{**kwargs, "backend": "aot_eager"})
 
 
-def test_the_rule_compiles_large_groups_and_keeps_small_ones_eager(monkeypatch):
-    """By the rule (``"compile": None``): a group of at least COMPILE_MIN_ELEMENTS
-    parameter elements runs compiled from its first step (no trial, nothing timed), a
-    smaller one eagerly; the plan says which and why, and both train as eagerly."""
-    from muonfx.optim.step import plan as plan_mod
-
+def test_nothing_compiles_unless_asked_and_adamw_runs_the_fused_kernel(monkeypatch):
+    """By the rule (``"compile": None``) nothing is compiled, whatever a group's size: a
+    group built with ``mfx.adamw`` runs torch's fused kernel, any other chain runs eagerly;
+    ``"compile": True`` compiles (from its first step, nothing timed), ``"fused": False``
+    runs the chain link by link. The plan says which and why, and all of them train alike."""
     torch._dynamo.reset()
     monkeypatch.setattr(torch, "compile", _aot_eager_compile)
-    named, ref = _named(SHAPES), _named(SHAPES)
+    big = [("w", torch.nn.Parameter(torch.zeros(4096, 4096)))]  # 2^24 elements: once the compile rule's threshold
+    plan = mfx.TransformOptimizer(big, mfx.adamw).plan.groups[0]
+    assert plan.path == "fused" and "torch._fused_adamw_" in plan.why, plan
+    plan = mfx.TransformOptimizer(big, lambda lr=1e-3: mfx.chain(mfx.scale(-lr))).plan.groups[0]
+    assert plan.path == "eager" and "only when asked" in plan.why, plan
+    named, ref, chain = _named(SHAPES), _named(SHAPES), _named(SHAPES)
     opt = mfx.TransformOptimizer(named, mfx.adamw, lr=1e-2)
-    eager = mfx.TransformOptimizer(ref, mfx.adamw, lr=1e-2)
-    assert opt.plan.groups[0].path == "eager" and "below" in opt.plan.groups[0].why
-    monkeypatch.setattr(plan_mod, "COMPILE_MIN_ELEMENTS", 0)
-    opt.replan()
-    eager.param_groups[0]["compile"] = False
+    fused = mfx.TransformOptimizer(ref, mfx.adamw, lr=1e-2)
+    eager = mfx.TransformOptimizer(chain, mfx.adamw, lr=1e-2)
+    opt.param_groups[0]["compile"] = True
+    eager.param_groups[0]["fused"] = False
     for step in range(4):
-        _grads(named, step)
-        _grads(ref, step)
+        for x in (named, ref, chain):
+            _grads(x, step)
         opt.step()
+        fused.step()
         eager.step()
         assert opt.plan.groups[0].path == "compiled", opt.plan
-    assert eager.plan.groups[0].path == "eager" and eager.plan.groups[0].why == "compile=False"
-    assert "compiled" in str(opt.plan) and "at least 0" in opt.plan.groups[0].why
-    for (n, a), (_, b) in zip(ref, named):
+    assert fused.plan.groups[0].path == "fused"
+    assert eager.plan.groups[0].path == "eager" and eager.plan.groups[0].why == "fused=False"
+    assert "compiled (compile=True)" in str(opt.plan)
+    for (n, a), (_, b), (_, c) in zip(ref, named, chain):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
 def test_tune_times_both_paths_keeps_the_faster_and_changes_nothing(monkeypatch):
@@ -460,7 +466,7 @@ def test_tune_times_both_paths_keeps_the_faster_and_changes_nothing(monkeypatch)
         assert opt.transform_state(0).count == 1
         opt.step()
         twin.step()
-        assert opt.plan.groups[0].path == ("compiled" if want else "eager")
+        assert opt.plan.groups[0].path == ("compiled" if want else "fused")
         for (n, a), (_, b) in zip(ref, named):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
@@ -496,7 +502,8 @@ def test_a_compile_that_fails_steps_eagerly_and_says_so_once(monkeypatch, caplog
     said = [r for r in caplog.records if "torch.compile failed" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in caplog.records]
     assert str(error).split(":")[0] in said[0].getMessage()
-    assert opt.plan.groups[0].path == "eager" and opt.plan.groups[0].why == "torch.compile failed on it"
+    # the group goes back to its path by the rule: AdamW's fused kernel
+    assert opt.plan.groups[0].path == "fused" and opt.plan.groups[0].why.endswith("torch.compile failed on it")
     for (n, a), (_, b) in zip(ref, named):
         assert torch.equal(a, b), n
 

@@ -102,8 +102,16 @@ def test_adamw_eager_step_holds_the_new_state_and_two_links_of_the_chain():
     raising step changes nothing): new mu and nu (2 P) and two consecutive links of the
     chain (2 P) are alive at the peak. ``opt.compile()`` fuses these away."""
     shapes = _distinct_shapes(12) | {"b": (96,)}
-    peak, model = _step_peak(mfx.adamw, shapes)
+    peak, model = _step_peak(mfx.adamw, shapes, fused=False)  # the chain, transform by transform
     assert 3.5 * model <= peak <= 4 * model + 256, peak / model
+
+
+def test_adamw_fused_step_allocates_nothing_per_parameter():
+    """AdamW's default path, torch's fused kernel on the state's own buffers, writes in
+    place: no tensor of a parameter's size is allocated during the step."""
+    shapes = _distinct_shapes(12) | {"b": (96,)}
+    peak, model = _step_peak(mfx.adamw, shapes)
+    assert peak <= 4096, peak
 
 
 @pytest.mark.parametrize("ns_dtype", sweep([torch.float32, torch.bfloat16], keep={"bfloat16"},

@@ -345,12 +345,10 @@ def test_an_optimizer_checks_its_shapes_when_its_plan_is_built(interpreter, monk
     of its compiled groups before the graph is traced (the settings it captured say the
     kernels are asked for), so the graph takes them for shapes that pass."""
     import muonfx as mfx
-    from muonfx.optim.step import plan as plan_mod
 
     monkeypatch.setattr(triton_ns, "runs_on", lambda d: True)
-    monkeypatch.setattr(plan_mod, "COMPILE_MIN_ELEMENTS", 0)
     w = torch.nn.Parameter(torch.randn(24, 24))
-    opt = mfx.TransformOptimizer([("w", w)], mfx.muon, ns_dtype=torch.bfloat16, ns_method="standard")
+    opt = mfx.TransformOptimizer([("w", w)], mfx.muon, ns_dtype=torch.bfloat16, ns_method="standard", compile=True)
     assert opt.plan.settings.triton and opt.plan.groups[0].path == "compiled"
     assert triton_ns.verdicts() == {("cpu", torch.bfloat16, 24, 24, False, None): True}
     assert "triton" in str(opt.plan)

@@ -18,6 +18,7 @@ from ..presets.predecessor import fsdp_muon
 from ..wrappers import accumulate
 from .muon_optimizer import model_labels
 from .optimizer import TransformOptimizer
+from .step.fused import FusedAdamW, register
 
 __all__ = ["FSDPMuonOptimizer", "unshard"]
 
@@ -31,6 +32,11 @@ def _adamw_accumulated(
 ) -> GradientTransformation:
     tx = adamw(lr, betas, eps, weight_decay)
     return accumulate(tx, gradient_accumulation_steps) if gradient_accumulation_steps > 1 else tx
+
+
+# without gradient accumulation the group is mfx.adamw's chain: torch's fused AdamW kernel runs it
+register(_adamw_accumulated, FusedAdamW,
+         lambda hp: None if hp.get("gradient_accumulation_steps", 1) == 1 else "gradient accumulation")
 
 
 def _is_rank_zero() -> bool:

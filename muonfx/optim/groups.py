@@ -20,9 +20,9 @@ __all__ = ["GroupRecord", "lr_multiplier", "as_factory", "factory_defaults", "ch
 
 TxOrFactory = Union[GradientTransformation, Callable[..., GradientTransformation]]
 
-#: param-group keys that belong to the adapter, not to the transform factory (``"compile"``:
-#: ``None`` for the rule, ``True``/``False``; see :mod:`muonfx.optim.step.plan`)
-ADAPTER_KEYS = frozenset({"params", "param_names", "name", "sparse_grad", "initial_lr", "compile"})
+#: param-group keys that belong to the adapter, not to the transform factory (``"compile"``
+#: and ``"fused"``: ``None`` for the rule, ``True``/``False``; see :mod:`muonfx.optim.step.plan`)
+ADAPTER_KEYS = frozenset({"params", "param_names", "name", "sparse_grad", "initial_lr", "compile", "fused"})
 
 
 def lr_multiplier(tx: GradientTransformation) -> Callable[..., GradientTransformation]:

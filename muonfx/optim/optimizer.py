@@ -54,13 +54,16 @@ class TransformOptimizer(torch.optim.Optimizer):
     parameter (``"momentum.mu"``, ``"adam.nu"``, ``"count"``); it loads with
     ``torch.load(..., weights_only=True)``.
 
-    How a step runs (eager or compiled, whole or in pieces, which Newton-Schulz dtype,
-    form and products) is decided by rules, once per set of present parameters and
+    How a step runs (eager, fused or compiled, whole or in pieces, which Newton-Schulz
+    dtype, form and products) is decided by rules, once per set of present parameters and
     static hyperparameters, in a plan you can print (:attr:`plan`); no timing decides
-    anything, so a resumed run takes the same path. Each param group has a ``"compile"``
-    entry: ``None`` (the rule: compiled from 2^24 parameter elements,
-    :data:`muonfx.optim.step.COMPILE_MIN_ELEMENTS`), ``True`` or ``False``
-    (:meth:`compile`, :meth:`tune`, or by hand); it is saved in the ``state_dict``.
+    anything, so a resumed run takes the same path. Nothing is compiled unless asked: each
+    param group has a ``"compile"`` entry, ``None`` (the rule: not compiled), ``True`` or
+    ``False`` (:meth:`compile`, :meth:`tune`, or by hand), saved in the ``state_dict``.
+    A group built with :func:`muonfx.adamw` runs torch's fused AdamW kernel
+    (``torch._fused_adamw_``, bit for bit ``torch.optim.AdamW(fused=True)``); an optional
+    ``"fused"`` entry, as torch's, turns that off (``False``: the chain, transform by
+    transform) or requires it (``True``).
 
     Example::
 

@@ -4,9 +4,9 @@ write-back (:mod:`.writeback`), pieces (:mod:`.pieces`), the compiled step
 Transforms compute; these modules execute."""
 
 from .pieces import PartialStepError
-from .plan import COMPILE_MIN_ELEMENTS, GroupPlan, Settings, StepPlan
+from .plan import GroupPlan, Settings, StepPlan
 from .run import Runner
 from .writeback import commit, write_back
 
-__all__ = ["StepPlan", "GroupPlan", "Settings", "Runner", "PartialStepError", "COMPILE_MIN_ELEMENTS", "commit",
+__all__ = ["StepPlan", "GroupPlan", "Settings", "Runner", "PartialStepError", "commit",
            "write_back"]

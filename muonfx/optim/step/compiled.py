@@ -15,6 +15,7 @@ says so once.
 
 from __future__ import annotations
 
+import time
 import types
 from typing import Any, Callable
 
@@ -129,7 +130,8 @@ class CompiledSteps:
         the compiler failed before the graph ran (nothing written; the groups ``where``
         (index, hyperparameters) step eagerly from now on, and the logger says so once)."""
         fn = self.graphs.get(key)
-        if fn is None:
+        first = fn is None
+        if first:
             fn = self.graphs[key] = _graph([(inject_hyperparams(tx)(**hp), keys) for (tx, keys), hp in zip(units, hps)],
                                            kwargs, f"muonfx_step_{len(self.graphs)}")
         pin, last = tuple(numeric_values(hp) for hp in hps), self._pins.get(key)
@@ -138,6 +140,7 @@ class CompiledSteps:
             self._specialised(last, pin, where, recompiled=False)
             return None
         frames = _compiled_frames()
+        t0 = time.monotonic()
         try:
             out = fn(grads, params, states)
         except Exception as e:
@@ -145,6 +148,12 @@ class CompiledSteps:
                 raise
             self._failed(e, where)
             return None
+        if first:
+            say_once("compiled",
+                     "muonfx: compiled the optimizer step of param group(s) %s in %.1f s (torch.compile, asked for by "
+                     "opt.compile() or the group's \"compile\" setting); torch's compile cache makes it faster in "
+                     "the next process (TORCHINDUCTOR_CACHE_DIR)", ", ".join(str(gi) for gi, _ in where),
+                     time.monotonic() - t0)
         self._pins[key] = pin
         if changed and _compiled_frames() > frames:
             self._specialised(last, pin, where, recompiled=True)

@@ -8,12 +8,18 @@ for, a compile setting of a group). The same inputs give the same plan, also aft
 resume: no timing decides anything. Per param group it holds:
 
 * the group's transform (built once per set of static hyperparameters);
-* the path: ``"compiled"`` (one ``torch.compile`` graph does the step, write-back
-  included) or ``"eager"``, by the group's ``"compile"`` setting (``True``/``False``,
-  set by :meth:`~muonfx.TransformOptimizer.compile`, :meth:`~muonfx.TransformOptimizer.tune`
-  or by hand) or, where that is ``None``, by the rule: compiled when the group holds at
-  least :data:`COMPILE_MIN_ELEMENTS` parameter elements, every parameter has a gradient,
-  none is a DTensor and they live on the CPU or a GPU; eager otherwise;
+* the path, by rules (:func:`choose_path`):
+
+  - ``"compiled"`` (one ``torch.compile`` graph does the step, write-back included)
+    only where the user asks for it: the group's ``"compile"`` setting ``True``, set by
+    :meth:`~muonfx.TransformOptimizer.compile`, :meth:`~muonfx.TransformOptimizer.tune`
+    or by hand (a compile costs a minute or more before the first step; nothing is
+    compiled by default);
+  - ``"fused"``: the group's chain computes an arithmetic torch has a fused kernel for,
+    and that kernel runs it on the group's own state (:mod:`.fused`: a group built
+    with :func:`muonfx.adamw` runs ``torch._fused_adamw_``, bit for bit
+    ``torch.optim.AdamW(fused=True)``);
+  - ``"eager"``: the chain, transform by transform, otherwise;
 * the pieces: a group whose present parameters hold more bytes than the batch budget
   (:func:`muonfx.linalg.batch_bytes`) and whose transform is leafwise
   (:func:`muonfx.leafwise`) is computed and written piece by piece (eagerly always;
@@ -40,15 +46,10 @@ from ..._compat.dtensor import is_dtensor
 from ...core import GradientTransformation, Key, is_leafwise
 from ...linalg import batching, precision, triton_ns
 from .dryrun import DryRun, dry_run
+from .fused import lowering
 from .pieces import plan_pieces
 
-__all__ = ["COMPILE_MIN_ELEMENTS", "Settings", "GroupPlan", "StepPlan"]
-
-#: a param group with at least this many parameter elements (and every parameter with a
-#: gradient, none a DTensor) is compiled unless its ``"compile"`` setting says otherwise:
-#: large enough that the one-time compilation (about a minute for GPT-2 small's AdamW on
-#: 2 CPU cores) pays for itself within a few hundred steps
-COMPILE_MIN_ELEMENTS = 1 << 24
+__all__ = ["Settings", "GroupPlan", "StepPlan"]
 
 
 @dataclass(frozen=True)
@@ -107,13 +108,14 @@ class GroupPlan:
         keys: the keys of the parameters that step (those with a gradient).
         positions: their places in the param group.
         transform: the group's transform for its static hyperparameters.
-        path: ``"compiled"`` or ``"eager"``.
+        path: ``"compiled"``, ``"fused"`` or ``"eager"``.
         why: the rule or setting that chose the path.
         pieces: ``None`` (whole) or the pieces, each a tuple of places in ``keys``.
         nbytes: the bytes of the parameters that step.
         partial: whether some parameters of the group have no gradient.
         devices: the device types of the parameters.
         dtensor: whether some parameter is a DTensor.
+        kernel: the fused kernel of a ``"fused"`` group (:mod:`.fused`), else None.
     """
 
     index: int
@@ -127,6 +129,7 @@ class GroupPlan:
     partial: bool
     devices: tuple
     dtensor: bool
+    kernel: Any = field(compare=False, default=None)
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,9 @@ def parameter_rows(plan: StepPlan, group: GroupPlan) -> list[list[str]]:
     for j, pos in enumerate(group.positions):
         p = params[pos]
         what = "elementwise"
-        if is_dtensor(p):
+        if group.path == "fused":
+            what = "elementwise, in the fused kernel" + (f" (sharded {tuple(p.placements)})" if is_dtensor(p) else "")
+        elif is_dtensor(p):
             what = f"sharded {tuple(p.placements)}"
         else:
             try:
@@ -216,43 +221,58 @@ def describe(plan: StepPlan, parameters: bool = True) -> str:
     return "\n".join(lines)
 
 
-def _elements(params: list[torch.Tensor]) -> int:
-    return sum([p.numel() for p in params])
-
-
 def choose_path(index: int, setting: Any, params_all: list[torch.Tensor], partial: bool, dtensor: bool,
-                devices: tuple, failed: bool) -> tuple[str, str]:
-    """``(path, why)`` of a group by its ``"compile"`` setting and the rules (module doc)."""
-    if dtensor:
-        return "eager", "DTensor parameters run eagerly"
-    if failed:
-        return "eager", "torch.compile failed on it"
-    if any(d not in ("cpu", "cuda") for d in devices):
-        return "eager", "parameters on " + ", ".join(sorted(set(devices)))
+                devices: tuple, failed: bool, fused: str = "") -> tuple[str, str]:
+    """``(path, why)`` of a group by its ``"compile"`` setting and the rules (module doc):
+    compiled where asked (and possible), fused where ``fused`` names the kernel that
+    computes the group's chain, eager otherwise."""
     if setting is True:
-        return "compiled", "compile=True"
+        if dtensor:
+            why = "DTensor parameters are not compiled"
+        elif failed:
+            why = "torch.compile failed on it"
+        elif any(d not in ("cpu", "cuda") for d in devices):
+            why = "parameters on " + ", ".join(sorted(set(devices))) + " are not compiled"
+        else:
+            return "compiled", "compile=True"
+        if fused:
+            return "fused", f"{fused}; {why}"
+        return "eager", why
+    if fused:
+        return "fused", fused
     if setting is False:
         return "eager", "compile=False"
-    n = _elements(params_all)
-    if n < COMPILE_MIN_ELEMENTS:
-        return "eager", f"{n:,} elements, below {COMPILE_MIN_ELEMENTS:,}"
-    if partial:
-        return "eager", "some parameters have no gradient"
-    return "compiled", f"{n:,} elements, at least {COMPILE_MIN_ELEMENTS:,}"
+    return "eager", "the chain (compiled only when asked: opt.compile())"
 
 
 def group_plan(index: int, keys: list[Key], positions: list[int], params: list[torch.Tensor],
                params_all: list[torch.Tensor], transform: GradientTransformation, setting: Any,
-               settings: Settings, failed: bool, check: Any) -> GroupPlan:
-    """The plan of one group (see the module doc): its path by :func:`choose_path`, its
+               settings: Settings, failed: bool, check: Any, factory: Any = None,
+               hp: dict | None = None, fused_setting: Any = None) -> GroupPlan:
+    """The plan of one group (see the module doc): its path by :func:`choose_path` (a
+    fused kernel by :func:`.fused.lowering` of the group's ``factory`` and hyperparameters
+    ``hp``, unless its ``"fused"`` setting is ``False``; ``True`` requires one), its
     pieces by :func:`plan_pieces` under the settings' budget, checked by ``check()``: the
     dry run of the whole group (see :func:`checked`)."""
     dtensor = any([is_dtensor(p) for p in params_all])
     devices = tuple(sorted({p.device.type for p in params_all}))
     partial = len(positions) != len(params_all)
-    path, why = choose_path(index, setting, params_all, partial, dtensor, devices, failed)
+    if not (fused_setting is None or fused_setting is True or fused_setting is False):
+        raise ValueError(f"param group {index}: 'fused' is {fused_setting!r}; it must be None (the rule), True "
+                         "(require a fused kernel) or False (run the chain)")
+    kernel, fused = (None, "fused=False") if fused_setting is False or factory is None else \
+        lowering(factory, hp or {}, params_all)
+    if fused_setting is True and kernel is None:
+        raise ValueError(f"param group {index}: 'fused' is True but no fused kernel computes its chain "
+                         f"({fused or 'only mfx.adamw groups have one'})")
+    path, why = choose_path(index, setting, params_all, partial, dtensor, devices, failed, fused if kernel else "")
+    if fused_setting is False and path == "eager" and setting is None:
+        why = "fused=False"
     nbytes = sum([p.numel() * p.element_size() for p in params])
     pieces = None
+    if path == "fused":  # in place, no temporaries: nothing to cut into pieces
+        return GroupPlan(index, tuple(keys), tuple(positions), transform, path, why, None, nbytes, partial, devices,
+                         dtensor, kernel)
     if not dtensor and is_leafwise(transform) and len(devices) == 1:
         pieces = plan_pieces(params, settings.budget(devices[0]))
     if pieces is not None or (path == "compiled" and settings.triton):

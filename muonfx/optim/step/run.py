@@ -133,7 +133,8 @@ class Runner:
             if w is None:
                 continue
             sig = tuple([(p.shape, p.dtype, p.device) for p in group["params"]])
-            out.append((gi, tuple(w.idx), static_key(w.hp), group.get("compile"), id(w.record.factory), sig))
+            out.append((gi, tuple(w.idx), static_key(w.hp), group.get("compile"), group.get("fused"),
+                        id(w.record.factory), sig))
         return tuple(out)
 
     def plan(self, records: list[GroupRecord], param_groups: list[dict], works: list[GroupWork | None]) -> StepPlan:
@@ -165,7 +166,8 @@ class Runner:
                     return self._checks[check_key]
 
                 groups.append(group_plan(gi, keys, w.idx, w.params, params_all, tx, group.get("compile"),
-                                         settings, (gi, static_key(w.hp)) in self.compiled.failed, check))
+                                         settings, (gi, static_key(w.hp)) in self.compiled.failed, check,
+                                         rec.factory, w.hp, group.get("fused")))
         sources = tuple((rec.names, list(group["params"])) for rec, group in zip(records, param_groups))
         plan = StepPlan(key, tuple(groups), settings, sources)
         self.plans[key] = plan
@@ -210,10 +212,16 @@ class Runner:
             compiled = []  # dynamo skips frames under a dispatch mode (a memory counter): eager
         eager = [x for x in groups if not any(x is c for c in compiled)]
         # compute: nothing is written until every eager group (the first piece of a group
-        # in pieces) has its update
+        # in pieces) has its update, and every fused group its checked hyperparameters
         results: dict[int, Any] = {}
         splits: dict[int, list] = {}
+        fused: list[tuple[_Group, dict]] = []
         for x in eager:
+            k = x.plan.kernel
+            if k is not None and x.plan.path == "fused":
+                if k.ready(x.state, x.work.params, x.work.grads, x.plan.keys) is None:
+                    fused.append((x, k.check(x.rec.factory, x.work.hp, x.state)))
+                    continue
             if x.plan.pieces is None:
                 results[x.plan.index] = x.compute()
             else:
@@ -230,8 +238,11 @@ class Runner:
             for x in compiled:
                 if x.plan.pieces is not None:
                     self._compiled_pieces(x, param_groups, written)
+        for x, vals in fused:  # the kernel writes the parameters and the state in place
+            x.finish(x.plan.kernel.step(x.state, vals, x.work.params, x.work.grads, x.plan.keys))
+            written.append((x, range(len(x.plan.keys))))
         for x in eager:
-            if x.plan.pieces is None:
+            if x.plan.pieces is None and x.plan.index in results:
                 us, new = results.pop(x.plan.index)
                 with torch.no_grad():
                     x.finish(commit(x.state, new, x.work.params, us))

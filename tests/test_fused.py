@@ -1,0 +1,158 @@
+"""The plan's fused lowering: a group built with ``mfx.adamw`` runs torch's fused AdamW
+kernel, bit for bit ``torch.optim.AdamW(fused=True)``; what does not match runs the chain."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import muonfx as mfx
+
+SHAPES = [(24, 16), (16,), (6, 4, 5), ()]
+
+
+def _pair(dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ps = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.5).to(dtype)) for s in SHAPES]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    return ps, qs
+
+
+def _grads(pairs, step, skip=None):
+    gen = torch.Generator().manual_seed(100 + step)
+    for i, (p, q) in enumerate(pairs):
+        if i == skip:
+            p.grad = q.grad = None
+            continue
+        g = torch.randn(p.shape, generator=gen).to(p.dtype)
+        p.grad, q.grad = g.clone(), g.clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("lr", [3e-2, "tensor"])
+def test_fused_adamw_is_torch_fused_adamw_bit_for_bit(dtype, lr):
+    """20 steps with an lr scheduler, a parameter without a gradient for a few steps
+    (its own count lags, as torch's ``state[p]["step"]``), bit for bit torch's."""
+    ps, qs = _pair(dtype)
+    lr_ = torch.tensor(3e-2) if lr == "tensor" else lr
+    opt = mfx.TransformOptimizer([(f"p{i}", p) for i, p in enumerate(ps)], mfx.adamw, lr=lr_, betas=(0.9, 0.95),
+                                 weight_decay=0.1, eps=1e-6)
+    ref = torch.optim.AdamW(qs, lr=torch.tensor(3e-2) if lr == "tensor" else lr, betas=(0.9, 0.95),
+                            weight_decay=0.1, eps=1e-6, fused=True)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5) for o in (opt, ref)]
+    for step in range(20):
+        _grads(list(zip(ps, qs)), step, skip=1 if 5 <= step < 8 else None)
+        opt.step()
+        ref.step()
+        for s in scheds:
+            s.step()
+        assert opt.plan.groups[0].path == "fused", opt.plan
+        for i, (p, q) in enumerate(zip(ps, qs)):
+            assert torch.equal(p, q), f"step {step}, p{i}: {(p.float() - q.float()).abs().max()}"
+    sd = opt.state_dict()["state"]
+    for i, q in enumerate(qs):
+        st = ref.state[q]
+        assert torch.equal(sd[i]["adam.mu"], st["exp_avg"]) and torch.equal(sd[i]["adam.nu"], st["exp_avg_sq"])
+        assert sd[i]["adam.count"] == int(st["step"].item())
+
+
+def test_the_fused_step_is_the_chain_within_the_kernels_rounding():
+    """The lowering computes what the chain computes transform by transform
+    (``"fused": False``): the same state layout, values within float32 rounding (the
+    kernel orders the arithmetic differently: measured at most a few ulps)."""
+    ps, qs = _pair()
+    fused = mfx.TransformOptimizer([(f"p{i}", p) for i, p in enumerate(ps)], mfx.adamw, lr=1e-2, weight_decay=0.1)
+    chain = mfx.TransformOptimizer([(f"p{i}", q) for i, q in enumerate(qs)], mfx.adamw, lr=1e-2, weight_decay=0.1,
+                                   fused=False)
+    for step in range(20):
+        _grads(list(zip(ps, qs)), step, skip=0 if step == 3 else None)
+        fused.step()
+        chain.step()
+    assert fused.plan.groups[0].path == "fused" and chain.plan.groups[0].path == "eager"
+    for p, q in zip(ps, qs):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    a, b = fused.state_dict(), chain.state_dict()
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        assert a["state"][i].keys() == b["state"][i].keys()
+        for k, v in a["state"][i].items():
+            if isinstance(v, torch.Tensor):
+                torch.testing.assert_close(v, b["state"][i][k], rtol=1e-5, atol=1e-7)
+            else:
+                assert v == b["state"][i][k], k
+
+
+def test_a_checkpoint_moves_between_the_fused_step_and_the_chain():
+    """Both paths read and write one state: a checkpoint of the fused step resumes in the
+    chain and the other way round."""
+    ps, qs = _pair()
+    fused = mfx.TransformOptimizer([(f"p{i}", p) for i, p in enumerate(ps)], mfx.adamw, lr=1e-2)
+    for step in range(3):
+        _grads(list(zip(ps, qs)), step)
+        fused.step()
+    chain = mfx.TransformOptimizer([(f"p{i}", p) for i, p in enumerate(ps)], mfx.adamw, lr=1e-2, fused=False)
+    chain.load_state_dict(fused.state_dict())
+    chain.param_groups[0]["fused"] = False
+    _grads(list(zip(ps, qs)), 3)
+    chain.step()
+    assert chain.transform_state(0).inner_state["adam"].count == 4
+    back = mfx.TransformOptimizer([(f"p{i}", p) for i, p in enumerate(ps)], mfx.adamw, lr=1e-2)
+    back.load_state_dict(chain.state_dict())
+    assert back.param_groups[0]["fused"] is False  # saved with the groups, as "compile" is
+    back.param_groups[0]["fused"] = None
+    _grads(list(zip(ps, qs)), 4)
+    back.step()
+    assert back.plan.groups[0].path == "fused" and back.transform_state(0).inner_state["adam"].count == 5
+
+
+def test_what_the_kernel_does_not_compute_runs_the_chain():
+    """A chain of one's own (even AdamW's links), a schedule for lr, and a prebuilt
+    transform are not lowered: the plan says eager and why."""
+    w = [("w", torch.nn.Parameter(torch.randn(4, 4)))]
+
+    def own(lr=1e-3):
+        return mfx.chain(mfx.scale_by_adam(), mfx.decoupled_decay(0.01), mfx.scale_by_learning_rate(lr))
+
+    assert mfx.TransformOptimizer(w, own).plan.groups[0].path == "eager"
+    sched = mfx.TransformOptimizer(w, mfx.adamw, lr=mfx.schedules.linear(1e-3, 0.0, 10)).plan.groups[0]
+    assert sched.path == "eager", sched
+    assert mfx.TransformOptimizer(w, mfx.adamw(lr=1e-3)).plan.groups[0].path == "eager"
+    hybrid = mfx.create_hybrid_optimizer(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)))
+    paths = sorted(g.path for g in hybrid.plan.groups)
+    assert paths == ["eager", "fused"], hybrid.plan
+    assert "torch._fused_adamw_" in str(hybrid.plan)
+
+
+def test_the_fused_setting_is_checked_and_a_bad_step_changes_nothing():
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    for bad in ("yes", 1, "false"):
+        opt = mfx.TransformOptimizer([("w", w)], mfx.adamw, fused=bad)
+        w.grad = torch.ones_like(w)
+        with pytest.raises(ValueError, match="'fused'"):
+            opt.step()
+    opt = mfx.TransformOptimizer([("w", w)], lambda lr=1e-3: mfx.scale(-lr), fused=True)
+    with pytest.raises(ValueError, match="no fused kernel"):
+        opt.step()
+    # an lr the chain refuses is refused before the kernel writes anything, in every group
+    a, b = torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.randn(3))
+    opt = mfx.TransformOptimizer([{"params": [("a", a)], "tx": mfx.muon, "lr": 0.02, "ns_dtype": torch.float32},
+                                  {"params": [("b", b)], "tx": mfx.adamw, "lr": 1e-3}], mfx.adamw)
+    a.grad, b.grad = torch.randn(3, 3), torch.randn(3)
+    opt.step()
+    before = [a.detach().clone(), b.detach().clone()], opt.state_dict()
+    for bad_lr, err in ((-1.0, ValueError), (float("nan"), ValueError)):
+        opt.param_groups[1]["lr"] = bad_lr
+        with pytest.raises(err, match="lr"):
+            opt.step()
+        assert torch.equal(a, before[0][0]) and torch.equal(b, before[0][1])
+        after = opt.state_dict()["state"]
+        for i, st in before[1]["state"].items():
+            for k, v in st.items():
+                assert (torch.equal(v, after[i][k]) if isinstance(v, torch.Tensor) else v == after[i][k]), (i, k)
+    betas = opt.param_groups[1]["betas"]
+    opt.param_groups[1]["lr"], opt.param_groups[1]["betas"] = 1e-3, (0.9, 1.5)
+    with pytest.raises(ValueError, match="betas"):
+        opt.step()
+    assert torch.equal(b, before[0][1])
+    opt.param_groups[1]["betas"] = betas
+    opt.step()
