@@ -30,7 +30,7 @@ def test_every_benchmark_and_flag_it_names_exists():
     calls = re.findall(r"(?:run|step \d+) python3 (benchmarks/\w+\.py)([^\n]*)", text)
     assert {c[0] for c in calls} == {"benchmarks/newton_schulz.py", "benchmarks/muon_step.py",
                                      "benchmarks/adamw_step.py", "benchmarks/step_memory.py",
-                                     "benchmarks/host_cost.py"}
+                                     "benchmarks/host_cost.py", "benchmarks/first_step.py"}
     for path, args in calls:
         source = (ROOT / path).read_text()
         for flag in re.findall(r"(--[\w-]+)", args):
@@ -77,11 +77,11 @@ def test_all_stops_the_step_that_outlasts_the_deadline_and_skips_the_rest(tmp_pa
     assert res.returncode == 1, res.stderr
     log = (out / "all.log").read_text()
     assert "stopped after" in log and "moe32" in log.split("stopped after")[1].splitlines()[0]
-    for skipped in ("gpt2", "pytest", "adamw_step.py", "newton_schulz.py"):
+    for skipped in ("gpt2", "first_step.py", "pytest", "adamw_step.py", "newton_schulz.py"):
         assert any(line.startswith("skipped, the budget is spent") and skipped in line for line in log.splitlines()), skipped
     summary = (out / "all.summary.txt").read_text().splitlines()
     assert any(line.startswith("stopped after") for line in summary)
-    assert sum(line.startswith("skipped, ") for line in summary) == 4
+    assert sum(line.startswith("skipped, ") for line in summary) == 5
 
 
 def test_all_runs_every_step_in_order_when_time_allows(tmp_path):
@@ -90,13 +90,13 @@ def test_all_runs_every_step_in_order_when_time_allows(tmp_path):
     assert took < 30
     assert res.returncode == 0, res.stdout + res.stderr
     # the benchmarks first, in the order of value, then the CUDA tests, AdamW, Newton-Schulz
-    order = ["muonfx info", "--sets llama1b", "--sets moe32", "--sets gpt2", "pytest", "adamw_step.py --device cuda",
-             "newton_schulz.py --only speed --device cuda"]
+    order = ["muonfx info", "--sets llama1b", "--sets moe32", "--sets gpt2", "first_step.py --device cuda", "pytest",
+             "adamw_step.py --device cuda", "newton_schulz.py --only speed --device cuda"]
     assert len(calls) == len(order)
     for call, want in zip(calls, order):
         assert want in call, (call, want)
     # the GPU-marked tests without the compile sweeps; the Triton-interpreter tests stay in the CPU suite
-    assert "tests/test_cuda.py" in calls[4] and "test_triton_ns" not in calls[4] and 'cuda and not slow' in calls[4]
+    assert "tests/test_cuda.py" in calls[5] and "test_triton_ns" not in calls[5] and 'cuda and not slow' in calls[5]
     summary = (out / "all.summary.txt").read_text()
     assert "| gpt2 |" in summary and "| moe32 |" in summary and "skipped" not in summary
     log = (out / "all.log").read_text()
