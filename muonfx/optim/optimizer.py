@@ -230,6 +230,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         """
         self._runner.compile_kwargs = {"dynamic": True, "fullgraph": True, **compile_kwargs}
         self._runner.compiled = CompiledSteps()
+        self.defaults["compile"] = True  # a group added later is compiled too
         for group in self.param_groups:
             group["compile"] = True
         self.replan()
