@@ -181,8 +181,9 @@ class TransformOptimizer(torch.optim.Optimizer):
 
             agreement = step_group(self._dtensor_ref)
             if agreement is not None:
-                from .agreement import agreed_work
+                from .agreement import agree_settings, agreed_work
 
+                agree_settings(self.records, self.param_groups, *agreement)  # what every rank must share, first
                 works = agreed_work(self.records, self.param_groups, *agreement)
         self._torch_state = None
         self._runner.step(self.records, self.param_groups, works)
