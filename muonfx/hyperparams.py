@@ -41,18 +41,19 @@ Example::
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 
 __all__ = ["check", "check_args", "check_group_values", "rule", "check_float_dtype"]
 
-#: "finite" is written as ``<= the largest float`` (the same for every number), never as
+#: "finite" is written as ``<= the largest float32`` (the same for every number), never as
 #: ``< inf``: traced with a symbolic float built from a schedule's own floats (a cosine
 #: in the graph), a comparison with infinity makes torch's value-range analysis raise
-#: "sympy expression is NaN" (2.10-2.13), which sent such compiled steps eagerly
-_MAX = sys.float_info.max
+#: "sympy expression is NaN" (2.10-2.13), which sent such compiled steps eagerly. The
+#: bound is float32's: a step computes in float32 (or narrower), where a larger number
+#: (``lr=1e39``) is infinite
+_MAX = float(torch.finfo(torch.float32).max)
 # (low, low included, high, high included, wording)
 _NON_NEGATIVE = (0.0, True, _MAX, True, ">= 0 and finite")
 _UNIT_CLOSED = (0.0, True, 1.0, True, "in [0, 1]")
@@ -126,6 +127,8 @@ def check(name: str, value: Any, count: Any = None, source: Any = None) -> float
     # comparisons become guards where math.isfinite would break the graph
     ok = (v >= lo if lo_in else v > lo) and (v <= hi if hi_in else v < hi)
     if not ok:
+        if wording.endswith("finite") and v == v and abs(v) != float("inf") and abs(v) > _MAX:
+            wording += f" in float32 (at most {_MAX:.4g} in size; the step computes in float32)"
         raise ValueError(f"hyperparameter {name!r} is {v}{_where(count, source)}; {name} must be {wording}")
     return v
 

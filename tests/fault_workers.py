@@ -212,3 +212,54 @@ def row_normalize_on_shards(rank: int, world: int, steps: int = 3, axis: str = "
         out["errors"].append({k: (ref[k] - got[k].full_tensor()).abs().max().item() for k in fulls})
         out["v_errors"] = {k: (ref_state.v[k] - state.v[k].full_tensor()).abs().max().item() for k in fulls}
     return out
+
+
+def settings_differ(rank: int, world: int) -> dict:
+    """TransformOptimizer(mfx.muon_adamw) on an FSDP2 model; one good step, then on rank 1
+    alone, each followed by a good step: another Newton-Schulz dtype, another batch budget,
+    another beta2 / lr / ns_steps / ns_method, the parameters listed in another order,
+    and an extra param group. Each attempt's error and whether anything moved."""
+    from muonfx.linalg import set_batch_bytes, set_default_ns_dtype
+
+    model = _model(world)
+    named = list(model.named_parameters())
+
+    def make(order=named, extra=False):
+        groups = [{"params": list(order)}]
+        if extra:  # a group of one more (replicated) tensor, on this rank only
+            groups.append({"params": [("extra", torch.nn.Parameter(torch.zeros(2)))], "tx": mfx.adamw})
+        return mfx.TransformOptimizer(groups if extra else list(order), mfx.muon_adamw, lr=0.02)
+
+    opt = make()
+    _backward(model, rank)
+    opt.step()
+    opt.zero_grad()
+    out: dict = {}
+
+    def attempt(name, o, undo=lambda: None):
+        _backward(model, rank)
+        out[name] = _attempt(o, model)
+        undo()
+        o.zero_grad()
+
+    if rank == 1:  # (the tests pin float32 through MUONFX_NS_DTYPE)
+        set_default_ns_dtype(torch.bfloat16)
+    opt.replan()
+    attempt("ns_dtype", opt, lambda: set_default_ns_dtype(None))
+    if rank == 1:
+        set_batch_bytes(1 << 12, "cpu")
+    attempt("budget", opt, lambda: set_batch_bytes(None, "cpu"))
+    group = opt.param_groups[0]
+    for key, value in (("adamw_betas", (0.9, 0.9)), ("lr", 0.03), ("ns_steps", 0), ("ns_method", "gram")):
+        old = group[key]
+        if rank == 1:
+            group[key] = value
+        attempt(key, opt, lambda old=old, key=key: group.__setitem__(key, old))
+    for name, o in (("order", make(named[::-1] if rank == 1 else named)), ("extra_group", make(extra=rank == 1))):
+        attempt(name, o)
+    _backward(model, rank)
+    before = _locals(model)
+    opt.step()
+    out["next_step_moved"] = all(not torch.equal(before[n], p.to_local())
+                                 for n, p in model.named_parameters() if p.to_local().numel())
+    return out

@@ -9,6 +9,17 @@ from tensordict import TensorDictBase
 from muonfx.cli import main
 
 
+def default_signals() -> None:
+    """``preexec_fn`` of a child the test sends signals to: SIGINT, SIGTERM and SIGHUP at
+    their defaults, also where the test process itself was started with them ignored
+    (``nohup ... &``, some CI runners), which a child would inherit (and Python then
+    installs no KeyboardInterrupt handler)."""
+    import signal
+
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
+
+
 def run_main(argv: list[str]) -> int:
     """``muonfx <argv>`` in this process, leaving torch's threads and RNG as they were."""
     threads = torch.get_num_threads()

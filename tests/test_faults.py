@@ -660,12 +660,12 @@ def test_sparse_gradients_are_refused_naming_the_parameter():
 def test_rank_local_faults_raise_on_every_rank_before_any_collective():
     """TransformOptimizer(mfx.muon_adamw) on an FSDP2 model, 2 gloo ranks; rank 1 alone:
 
-    * ``ns_steps=0`` in its param group: rank 1 raises the ValueError naming it, rank 0
-      RankFailed naming rank 1, within 10 s (measured: a few ms; before, rank 0 waited in
-      the all-to-all until gloo's timeout);
-    * ``ns_method="bogus"`` (its transform cannot be built): the same;
+    * ``ns_steps=0`` or ``ns_method="bogus"`` in its param group: both ranks raise the same
+      SettingsDiffer naming the setting and the ranks' values (before, rank 0 waited in the
+      all-to-all until gloo's timeout);
     * a gradient for ``0.weight`` replicated where the parameter is a row shard (the same
-      shape, another local piece): the same, the error naming the parameter and the shapes;
+      shape, another local piece): rank 1 raises the ValueError naming the parameter and
+      the shapes, rank 0 RankFailed naming rank 1, within 10 s (measured: a few ms);
     * ``grad=None`` for ``0.weight`` while rank 0 has a gradient (was gloo's "collective
       mismatch" abort): both ranks raise GradientsDiffer with the same message, naming the
       parameter and the ranks.
@@ -677,12 +677,15 @@ def test_rank_local_faults_raise_on_every_rank_before_any_collective():
     import fault_workers as fw
 
     res = run_world(fw.step_faults, 2, timeout=180)
-    for fault, match in (("ns_steps", "ns steps must be an int"), ("ns_method", "unknown method 'bogus'"),
-                         ("grad_layout", "parameter '0.weight': this rank's gradient shard has shape (16, 16)")):
-        kind, msg = res[1][fault]["error"]
-        assert kind == "ValueError" and match in msg, res[1][fault]
+    kind, msg = res[1]["grad_layout"]["error"]
+    assert kind == "ValueError" and "parameter '0.weight': this rank's gradient shard has shape (16, 16)" in msg, msg
+    kind, msg = res[0]["grad_layout"]["error"]
+    assert kind == "RankFailed" and "step() failed on rank(s) [1]" in msg, res[0]["grad_layout"]
+    # a setting on one rank alone is a difference between the ranks: the same error on both
+    for fault in ("ns_steps", "ns_method"):
+        assert res[0][fault]["error"] == res[1][fault]["error"], fault
         kind, msg = res[0][fault]["error"]
-        assert kind == "RankFailed" and "step() failed on rank(s) [1]" in msg, res[0][fault]
+        assert kind == "SettingsDiffer" and f"the ranks disagree on '{fault}' of param group 0" in msg, msg
     for fault in ("ns_steps", "ns_method", "grad_none", "grad_layout"):
         for r in range(2):
             got = res[r][fault]
@@ -694,6 +697,37 @@ def test_rank_local_faults_raise_on_every_rank_before_any_collective():
     for r in range(2):
         moved = res[r]["none_everywhere"]
         assert moved.pop("0.weight") is False and all(moved.values()), moved
+
+
+@pytest.mark.slow
+def test_ranks_that_disagree_raise_the_same_error_naming_the_setting():
+    """2 gloo ranks, an FSDP2 model; rank 1 alone has another Newton-Schulz dtype (was a
+    gloo abort, "Received data size doesn't match"), another batch budget (an abort),
+    another beta2 (a wait until the process group's timeout), lr, ns_steps or ns_method
+    (accepted silently, or one rank's error), its parameters in another order (no error
+    and two matrices 9 % off), or an extra param group (an abort). Every rank raises the
+    same SettingsDiffer naming the setting and the ranks, within seconds; nothing moves,
+    and the next step runs everywhere."""
+    from dist_harness import run_world
+
+    import fault_workers as fw
+
+    res = run_world(fw.settings_differ, 2, timeout=180)
+    want = {"ns_dtype": "the Newton-Schulz dtype on cpu", "budget": "the batch budget on cpu",
+            "adamw_betas": "'adamw_betas' of param group 0 (rank(s) [0]: (0.9, 0.95); rank(s) [1]: (0.9, 0.9))",
+            "lr": "'lr' of param group 0", "ns_steps": "'ns_steps' of param group 0",
+            "ns_method": "'ns_method' of param group 0",
+            "order": "the parameter names (in order) of param group 0 (rank(s) [0]: parameter 0: '0.weight'",
+            "extra_group": "the number of param groups (rank(s) [0]: 1; rank(s) [1]: 2)"}
+    for fault, text in want.items():
+        errors = {res[r][fault]["error"] for r in range(2)}
+        assert len(errors) == 1 and None not in errors, (fault, errors)  # the same error on every rank
+        kind, msg = errors.pop()
+        assert kind == "SettingsDiffer" and f"the ranks disagree on {text}" in msg, (fault, msg)
+        for r in range(2):
+            assert res[r][fault]["unchanged"] and res[r][fault]["seconds"] < 10, (r, fault, res[r][fault])
+    assert "MUONFX_NS_DTYPE" in res[0]["ns_dtype"]["error"][1]
+    assert res[0]["next_step_moved"] and res[1]["next_step_moved"]
 
 
 @pytest.mark.slow

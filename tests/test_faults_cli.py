@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from muonfx.cli import main
-from helpers import run_main  # noqa: E402
+from helpers import default_signals, run_main  # noqa: E402
 from muonfx.cli.checkpoint import FORMAT, content_sha256, load_checkpoint
 from muonfx.cli.corpus import load_corpus
 
@@ -104,7 +104,8 @@ def one_line_error(capsys, code: int) -> str:
 def test_ctrl_c_then_resume_is_bitwise_the_uninterrupted_run(where, call, env, tmp_path, reference, capsys):
     ck, end = tmp_path / "ck.pt", tmp_path / "end.pt"
     proc = subprocess.run([sys.executable, str(DRIVER), where, str(call), "--", *SIX, "--out", str(tmp_path / "a"),
-                           "--save", str(ck)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           "--save", str(ck)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          preexec_fn=default_signals)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 130, out
     assert "Traceback" not in out, out
@@ -121,7 +122,8 @@ def test_ctrl_c_at_an_unknown_moment_then_resume_is_exact(env, tmp_path, referen
     """A SIGINT from outside, as soon as training starts."""
     ck, end = tmp_path / "ck.pt", tmp_path / "end.pt"
     p = subprocess.Popen([sys.executable, "-m", "muonfx", *SIX, "--out", str(tmp_path / "a"), "--save", str(ck)],
-                         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         preexec_fn=default_signals)
     lines = []
     for line in p.stdout:
         lines.append(line)
@@ -140,7 +142,7 @@ def test_ctrl_c_at_an_unknown_moment_then_resume_is_exact(env, tmp_path, referen
 
 def test_ctrl_c_without_save_says_what_is_lost(env, tmp_path):
     proc = subprocess.run([sys.executable, str(DRIVER), "step", "2", "--", *SIX, "--out", str(tmp_path / "a")],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=default_signals)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 130, out
     assert "interrupted after step 2; steps 1-2 are lost (pass --save PATH to keep them on Ctrl-C)" in out
@@ -155,7 +157,8 @@ def test_fsdp_ctrl_c_saves_the_same_step_on_every_rank(env, tmp_path):
     p = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "muonfx", *SIX,
          "--fsdp", "--out", str(tmp_path / "a"), "--save", str(ck)],
-        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        preexec_fn=default_signals)
     lines = []
     try:
         for line in p.stdout:
@@ -397,7 +400,7 @@ def _signal_after_first_eval(cmd: list[str], env: dict, sig: int, group: bool = 
     """Start ``cmd``, send ``sig`` once the step-0 evaluation is printed (to the process, or
     to its whole group), return (exit status, output)."""
     p = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+                         start_new_session=True, preexec_fn=default_signals)
     lines = []
     try:
         for line in p.stdout:
@@ -457,11 +460,15 @@ def test_fsdp_sigterm_to_torchrun_saves_the_same_step_on_every_rank(env, tmp_pat
 
 
 def test_resume_reuses_the_checkpoints_thread_count_and_stays_exact(env, cache, tmp_path, capsys, monkeypatch):
-    """More threads than this machine's cores: the automatic count (``--threads 0``, load
-    based, never above the cores) cannot pick it by chance, so a resume that did not reuse
-    the checkpoint's count would round differently (1 against 2 threads: 7.5e-4 apart)."""
+    """The checkpoint's count (all of this machine's cores), where the automatic count
+    (``--threads 0``, load based) would pick another (made so here), so a resume that did
+    not reuse it would round differently (1 against 2 threads: 7.5e-4 apart). A count above
+    the machine's cores is taken down to them, with a note."""
+    from muonfx.cli import runtime
+
     monkeypatch.setenv("MUONFX_CACHE_DIR", str(cache))
-    k = (os.cpu_count() or 1) + 1
+    k = os.cpu_count() or 1
+    monkeypatch.setattr(runtime, "auto_threads", lambda: max(1, k - 1))
     i = SIX.index("--threads")
     run = SIX[:i] + SIX[i + 2:]
     assert run_main([*run, "--threads", str(k), "--out", str(tmp_path / "f"), "--save", str(tmp_path / "full.pt")]) == 0
@@ -477,8 +484,16 @@ def test_resume_reuses_the_checkpoints_thread_count_and_stays_exact(env, cache, 
     # a count given on the command line wins, and the run says what that costs
     assert run_main(["train", "--resume", str(tmp_path / "half.pt"), "--threads", "1", "--device", "cpu",
                      "--no-progress", "--out", str(tmp_path / "r1")]) == 0
-    assert (f"note: the checkpoint was trained with {k} CPU threads, this run uses 1 (--threads): the results "
-            "differ from an uninterrupted run by rounding") in capsys.readouterr().out
+    assert (f"note: the checkpoint was trained with {k} CPU thread{'s' if k != 1 else ''}, this run uses 1 "
+            "(--threads): the results differ from an uninterrupted run by rounding") in capsys.readouterr().out
+    # more threads than cores (a larger machine's checkpoint): this machine's cores, said once
+    data = torch.load(tmp_path / "half.pt", weights_only=True)
+    data["settings"]["threads"] = k + 1
+    data["sha256"] = content_sha256(data)
+    torch.save(data, tmp_path / "more.pt")
+    assert run_main(["train", "--resume", str(tmp_path / "more.pt"), "--device", "cpu", "--no-progress",
+                     "--out", str(tmp_path / "r2")]) == 0
+    assert f"trained with {k + 1} CPU threads, this run uses {k}" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from muonfx.cli import main
-from helpers import run_main  # noqa: E402
+from helpers import default_signals, run_main  # noqa: E402
 from muonfx.cli.args import DEFAULTS
 from muonfx.cli import bench as cli_bench
 from muonfx.cli import train as cli_train
@@ -308,7 +308,7 @@ def test_bench_ctrl_c_stops_the_script_in_one_line(tmp_path):
     (d / "a_slow.py").write_text('import os, time\nprint("started", os.getpid(), flush=True)\ntime.sleep(60)\n')
     (d / "b_next.py").write_text('print("never")\n')
     p = subprocess.Popen([sys.executable, "-m", "muonfx", "bench", "--dir", str(d)], env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_signals)
     child = None
     for line in p.stdout:
         if line.startswith("started"):

@@ -111,3 +111,29 @@ def test_a_dtensor_steps_python_calls_per_parameter_are_bounded(mesh):
 
     per = (calls(200) - calls(20)) / 180
     assert per <= 20, per
+
+
+def test_tune_steps_only_what_it_times_and_runs_no_hook(mesh, monkeypatch):
+    """``opt.tune()`` times the groups it can compile and puts them back; a DTensor group
+    beside them does not move (its counts stay), and the optimizer's step hooks (an
+    average of the weights kept by a hook) see no trial step."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "eager"}))
+    torch._dynamo.reset()
+    plain = torch.nn.Parameter(torch.randn(8, 8))
+    shard = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Replicate()]))
+    opt = mfx.TransformOptimizer([{"params": [("plain", plain)]}, {"params": [("shard", shard)]}], mfx.adamw, lr=0.1)
+    hooks = []
+    opt.register_step_post_hook(lambda o, a, k: hooks.append(1))
+    plain.grad = torch.randn(8, 8)
+    shard.grad = distribute_tensor(torch.randn(8, 8), mesh, [Replicate()])
+    before = plain.detach().clone(), shard.full_tensor().clone()
+    got = opt.tune(rounds=2)
+    assert got["groups"] == [0], got
+    assert torch.equal(plain, before[0]) and torch.equal(shard.full_tensor(), before[1])
+    assert opt.transform_state(0).count == 0 and opt.transform_state(1).count == 0
+    assert hooks == []
+    opt.step()
+    assert len(hooks) == 1 and opt.transform_state(1).count == 1

@@ -90,6 +90,10 @@ def _main(argv: list[str] | None) -> int:
 
         if args.script_args[:1] == ["--"]:
             args.script_args = args.script_args[1:]
+        elif args.script_args:  # a word before any "--": a benchmark's name, not every script's argument
+            print(f"muonfx bench: unexpected {args.script_args[0]!r}: name a benchmark with --only NAME "
+                  "(muonfx bench --list names them); arguments for the scripts go after --", file=sys.stderr)
+            return 2
         return run_bench(args)
     from .train_cmd import train_command
 

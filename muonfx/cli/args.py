@@ -177,6 +177,12 @@ def validate(args: argparse.Namespace) -> str | None:
         return "--compare runs two trainings from scratch; it does not combine with --save, --resume or --stop-at"
     if args.compare == args.optimizer:
         return f"--compare {args.compare} is the same as --optimizer {args.optimizer}"
+    for k in ("resume", "save", "out", "cache_dir"):  # an empty path would silently mean "none"
+        v = getattr(args, k, None)
+        if v is not None and not str(v).strip():
+            return f"--{k.replace('_', '-')} is empty; give a path (or leave the option out)"
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        return f"--out {args.out} is a file; give a folder for summary.json (and loss.png)"
     if args.resume and not os.path.exists(args.resume):
         return f"--resume {args.resume}: no such file"
     if args.device == "cuda":

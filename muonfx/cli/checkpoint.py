@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ _LAYOUT: dict[str, type | tuple[type, ...]] = {
 
 
 class CheckpointError(ValueError):
-    """A file that ``--resume`` cannot use: not a checkpoint, damaged, or inconsistent."""
+    """A file that ``--resume`` cannot use (not a checkpoint, damaged, or inconsistent), or a
+    checkpoint that ``--save`` could not write (a full disk)."""
 
 
 def _feed(h, obj: Any) -> None:
@@ -119,12 +121,44 @@ def save_checkpoint(path: str | os.PathLike, rt, model, opt, sched, step: int, g
     if torch.cuda.is_available() and rt.device.type == "cuda":
         ckpt["cuda_rng"] = torch.cuda.get_rng_state(rt.device)
     ckpt["sha256"] = content_sha256(ckpt)
+    write_atomically(path, lambda f: torch.save(ckpt, f))
+
+
+def write_atomically(path: str | os.PathLike, write: Any) -> None:
+    """``write(file)`` into a new file of a unique name created exclusively beside
+    ``path`` (never following a planted link, never overwriting another file), then
+    renamed to ``path``: a reader sees the old file or the whole new one. Where the
+    write fails (a full disk) the partial file is removed and :class:`CheckpointError`
+    says so in one line; ``path`` is left as it was.
+
+    Example::
+
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> write_atomically(os.path.join(d, "x.bin"), lambda f: f.write(b"ok"))
+        >>> open(os.path.join(d, "x.bin"), "rb").read(), sorted(os.listdir(d))
+        (b'ok', ['x.bin'])
+    """
     path = Path(path)
     if path.parent != Path(""):
         path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent if path.parent != Path("") else ".", prefix=f".{path.name[:40]}.",
+                               suffix=".tmp")  # O_CREAT | O_EXCL, mode 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError):
+            raise CheckpointError(f"cannot write {path} ({e.strerror or type(e).__name__}); nothing was "
+                                  "written there") from None
+        raise
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

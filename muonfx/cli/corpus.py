@@ -101,6 +101,20 @@ def _build(files: list[Path]) -> tuple[torch.Tensor, str, int, str]:
     return data, vocab, len(text), hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def _cache_ok(d) -> bool:
+    """Whether a loaded cache holds a whole corpus: the token tensor as long as the text,
+    every token in the vocabulary, the counts and checksum of the right types (a file
+    damaged where torch.load does not notice is rebuilt, not trained on)."""
+    if not isinstance(d, dict):
+        return False
+    data, vocab, chars = d.get("data"), d.get("vocab"), d.get("chars")
+    if not (isinstance(data, torch.Tensor) and data.ndim == 1 and not data.is_floating_point()
+            and isinstance(vocab, (list, tuple, str)) and len(vocab) > 0 and isinstance(chars, int)
+            and isinstance(d.get("files"), int) and isinstance(d.get("sha256"), str) and len(data) == chars > 1):
+        return False
+    return bool(data.min() >= 0) and bool(data.max() < len(vocab))
+
+
 def load_corpus(cache_dir: str | Path | None = None, use_cache: bool = True, root: str | Path | None = None,
                 val_fraction: float = 0.1) -> Corpus:
     """Build (or load from the cache) the stdlib corpus."""
@@ -113,8 +127,9 @@ def load_corpus(cache_dir: str | Path | None = None, use_cache: bool = True, roo
     if use_cache and path.exists():
         try:
             d = torch.load(path, weights_only=True)
-            return Corpus(d["data"].long(), d["vocab"], d["files"], d["chars"], d["sha256"], str(root),
-                          val_fraction, from_cache=True)
+            if _cache_ok(d):
+                return Corpus(d["data"].long(), d["vocab"], d["files"], d["chars"], d["sha256"], str(root),
+                              val_fraction, from_cache=True)
         except Exception:  # a damaged cache file is rebuilt
             pass
     data, vocab, chars, sha = _build(files)

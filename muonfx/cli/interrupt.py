@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM during training: finish the step, then stop (and save) at a step boundary.
+"""Ctrl-C, SIGTERM and SIGHUP during training: finish the step, then stop (and save) at a step boundary.
 
 A ``KeyboardInterrupt`` raised wherever the signal lands (between drawing a batch and
 counting the step, or inside ``opt.step()``) would leave a half-done step behind: the
@@ -8,7 +8,8 @@ while training runs, SIGINT (Ctrl-C) and SIGTERM (what SLURM, Kubernetes and
 reads it at its step boundaries (under ``--fsdp`` the flag travels with the loss
 all-reduce, so every rank stops after the same step), saves with ``--save``, and
 raises :class:`Interrupted`: the command exits with 128 + the signal's number (130
-for Ctrl-C, 143 for SIGTERM).
+for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP: a closed terminal or SSH session saves as
+SIGTERM does).
 
 Without ``--fsdp`` a second signal quits at once, without saving. Under ``--fsdp``
 every signal only asks to stop: ``torchrun`` forwards the terminal's Ctrl-C to the
@@ -25,8 +26,9 @@ from typing import Callable
 
 __all__ = ["StepInterrupt", "Interrupted", "SIGNALS"]
 
-#: the signals that stop a run at a step boundary
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: the signals that stop a run at a step boundary (SIGHUP: the terminal or the SSH session
+#: went away; where the platform has it)
+SIGNALS = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
 
 
 class Interrupted(KeyboardInterrupt):

@@ -16,11 +16,12 @@ import dataclasses
 import math
 import os
 import signal
+import sys
 import time
 
 import torch
 
-from .checkpoint import restore, save_checkpoint
+from .checkpoint import CheckpointError, restore, save_checkpoint
 from .corpus import Corpus, sample_batch
 from .estimate import RunClock
 from .interrupt import Interrupted, StepInterrupt
@@ -122,6 +123,13 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
         return _train(args, name, corpus, rt, lr, checkpoint, then, ctrl_c)
 
 
+
+def _is_terminal(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # a closed or replaced stream
+        return False
+
 def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, checkpoint: dict | None,
            then: str | None, ctrl_c: StepInterrupt) -> dict:
     cfg = dataclasses.replace(MODELS[args.model], vocab=corpus.vocab_size)
@@ -143,7 +151,8 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
         start = restore(checkpoint, rt, model, opt, sched, gen)
         history = checkpoint["history"]
     stop = args.stop_at or args.steps
-    log = Progress(stop, start, name, enabled=rt.is_main and not args.no_progress)
+    # the bar only on a terminal: a redirected log gets the loss lines, not a bar line per update
+    log = Progress(stop, start, name, enabled=rt.is_main and not args.no_progress and _is_terminal(sys.stderr))
     say = log.write if rt.is_main else (lambda line: None)
     clock = RunClock(args.steps, stop, args.eval_every, args.eval_batches)
     where = f"{rt.device.type}" + (f" ({torch.get_num_threads()} thread(s))" if rt.device.type == "cpu" else "")
@@ -174,9 +183,17 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
     pending: list[torch.Tensor] = []
     sync_every = 1 if rt.device.type == "cpu" else 10
 
+    save_error: list[str] = []
+
     def save() -> None:
         if args.save:
-            save_checkpoint(args.save, rt, model, opt, sched, step, gen, history, _settings(args, name), corpus.sha256)
+            try:
+                save_checkpoint(args.save, rt, model, opt, sched, step, gen, history, _settings(args, name),
+                                corpus.sha256)
+            except CheckpointError as e:  # a full disk: said in one line, the partial file removed
+                save_error.append(str(e))
+                say(f"[{name}] could not save step {step}: {e}")
+                return
             say(f"[{name}] saved step {step} to {args.save}")
 
     interrupted = False
@@ -250,6 +267,8 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
         "tokens_per_s": round(trained * B * T / train_seconds, 1),  # training steps only, evaluations excluded
         "val_curve": history["val"], "train_curve": history["train"],
     }
+    if save_error:
+        rec["save_error"] = save_error[-1]
     say(f"[{name}] done: {trained} steps in {format_time(seconds)}; final train {rec['final_train_loss']:.4f}, "
         f"val {rec['final_val_loss']:.4f}")
     return rec

@@ -70,7 +70,7 @@ def gpt2_on_cpu_note(steps: int, prog: str) -> str:
             f"first run: {prog} --model tiny (the default, under a second a step) or --model small, or fewer --steps")
 
 
-def threads_note(saved: int | None, now: int) -> str | None:
+def threads_note(saved: int | None, now: int, capped: bool = False) -> str | None:
     """A note when ``--threads`` makes a resumed CPU run use another thread count than its
     checkpoint's (``saved``): the sums of the model's products then round differently, so
     the run goes on close to, not bit for bit as, the uninterrupted one. None when they agree.
@@ -84,6 +84,9 @@ def threads_note(saved: int | None, now: int) -> str | None:
     """
     if saved is None or saved == now:
         return None
+    if capped:  # more than this machine's cores
+        return (f"note: the checkpoint was trained with {saved} CPU threads, this run uses {now} (this machine's "
+                "cores): the results differ from an uninterrupted run by rounding")
     return (f"note: the checkpoint was trained with {saved} CPU thread{'s' if saved != 1 else ''}, this run uses "
             f"{now} (--threads): the results differ from an uninterrupted run by rounding (drop --threads to "
             "continue bit for bit)")
@@ -106,14 +109,17 @@ def prepare(args) -> dict | None:
         err = check_settings(saved)
         if err:
             raise UsageError(f"--resume {args.resume}: {err}")
-        for k in RUN_KEYS:
+        for k in RUN_KEYS + ("amp",):  # (another autocast computes another run)
             given = getattr(args, k, None)
             if given is not None and k in saved and given != saved[k]:
                 raise UsageError(f"--resume: the checkpoint was trained with --{k.replace('_', '-')} {saved[k]}, "
                                  f"not {given}; drop the option or pass the same value")
         args.threads_given = args.threads is not None
         if args.threads is None and isinstance(saved.get("threads"), int):
-            args.threads = saved["threads"]  # the same sums, rounded the same way: exact
+            # the same sums, rounded the same way: exact; but never more threads than this machine has cores
+            # (a checkpoint from a larger machine, or a damaged one asking for a million)
+            args.threads = max(0, min(saved["threads"], os.cpu_count() or 1))
+            args.threads_capped = args.threads != saved["threads"]
         resolve(args, saved)
     else:
         resolve(args)
@@ -158,8 +164,10 @@ def run_train(args, argv: list[str], prog: str = "muonfx train") -> int:
     try:
         if rt.is_main and rt.device.type == "cpu" and args.model == "gpt2":
             print(gpt2_on_cpu_note(args.steps, args.prog), flush=True)
-        if ckpt is not None and rt.is_main and rt.device.type == "cpu" and getattr(args, "threads_given", False):
-            note = threads_note(ckpt["settings"].get("threads"), torch.get_num_threads())
+        if ckpt is not None and rt.is_main and rt.device.type == "cpu" and (
+                getattr(args, "threads_given", False) or getattr(args, "threads_capped", False)):
+            note = threads_note(ckpt["settings"].get("threads"), torch.get_num_threads(),
+                                getattr(args, "threads_capped", False) and not getattr(args, "threads_given", False))
             if note:
                 print(note, flush=True)
         corpus = load_corpus(args.cache_dir, use_cache=not args.no_cache)
@@ -203,6 +211,7 @@ def run_train(args, argv: list[str], prog: str = "muonfx train") -> int:
             note = plot_losses(runs, out / "loss.png", title, cmp)
             files.append(out / "loss.png")
         write_json(out / "summary.json", summary)
+        unsaved = [rec["save_error"] for rec in runs.values() if rec.get("save_error")]
         print()
         for n, rec in runs.items():
             print(f"{n:>12}: final val loss {rec['final_val_loss']:.4f} (train {rec['final_train_loss']:.4f}), "
@@ -219,7 +228,9 @@ def run_train(args, argv: list[str], prog: str = "muonfx train") -> int:
         if note:
             print(note)
         print("wrote " + ", ".join(str(f) for f in files))
-        return 0
+        for err in unsaved:  # the training is in summary.json; the checkpoint is not on disk
+            print(f"{prog}: error: --save: {err}", file=sys.stderr)
+        return 1 if unsaved else 0
     finally:
         teardown(rt, completed)
         sys.stdout.flush()
@@ -235,7 +246,8 @@ def train_command(args, argv: list[str], prog: str = "muonfx train") -> int:
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (the run stopped at a step boundary)
         signum = getattr(e, "signum", signal.SIGINT)
         if os.environ.get("RANK", "0") == "0":  # under torchrun: once, not once per rank
-            print(f"{prog}: {'interrupted' if signum == signal.SIGINT else 'terminated (SIGTERM)'}", file=sys.stderr)
+            print(f"{prog}: {'interrupted' if signum == signal.SIGINT else f'terminated ({signal.Signals(signum).name})'}",
+                  file=sys.stderr)
         return 128 + signum
     except Exception as e:
         from .checkpoint import CheckpointError

@@ -10,8 +10,10 @@ and ``grad=None`` on others raises :class:`GradientsDiffer` on every rank.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Sequence
 
+import torch
 import torch.distributed as dist
 
 from ..core import check_like, key_str
@@ -21,7 +23,7 @@ from ..hyperparams import check_group_values
 from ..wrappers import hyperparam_values, signature
 from .groups import gather
 
-__all__ = ["agreed_work", "GradientsDiffer"]
+__all__ = ["agreed_work", "agree_settings", "GradientsDiffer", "SettingsDiffer"]
 
 
 class GradientsDiffer(ValueError):
@@ -99,3 +101,118 @@ def _check_work(rec, w) -> None:
             if tuple(gl.shape) != tuple(p.to_local().shape):
                 raise ValueError(f"parameter {key_str(key)!r}: this rank's gradient shard has shape "
                                  f"{tuple(gl.shape)}, its parameter shard {tuple(p.to_local().shape)}")
+
+
+class SettingsDiffer(ValueError):
+    """Raised on every rank, with the same message, when the ranks of a DTensor step do not
+    share what they must: the Newton-Schulz dtype of the exchange, the batch budget, the
+    parameters (their names, in order, and how many per group), a group's static settings
+    or its numbers (lr, betas, ns_steps, ...). No rank changed anything.
+
+    Attributes:
+        setting: what differs (e.g. ``"the Newton-Schulz dtype on cpu"``).
+        values: ``{value: [ranks]}``.
+    """
+
+    def __init__(self, setting: str, values: dict[str, list[int]], hint: str) -> None:
+        self.setting, self.values = setting, values
+        shown = "; ".join(f"rank(s) {ranks}: {value}" for value, ranks in values.items())
+        super().__init__(f"step(): the ranks disagree on {setting} ({shown}); {hint}. No rank changed anything.")
+
+
+#: what each slot of the digest covers, and what to do about a difference
+_SLOTS = (
+    ("layout", "build the optimizer with the same param groups and parameters on every rank"),
+    ("names", "build the optimizer from the same model on every rank, its parameters in the same order"),
+    ("static", "give every rank the same settings"),
+    ("numbers", "give every rank the same hyperparameters"),
+    ("ns_dtype", "set MUONFX_NS_DTYPE (or ns_dtype, or muonfx.linalg.set_default_ns_dtype) the same on every node"),
+    ("budget", "call muonfx.linalg.set_batch_bytes with the same value on every rank (or on none)"),
+)
+
+
+def _stable(value: Any) -> str:
+    """A text for ``value`` that is the same in every process (no object ids)."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return repr(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return repr(float(value))
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_stable(v) for v in value) + ")"
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def _readable(records: Sequence[Any], param_groups: Sequence[dict], device_types: list[str]) -> list[list]:
+    """Per slot, ``[(label, text)]``: what every rank must share."""
+    from ..linalg import batching, precision
+
+    pinned = precision.pinned_ns_dtype()
+    out: list[list] = [[("the number of param groups", str(len(param_groups)))], [], [], [], [], []]
+    for gi, (rec, group) in enumerate(zip(records, param_groups)):
+        out[0].append((f"the number of parameters of param group {gi}", str(len(group["params"]))))
+        names = getattr(rec, "_names_text", None)
+        if names is None:
+            names = rec._names_text = "\n".join(rec.names)
+        out[1].append((f"the parameter names (in order) of param group {gi}", names))
+        for k in sorted(group):
+            if k in ("params", "param_names", "initial_lr"):
+                continue
+            v = group[k]
+            number = (isinstance(v, (int, float)) and not isinstance(v, bool)) or \
+                (isinstance(v, torch.Tensor) and v.numel() == 1) or \
+                (isinstance(v, (tuple, list)) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                            for x in v))
+            out[3 if number else 2].append((f"{k!r} of param group {gi}", _stable(v)))
+        out[2].append((f"the transform of param group {gi}", _stable(rec.factory) if not callable(rec.factory) else
+                       f"{getattr(rec.factory, '__module__', '')}.{getattr(rec.factory, '__qualname__', '')}"))
+    for d in device_types:
+        dt = pinned if pinned is not None else precision.device_ns_dtype(torch.device(d))
+        out[4].append((f"the Newton-Schulz dtype on {d}", str(dt).removeprefix("torch.")))
+        out[5].append((f"the batch budget on {d}", f"{batching.batch_bytes(d)} bytes"))
+    return out
+
+
+def _digest(slot: list) -> int:
+    h = hashlib.sha256("\x00".join(f"{a}\x01{b}" for a, b in slot).encode()).digest()
+    return int.from_bytes(h[:8], "little", signed=True)
+
+
+def agree_settings(records: Sequence[Any], param_groups: Sequence[dict], group, device) -> None:
+    """Check that every rank of the step shares what the exchange and the transforms need
+    to agree on (the slots of :data:`_SLOTS`), in one all-gather of a few fixed-size
+    digests: the step's first collective, so a difference raises the same
+    :class:`SettingsDiffer` on every rank instead of a mismatched collective (an abort,
+    or a wait until the process group's timeout) or a silently wrong update (parameters
+    listed in another order). The readable values are gathered only when a digest differs."""
+    slots = _readable(records, param_groups, [torch.device(device).type])  # (the mesh's device: the exchange's)
+    mine = torch.tensor([_digest(s) for s in slots], dtype=torch.int64, device=device)
+    world = dist.get_world_size(group)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    table = torch.stack(every)
+    differ = [i for i in range(len(slots)) if bool((table[:, i] != table[0, i]).any())]
+    if not differ:
+        return
+    texts: list = [None] * world
+    dist.all_gather_object(texts, slots, group=group)  # the error path only
+    for i in differ:
+        labels = [dict(t[i]) for t in texts]
+        for label in dict.fromkeys(lab for t in labels for lab in t):
+            by_value: dict[str, list[int]] = {}
+            for r, t in enumerate(labels):
+                v = t.get(label, "(none)")
+                by_value.setdefault(v if len(v) < 200 else v[:197] + "...", []).append(r)
+            if len(by_value) > 1:
+                if i == 1:  # names: say where they first differ, not the whole lists
+                    by_value = _first_difference(labels, label)
+                raise SettingsDiffer(label, by_value, _SLOTS[i][1])
+    raise SettingsDiffer(_SLOTS[differ[0]][0], {}, _SLOTS[differ[0]][1])  # (digests differ, texts do not)
+
+
+def _first_difference(labels: list[dict], label: str) -> dict[str, list[int]]:
+    lists = [t.get(label, "").split("\n") for t in labels]
+    n = next((j for j in range(max(map(len, lists))) if len({tuple(x[j:j + 1]) for x in lists}) > 1), 0)
+    out: dict[str, list[int]] = {}
+    for r, x in enumerate(lists):
+        out.setdefault(f"parameter {n}: {x[n] if n < len(x) else '(none)'!r}", []).append(r)
+    return out

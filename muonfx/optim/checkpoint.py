@@ -40,7 +40,12 @@ def param_groups_for_saving(groups: list[dict]) -> list[dict]:
 
 def _check_value(gi: int, name: str, saved: Any, current: Any) -> None:
     """``ValueError`` naming the group and key when a saved hyperparameter cannot
-    stand where the current one does (a string for a number, NaN, another length)."""
+    stand where the current one does (a string for a number, NaN, another length; an
+    adapter setting, ``"compile"`` or ``"fused"``, other than None, True or False)."""
+    if name in ("compile", "fused"):
+        if not (saved is None or saved is True or saved is False):
+            raise ValueError(f"param group {gi}: saved {name!r} is {saved!r}; it must be None, True or False")
+        return
     if isinstance(current, bool) or not isinstance(current, (numbers.Real, tuple, list, torch.Tensor)):
         return
     if isinstance(current, (tuple, list)):
@@ -120,8 +125,8 @@ def load(records: list[GroupRecord], param_groups: list[dict], state_dict: dict[
             diff = [(a, b) for a, b in zip(names, mine) if a != b][:5]
             raise ValueError(f"param group {gi}: parameter names differ (saved, current): {diff}")
         for k, v in saved.items():
-            if k in group and k not in ("params", "param_names"):
-                _check_value(gi, k, v, group[k])
+            if (k in group or k in ("compile", "fused")) and k not in ("params", "param_names"):
+                _check_value(gi, k, v, group.get(k))
         flat = {k: dict(state_dict["state"].get(pid, {})) for k, pid in zip(rec.keys, ids)}
         names_map = {k: key_str(k) for k in rec.keys}
         new_states.append(unflatten_per_param(rec.state, rec.keys, flat, names_map))

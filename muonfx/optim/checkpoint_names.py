@@ -164,6 +164,24 @@ def _cast_like(template: Any, value: Any, where: str) -> Any:
     return value
 
 
+#: the largest step count a checkpoint may hold (a count is a Python int; beyond 2^53 a
+#: schedule's float arithmetic on it is no longer exact)
+MAX_COUNT = 1 << 53
+
+
+def _count(value: Any, where: str) -> int:
+    """A saved step count: a whole number in ``[0, MAX_COUNT]`` (an int, a whole float, or
+    a one-element tensor holding one), else ``ValueError`` naming ``where`` (a hand-edited ``-3``, ``True``,
+    ``'5'`` or ``1e30`` is refused at load, not met later by a schedule)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool:
+        value = value.item()  # (torch.optim keeps its steps as float tensors)
+    if type(value) is float and value.is_integer() and 0 <= value <= MAX_COUNT:
+        value = int(value)
+    if type(value) is not int or not 0 <= value <= MAX_COUNT:
+        raise ValueError(f"{where}: {value!r} where a step count (a whole number from 0 to 2^53) is expected")
+    return value
+
+
 def unflatten_per_param(template: Any, keys: list[Key], flat: dict[Key, dict[str, Any]],
                         names: dict[Key, str]) -> Any:
     """A state shaped like ``template`` with values from ``flat`` (see :func:`flatten_per_param`).
@@ -204,7 +222,7 @@ def unflatten_per_param(template: Any, keys: list[Key], flat: dict[Key, dict[str
             counts = []
             for k in leaf.keys:
                 o = owner(k, params)
-                counts.append(_cast_like(0, flat[o][name], f"state {name!r} of {names[o]!r}"))
+                counts.append(_count(flat[o][name], f"state {name!r} of {names[o]!r}"))
             out[pos] = from_values(leaf.keys, counts)
         else:
             holders = [k for k in keys if scope is None or k in scope]

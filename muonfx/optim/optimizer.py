@@ -181,8 +181,9 @@ class TransformOptimizer(torch.optim.Optimizer):
 
             agreement = step_group(self._dtensor_ref)
             if agreement is not None:
-                from .agreement import agreed_work
+                from .agreement import agree_settings, agreed_work
 
+                agree_settings(self.records, self.param_groups, *agreement)  # what every rank must share, first
                 works = agreed_work(self.records, self.param_groups, *agreement)
         self._torch_state = None
         self._runner.step(self.records, self.param_groups, works)
@@ -230,6 +231,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         """
         self._runner.compile_kwargs = {"dynamic": True, "fullgraph": True, **compile_kwargs}
         self._runner.compiled = CompiledSteps()
+        self.defaults["compile"] = True  # a group added later is compiled too
         for group in self.param_groups:
             group["compile"] = True
         self.replan()

@@ -101,6 +101,8 @@ class MuonOptions:
         check_args(lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay, eps=self.eps)
         check_float_dtype("ns_dtype", self.ns_dtype)
         check_float_dtype("mu_dtype", self.mu_dtype)
+        if not isinstance(self.nesterov, bool):  # 'yes' or 1 would silently read as True
+            raise TypeError(f"hyperparameter 'nesterov' is {self.nesterov!r}; it must be True or False")
 
     def kwargs(self) -> dict[str, Any]:
         """The options as keyword arguments (``muon(**opts.kwargs())``)."""

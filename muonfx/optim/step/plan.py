@@ -260,6 +260,9 @@ def group_plan(index: int, keys: list[Key], positions: list[int], params: list[t
     if not (fused_setting is None or fused_setting is True or fused_setting is False):
         raise ValueError(f"param group {index}: 'fused' is {fused_setting!r}; it must be None (the rule), True "
                          "(require a fused kernel) or False (run the chain)")
+    if not (setting is None or setting is True or setting is False):
+        raise ValueError(f"param group {index}: 'compile' is {setting!r}; it must be None (the rule: not "
+                         "compiled), True (compile the group's step) or False")
     kernel, fused = (None, "fused=False") if fused_setting is False or factory is None else \
         lowering(factory, hp or {}, params_all)
     if fused_setting is True and kernel is None:

@@ -53,7 +53,9 @@ def tune(opt: Any, rounds: int = 3) -> dict[str, Any]:
     Every group that can run compiled (no DTensor parameters, on the CPU or a GPU) is
     stepped eagerly and compiled in turn (the first compiled step compiles, untimed),
     ``rounds`` timed steps each, alternating; after every step the parameters and the
-    state are put back. The compiled path is kept when its fastest step is below
+    state are put back. Only those groups step (the runner is called with their work
+    alone: the other groups, a DTensor group among them, do not move), and no step hook
+    of the optimizer runs (a hook that keeps an average of the weights sees no trial step). The compiled path is kept when its fastest step is below
     :data:`MARGIN` of eager's fastest. Returns ``{"eager": s, "compiled": s, "compile":
     bool, "groups": [indices]}`` and sets those groups' ``"compile"`` to the choice.
     """
@@ -79,12 +81,16 @@ def tune(opt: Any, rounds: int = 3) -> dict[str, Any]:
                 rec.state = commit(rec.state, _clone(s))
             opt._torch_state = None
 
+        from ..groups import gather
+
         def timed(compiled: bool) -> float:
             for gi in groups:
                 opt.param_groups[gi]["compile"] = compiled
+            works = [gather(rec, g) if gi in groups else None
+                     for gi, (rec, g) in enumerate(zip(opt.records, opt.param_groups))]
             _sync(devices)
             t0 = time.perf_counter()
-            opt.step()
+            opt._runner.step(opt.records, opt.param_groups, works)  # the timed groups only, no hooks
             _sync(devices)
             took = time.perf_counter() - t0
             restore()
