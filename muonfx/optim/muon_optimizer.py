@@ -11,6 +11,7 @@ from ..logs import say_once
 from ..presets import adamw, default_muon_labels, muon
 from ..presets.options import MeaningChangedWarning, takes_muon_options
 from .optimizer import TransformOptimizer
+from .qk_clip import QKClip
 
 __all__ = ["MuonOptimizer", "create_hybrid_optimizer", "model_labels", "MeaningChangedWarning"]
 
@@ -118,6 +119,7 @@ class MuonOptimizer(TransformOptimizer):
         adamw_betas: tuple[float, float] = ADAMW_FALLBACK["adamw_betas"],
         adamw_eps: float = ADAMW_FALLBACK["adamw_eps"],
         adamw_weight_decay: float = ADAMW_FALLBACK["adamw_weight_decay"],
+        qk_clip: QKClip | None = None,
         **muon_options: Any,
     ) -> None:
         if not isinstance(strict, bool):
@@ -134,7 +136,7 @@ class MuonOptimizer(TransformOptimizer):
         else:
             groups, fallbacks = self._split_params(params, fallback)
         fallback_groups = [gi for gi, g in enumerate(groups) if any(g is f for f in fallbacks)]
-        super().__init__(groups, muon, **muon_options)
+        super().__init__(groups, muon, qk_clip=qk_clip, **muon_options)
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
                 if p.ndim < 2 and self.records[gi].factory is muon:
@@ -226,6 +228,7 @@ def create_hybrid_optimizer(
     adamw_betas: tuple[float, float] = (0.9, 0.95),
     adamw_eps: float = 1e-8,
     labels: Callable[[str, torch.Tensor], Hashable] | None = None,
+    qk_clip: QKClip | None = None,
     **muon_options: Any,
 ) -> TransformOptimizer:
     """One optimizer: Muon for hidden matrices, AdamW for embeddings, head, biases, norms.
@@ -271,4 +274,4 @@ def create_hybrid_optimizer(
         ))
     if not param_groups:
         raise ValueError("create_hybrid_optimizer: the model has no trainable parameters")
-    return TransformOptimizer(param_groups, muon)
+    return TransformOptimizer(param_groups, muon, qk_clip=qk_clip)

@@ -15,6 +15,7 @@ from .._compat.dtensor import is_dtensor
 from ..core import key_str
 from ..wrappers import signature
 from . import checkpoint
+from .qk_clip import QKClip
 from .groups import ADAPTER_KEYS, GroupRecord, TxOrFactory, as_factory, check_known, factory_defaults
 from .step import Runner, StepPlan
 from .step.compiled import CompiledSteps
@@ -38,6 +39,9 @@ class TransformOptimizer(torch.optim.Optimizer):
         **hyperparams: defaults for every group (``lr``, ``weight_decay``, ``momentum``,
             ``betas``, ...). They live in ``param_groups`` and are read at every step, so
             lr schedulers and hand edits take effect.
+        qk_clip: a :class:`muonfx.QKClip` (QK-clip, Kimi K2's "MuonClip"): the groups
+            holding its layout's weights end their chain with :func:`muonfx.qk_clip`, and
+            every step passes them the recorder's statistics and resets it.
 
     A step computes exactly what the functional loop computes (``update`` then
     ``apply_updates``), for any transform, yours included; then it writes the new state
@@ -75,7 +79,12 @@ class TransformOptimizer(torch.optim.Optimizer):
         >>> opt.step(); sched.step(); opt.zero_grad()
     """
 
-    def __init__(self, params: Iterable[Any], tx: TxOrFactory, **hyperparams: Any) -> None:
+    def __init__(self, params: Iterable[Any], tx: TxOrFactory, *, qk_clip: QKClip | None = None,
+                 **hyperparams: Any) -> None:
+        if qk_clip is not None and not isinstance(qk_clip, QKClip):
+            raise TypeError(f"qk_clip must be a muonfx.QKClip, got {type(qk_clip).__name__}")
+        #: the QK-clip option (:class:`muonfx.QKClip`), or None
+        self.qk_clip = qk_clip
         self._default_tx = tx
         self._default_factory = as_factory(tx)
         #: one record per param group (factory, keys, functional state)
@@ -93,6 +102,8 @@ class TransformOptimizer(torch.optim.Optimizer):
         # the default transform (OneCycleLR's cycle_momentum looks for "momentum" or
         # "betas" there), the ones given here overriding the factory's defaults.
         super().__init__(params, {**factory_defaults(self._default_factory), "compile": None, **hyperparams})
+        if qk_clip is not None:
+            qk_clip.check_params({n for rec in self.records for n in rec.names})
 
     # ``opt.state`` is torch's per-parameter view of the functional state, built when read
     @property
@@ -136,6 +147,8 @@ class TransformOptimizer(torch.optim.Optimizer):
                 from ..distributed import check_params
 
                 self._dtensor_ref = check_params(names, group["params"], self._dtensor_ref)
+            if self.qk_clip is not None:
+                factory = self.qk_clip.follow(factory, [str(n) for n in names])
             rec = GroupRecord.create(factory, names, group)
         except Exception:
             self.param_groups.pop()  # leave the optimizer as it was before this call
@@ -280,7 +293,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         the compile keywords."""
         return {"defaults": self.defaults, "param_groups": self.param_groups, "records": self.records,
                 "_default_tx": self._default_tx, "_default_factory": self._default_factory,
-                "_dtensor_ref": self._dtensor_ref, "compile_kwargs": self._runner.compile_kwargs}
+                "_dtensor_ref": self._dtensor_ref, "qk_clip": self.qk_clip, "compile_kwargs": self._runner.compile_kwargs}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         kwargs = state.pop("compile_kwargs", None)
