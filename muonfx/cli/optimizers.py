@@ -20,6 +20,7 @@ import torch
 from ..core import GradientTransformation
 from ..optim import TransformOptimizer
 from ..optim.muon_optimizer import create_hybrid_optimizer
+from ..optim.routing import check_muon_reached, routes
 from ..presets import standard as presets
 from ..presets.options import MuonOptions
 
@@ -91,6 +92,8 @@ def build_optimizer(name: str, model: torch.nn.Module, lr: float | None, adamw_l
         return TransformOptimizer(named, factory, lr=lr, adamw_lr=adamw_lr, **kw, **muon_kw)
     matrices = [(n, p) for n, p in named if p.ndim >= 2]
     rest = [(n, p) for n, p in named if p.ndim < 2]
+    check_muon_reached(f"--optimizer {name}", routes(named, lambda n, p: "muon" if p.ndim >= 2 else "adamw"),
+                       allow=False)
     groups = [dict(params=matrices, tx=factory, lr=lr, **muon_kw)]
     if rest:
         groups.append(dict(params=rest, tx=presets.adamw, lr=adamw_lr, betas=ADAMW_BETAS, weight_decay=weight_decay))

@@ -7,6 +7,7 @@ and hands each step to its :class:`~muonfx.optim.step.Runner`, which runs it by 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Iterable
 
 import torch
@@ -206,9 +207,10 @@ class TransformOptimizer(torch.optim.Optimizer):
         """How steps run: the plan of the last step, or (before the first) of a step in
         which every parameter has a gradient. ``print(opt.plan)`` shows each group's
         path, pieces and settings, and what its transform does with each parameter."""
-        if self._runner.last is not None:
-            return self._runner.last
-        return self._runner.preview(self.records, self.param_groups)
+        plan = self._runner.last if self._runner.last is not None else \
+            self._runner.preview(self.records, self.param_groups)
+        routing = getattr(self, "routing", None)
+        return dataclasses.replace(plan, routing=tuple(routing)) if routing else plan
 
     def replan(self) -> None:
         """Build the plans anew at the next step, reading the process settings again
@@ -293,7 +295,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         the compile keywords."""
         return {"defaults": self.defaults, "param_groups": self.param_groups, "records": self.records,
                 "_default_tx": self._default_tx, "_default_factory": self._default_factory,
-                "_dtensor_ref": self._dtensor_ref, "qk_clip": self.qk_clip, "compile_kwargs": self._runner.compile_kwargs}
+                "_dtensor_ref": self._dtensor_ref, "qk_clip": self.qk_clip, "routing": getattr(self, "routing", None), "compile_kwargs": self._runner.compile_kwargs}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         kwargs = state.pop("compile_kwargs", None)

@@ -141,6 +141,8 @@ class StepPlan:
     settings: Settings
     #: names and parameters of every param group (for the description)
     sources: tuple = field(compare=False, default=())
+    #: where the optimizer sent each parameter: ``(name, shape, route, rule)`` (for the description)
+    routing: tuple = field(compare=False, default=())
 
     @property
     def compiled(self) -> tuple:
@@ -216,6 +218,10 @@ def describe(plan: StepPlan, parameters: bool = True) -> str:
             widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))] if rows else []
             for r in rows:
                 lines.append("    " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if plan.routing:
+        from ..routing import format_routes
+
+        lines.append("  " + format_routes(plan.routing))
     if not plan.groups:
         lines.append("  (no parameter has a gradient)")
     return "\n".join(lines)
