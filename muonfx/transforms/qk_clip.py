@@ -177,8 +177,8 @@ def qk_clip(tau: float = 100.0, alpha: float = 0.5, layout: Mapping[str, QKLayou
         >>> p = TensorDict({"q": torch.ones(2, 3), "k": torch.ones(2, 3)}, [])
         >>> u = TensorDict({"q": torch.ones(2, 3), "k": torch.ones(2, 3)}, [])
         >>> out, _ = tx.update(u, tx.init(p), p, qk_logit_max={"attn": torch.tensor([50.0, 400.0])})
-        >>> mfx.apply_updates(p, out)["q"][:, 0].tolist()      # head 1: (1 + 1) * 0.5 ** 0.5
-        [2.0, 1.4142135381698608]
+        >>> mfx.apply_updates(p, out)["q"][:, 0].tolist()      # head 1: (1 + 1) * (100 / 400) ** 0.5
+        [2.0, 1.0]
     """
     tau, alpha = float(check("tau", tau)), float(alpha)
     if not tau > 0:
