@@ -10,7 +10,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from ..core import GradientTransformation, Key, build, key_str, leafwise_if, leaves
+from ..core import GradientTransformation, Key, build, key_str, leafwise_if, leaves, takes_extra_args
 from ..linalg import precision
 from ..ops import foreach
 from ..wrappers import InjectHyperparamsState, inject_hyperparams, signature
@@ -31,7 +31,7 @@ def lr_multiplier(tx: GradientTransformation) -> Callable[..., GradientTransform
     :class:`muonfx.TransformOptimizer` uses it for pre-built transforms, so that
     ``group["lr"]`` (and any lr scheduler) scales the whole update: ``out = lr * tx(u)``.
     With ``lr == 1`` the update is exactly ``tx``'s. Leafwise (:func:`muonfx.leafwise`)
-    when ``tx`` is.
+    when ``tx`` is; the extra arguments of a call reach ``tx`` when it takes them.
 
     Example::
 
@@ -43,9 +43,11 @@ def lr_multiplier(tx: GradientTransformation) -> Callable[..., GradientTransform
         [-0.5, -0.5]
     """
 
+    takes = takes_extra_args(tx)
+
     def with_lr(lr: float = 1.0) -> GradientTransformation:
-        def update_fn(updates, state, params=None):
-            out, state = tx.update(updates, state, params)
+        def update_fn(updates, state, params=None, **extra_args):
+            out, state = tx.update(updates, state, params, **(extra_args if takes else {}))
             if lr == 1.0:
                 return out, state
             keys, us = leaves(out)

@@ -169,8 +169,13 @@ class TransformOptimizer(torch.optim.Optimizer):
     # -- stepping -----------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, **extra_args: Any) -> Any:
         """One optimizer step; runs ``closure`` (with grad enabled) first and returns its loss.
+
+        ``extra_args`` (keywords) reach every group's transform as the extra arguments of
+        its update (``tx.update(updates, state, params, **extra_args)``, see
+        :mod:`muonfx.core.contract`): a transform of your own that takes ``**extra_args``
+        reads them (``opt.step(attn_logit_max=m)``), the others never see them.
 
         Every group's update is computed before anything is written, so an error (a
         sparse gradient, a NaN learning rate or schedule value, a parameter the
@@ -199,7 +204,7 @@ class TransformOptimizer(torch.optim.Optimizer):
 
                 works = agreed_work(self.records, self.param_groups, *agreement)
         self._torch_state = None
-        self._runner.step(self.records, self.param_groups, works)
+        self._runner.step(self.records, self.param_groups, works, extra_args)
         return loss
 
     @property

@@ -297,14 +297,15 @@ def group_plan(index: int, keys: list[Key], positions: list[int], params: list[t
 
 
 def checked(transform: GradientTransformation, keys: list[Key], params: list[torch.Tensor], state: Any,
-            settings: Settings) -> tuple[DryRun | None, BaseException | None]:
+            settings: Settings, extra: dict | None = None) -> tuple[DryRun | None, BaseException | None]:
     """The dry run of a whole group (every parameter, its whole state): ``(what it saw,
     None)``, or ``(None, the error)``. The plans of every set of present parameters share
     it (a leafwise transform's errors are each parameter's own), so a model whose present
-    parameters change from step to step (experts without tokens) runs it once."""
+    parameters change from step to step (experts without tokens) runs it once. ``extra``:
+    the extra arguments of the step that builds the plan."""
     try:
         with settings.held():
-            return dry_run(transform, keys, params, state), None
+            return dry_run(transform, keys, params, state, extra), None
     except Exception as e:  # noqa: BLE001 - kept and judged by group_plan
         return None, e
 
