@@ -32,7 +32,7 @@ _EXPORTS = {
     "momentum_warmup": ".schedules",
     **dict.fromkeys(["QKLogitRecorder", "max_logits"], ".attention"),
     "QKClip": ".optim.qk_clip",
-    **dict.fromkeys(["QKLayout", "qk_clip"], ".transforms.qk_clip"),
+    **dict.fromkeys(["QKLayout", "qk_clip"], ".transforms.qk"),
     **dict.fromkeys(["BiasCorrectedMomentumState", "MomentumState", "RowNormalizeState", "bias_corrected_momentum",
                      "ScaleByAdamState", "ScaleByScheduleState", "cautious_decay", "clip_by_global_norm",
                      "decoupled_decay", "global_norm", "momentum", "nesterov", "newton_schulz", "row_normalize",
@@ -79,7 +79,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from .attention import QKLogitRecorder, max_logits
     from .optim.qk_clip import QKClip
     from .schedules import momentum_warmup
-    from .transforms.qk_clip import QKLayout, qk_clip
+    from .transforms.qk import QKLayout, qk_clip
     from .transforms import (BiasCorrectedMomentumState, MomentumState, RowNormalizeState, ScaleByAdamState,
                              ScaleByScheduleState, bias_corrected_momentum, cautious_decay, clip_by_global_norm,
                              decoupled_decay, global_norm, momentum, nesterov, newton_schulz, row_normalize, scale,

@@ -9,6 +9,7 @@ from tensordict import TensorDict
 
 import muonfx as mfx
 from muonfx.attention import max_logits
+from muonfx.transforms.qk import qk_factors
 from muonfx.testing import QKClipLawError, check_qk_clip
 
 F64 = torch.float64
@@ -205,3 +206,161 @@ def test_refusals():
         mfx.qk_clip(0.0, layout=lay)
     with pytest.raises(ValueError, match="both 'a' and 'b'"):
         mfx.qk_clip(layout={"a": lay["a"], "b": lay["a"]})
+
+
+# ---------------------------------------------------------------------------
+# the optimizers' qk_clip= option
+# ---------------------------------------------------------------------------
+
+
+class _Attn(torch.nn.Module):
+    """A fused-QKV attention (nn.Linear (3d, d) with a bias), a hidden matrix, an embedding."""
+
+    def __init__(self, d=16, heads=2, vocab=11):
+        super().__init__()
+        self.heads, self.recorder = heads, None
+        self.wte = torch.nn.Embedding(vocab, d)
+        self.c_attn = torch.nn.Linear(d, 3 * d)
+        self.mlp = torch.nn.Linear(d, d)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        B, T, D = x.shape
+        q, k, v = self.c_attn(x).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        if self.recorder is not None:
+            self.recorder.record("attn", q, k, is_causal=True)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.mlp(y.transpose(1, 2).reshape(B, T, D)).sum()
+
+    def layout(self):
+        return {"attn": mfx.QKLayout.fused("c_attn.weight", heads=self.heads, head_dim=8, bias="c_attn.bias")}
+
+
+def _twins(build):
+    """(model, opt, recorder) with the clip, and (model, opt) without, from one initialisation."""
+    torch.manual_seed(0)
+    a = _Attn()
+    with torch.no_grad():
+        a.c_attn.weight.mul_(8.0)  # large logits: both heads above tau
+    b = _Attn()
+    b.load_state_dict(a.state_dict())
+    rec = mfx.QKLogitRecorder()
+    a.recorder = rec
+    return a, build(a, mfx.QKClip(rec, a.layout(), tau=5.0)), rec, b, build(b, None)
+
+
+BUILDERS = {
+    "hybrid": lambda m, c: mfx.create_hybrid_optimizer(m, muon_lr=0.05, qk_clip=c),
+    "MuonOptimizer": lambda m, c: mfx.MuonOptimizer(m, lr=0.05, qk_clip=c),
+    "TransformOptimizer": lambda m, c: mfx.TransformOptimizer(m.named_parameters(), mfx.adamw, lr=0.01, qk_clip=c),
+    "FSDPMuonOptimizer": lambda m, c: mfx.FSDPMuonOptimizer(m, lr=0.05, qk_clip=c),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_optimizer_option_clips_after_the_update(name):
+    a, opt_a, rec, b, opt_b = _twins(BUILDERS[name])
+    idx = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(3))
+    w0 = {n: p.detach().clone() for n, p in a.named_parameters()}
+    a(idx).backward()
+    b(idx).backward()
+    S = rec.maxima()["attn"]
+    assert (S > 5.0).all()
+    opt_a.step()
+    opt_b.step()
+    assert torch.isneginf(rec.maxima()["attn"]).all()  # reset by the step
+    qf, kf = qk_factors(S, 5.0, 0.5, 2)
+    f = torch.cat([qf.repeat_interleave(8), kf.repeat_interleave(8), torch.ones(16, dtype=qf.dtype)]).float()
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    for n in pa:
+        if n.startswith("c_attn"):
+            fs = f.view(-1, *([1] * (pa[n].ndim - 1)))
+            # clipped rows: gamma * (W + u), W + u being what the optimizer without the clip gives
+            torch.testing.assert_close(pa[n][:32], (fs * pb[n])[:32], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(pa[n][32:], pb[n][32:], rtol=1e-5, atol=1e-6)  # value rows
+            assert not torch.equal(pa[n][:32], w0[n][:32])
+        else:
+            # outside the layout: unchanged by the clip (an AdamW group holding the bias runs its
+            # chain rather than torch's fused kernel: the same arithmetic, rounded apart)
+            torch.testing.assert_close(pa[n], pb[n], rtol=1e-6, atol=1e-7)
+    if name != "TransformOptimizer":  # (its one AdamW group is fused without the clip)
+        assert torch.equal(pa["mlp.weight"], pb["mlp.weight"])  # a Muon matrix: the same path, bit for bit
+
+
+def test_optimizer_matches_the_functional_chain():
+    """TransformOptimizer(qk_clip=...) computes what chain(muon, qk_clip) computes with the
+    recorder's statistics, bit for bit."""
+    torch.manual_seed(0)
+    m = _Attn()
+    with torch.no_grad():
+        m.c_attn.weight.mul_(8.0)
+    rec = mfx.QKLogitRecorder()
+    m.recorder = rec
+    layout = {"attn": mfx.QKLayout.fused("c_attn.weight", heads=2, head_dim=8)}
+    named = [(n, p) for n, p in m.named_parameters() if p.ndim == 2]
+    opt = mfx.TransformOptimizer(named, mfx.muon, lr=0.05, qk_clip=mfx.QKClip(rec, layout, tau=5.0))
+    params = TensorDict({n: p.detach().clone() for n, p in named}, [])
+    m(torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(4))).backward()
+    grads = TensorDict({n: p.grad.clone() for n, p in named}, [])
+    tx = mfx.chain(mfx.muon(lr=0.05), mfx.qk_clip(5.0, 0.5, layout))
+    u, _ = tx.update(grads, tx.init(params), params, qk_logit_max=rec.maxima())
+    want = mfx.apply_updates(params, u)
+    opt.step()
+    for n, p in named:
+        assert torch.equal(p.detach(), want[n]), n
+
+
+def test_option_errors_change_nothing():
+    torch.manual_seed(0)
+    m = _Attn()
+    rec = mfx.QKLogitRecorder()
+    m.recorder = rec
+    bad = {"attn": mfx.QKLayout.fused("attn.c_attn.weight", heads=2, head_dim=8)}
+    with pytest.raises(ValueError, match="does not hold.*attn.c_attn.weight"):
+        mfx.create_hybrid_optimizer(m, qk_clip=mfx.QKClip(rec, bad))
+    with pytest.raises(TypeError, match="QKClip"):
+        mfx.create_hybrid_optimizer(m, qk_clip=5.0)
+    opt = mfx.create_hybrid_optimizer(m, qk_clip=mfx.QKClip(rec, m.layout(), tau=5.0))
+    m.recorder = None  # the model forgot to record
+    m(torch.randint(0, 11, (2, 6))).backward()
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    with pytest.raises(ValueError, match=r"no attention logits recorded this step for \['attn'\]"):
+        opt.step()
+    assert all(torch.equal(before[n], p) for n, p in m.named_parameters())
+
+
+def test_a_skipped_step_resets_the_recorder_and_clips_nothing_at_inf():
+    torch.manual_seed(0)
+    m = _Attn()
+    rec = mfx.QKLogitRecorder()
+    m.recorder = rec
+
+    def skipping(lr: float = 0.1) -> mfx.GradientTransformation:
+        return mfx.apply_if_finite(mfx.scale(-lr))
+
+    opt = mfx.TransformOptimizer(m.named_parameters(), skipping, qk_clip=mfx.QKClip(rec, m.layout(), tau=5.0))
+    m(torch.randint(0, 11, (2, 6))).backward()
+    rec.record_max("attn", torch.tensor([float("inf"), 1.0]))  # an overflowed forward pass
+    for p in m.parameters():
+        p.grad.fill_(float("nan"))
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    opt.step()
+    assert torch.isneginf(rec.maxima()["attn"]).all()
+    assert all(torch.equal(before[n], p) for n, p in m.named_parameters())
+
+
+def test_optimizer_with_qk_clip_copies_and_pickles():
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    m = _Attn()
+    rec = mfx.QKLogitRecorder()
+    m.recorder = rec
+    opt = mfx.create_hybrid_optimizer(m, qk_clip=mfx.QKClip(rec, m.layout(), tau=5.0))
+    m(torch.randint(0, 11, (2, 6))).backward()
+    opt.step()
+    for other in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert other.qk_clip.tau == 5.0 and set(other.qk_clip.layout) == {"attn"}
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)

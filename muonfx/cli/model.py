@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention import QKLogitRecorder
-from ..transforms.qk_clip import QKLayout
+from ..transforms.qk import QKLayout
 from .sizes import MODELS, GPTConfig
 
 __all__ = ["GPTConfig", "GPT", "MODELS"]

@@ -175,7 +175,9 @@ class TransformOptimizer(torch.optim.Optimizer):
         ``extra_args`` (keywords) reach every group's transform as the extra arguments of
         its update (``tx.update(updates, state, params, **extra_args)``, see
         :mod:`muonfx.core.contract`): a transform of your own that takes ``**extra_args``
-        reads them (``opt.step(attn_logit_max=m)``), the others never see them.
+        reads them (``opt.step(attn_logit_max=m)``), the others never see them. With
+        ``qk_clip`` the recorder's statistics go as ``qk_logit_max`` (unless given here),
+        and the recorder is reset after the step.
 
         Every group's update is computed before anything is written, so an error (a
         sparse gradient, a NaN learning rate or schedule value, a parameter the
@@ -194,6 +196,8 @@ class TransformOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.qk_clip is not None:  # the step's statistics, reduced over the data-parallel ranks
+            extra_args = {**self.qk_clip.extra_args(), **extra_args}
         works = None
         if self._dtensor_ref is not None:  # ranks agree on rank-local errors before any collective
             from ..distributed.agree import step_group
@@ -205,6 +209,8 @@ class TransformOptimizer(torch.optim.Optimizer):
                 works = agreed_work(self.records, self.param_groups, *agreement)
         self._torch_state = None
         self._runner.step(self.records, self.param_groups, works, extra_args)
+        if self.qk_clip is not None:  # a step that ran (or that apply_if_finite skipped) used them
+            self.qk_clip.recorder.reset()
         return loss
 
     @property

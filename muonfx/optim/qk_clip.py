@@ -12,7 +12,7 @@ import torch
 from ..attention import QKLogitRecorder
 from ..combine import chain
 from ..core import GradientTransformation
-from ..transforms.qk_clip import QK_STAT, QKLayout, qk_clip
+from ..transforms.qk import QK_STAT, QKLayout, qk_clip
 
 __all__ = ["QKClip"]
 

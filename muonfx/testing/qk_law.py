@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDictBase
 
 from ..core import GradientTransformation, apply_updates
-from ..transforms.qk_clip import QK_STAT, QKLayout, qk_clip, qk_factors
+from ..transforms.qk import QK_STAT, QKLayout, qk_clip, qk_factors
 
 __all__ = ["QKClipLawError", "check_qk_clip"]
 

@@ -5,7 +5,7 @@ from .clipping import clip_by_global_norm, global_norm
 from .decay import cautious_decay, decoupled_decay
 from .momentum import BiasCorrectedMomentumState, MomentumState, bias_corrected_momentum, momentum, nesterov
 from .orthogonalize import newton_schulz
-from .qk_clip import QKLayout, qk_clip
+from .qk import QKLayout, qk_clip
 from .rows import RowNormalizeState, row_normalize
 from .scaling import ScaleByScheduleState, scale, scale_by_learning_rate, scale_by_shape, shape_factor
 

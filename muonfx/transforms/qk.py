@@ -123,12 +123,14 @@ def qk_factors(stat: torch.Tensor, tau: float, alpha: float, kv_heads: int) -> t
     ``gamma_h ** alpha``; key rows of kv head ``g`` get ``gamma_g ** (1 - alpha)`` with
     ``gamma_g = min(1, tau / max_{h in g} S_h)`` (grouped-query attention: the group's
     largest logit). With one kv head per head the logits of head ``h`` are scaled by
-    exactly ``gamma_h``.
+    exactly ``gamma_h``. A maximum that is not finite (a forward pass that overflowed)
+    clips nothing: ``gamma = 1`` (not 0, which would erase the head); the step's own
+    finite check (:func:`muonfx.apply_if_finite`) is the guard against such a step.
 
     Example::
 
         >>> import torch
-        >>> from muonfx.transforms.qk_clip import qk_factors
+        >>> from muonfx.transforms.qk import qk_factors
         >>> qf, kf = qk_factors(torch.tensor([50.0, 400.0]), tau=100.0, alpha=0.5, kv_heads=2)
         >>> qf.tolist(), kf.tolist()
         ([1.0, 0.5], [1.0, 0.5])
@@ -137,7 +139,7 @@ def qk_factors(stat: torch.Tensor, tau: float, alpha: float, kv_heads: int) -> t
     one = torch.ones((), dtype=s.dtype, device=s.device)
 
     def gamma(x: torch.Tensor) -> torch.Tensor:
-        return torch.where(x > tau, tau / x.clamp_min(tau), one)
+        return torch.where(torch.isfinite(x) & (x > tau), tau / x.clamp_min(tau), one)
 
     g_kv = gamma(s.view(kv_heads, -1).amax(-1))
     return gamma(s) ** alpha, g_kv ** (1.0 - alpha)
