@@ -11,7 +11,7 @@ from ..logs import say_once
 from ..presets import adamw, default_muon_labels, muon
 from ..presets.options import MeaningChangedWarning, takes_muon_options
 from .optimizer import TransformOptimizer
-from .qk_clip import QKClip
+from .qk_clip import QKClip, unclipped
 from .routing import check_muon_reached, rule_of
 
 __all__ = ["MuonOptimizer", "create_hybrid_optimizer", "model_labels", "MeaningChangedWarning"]
@@ -156,7 +156,7 @@ class MuonOptimizer(TransformOptimizer):
         check_muon_reached("MuonOptimizer", self.routing, allow_no_muon)
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
-                if p.ndim < 2 and getattr(self.records[gi].factory, "__wrapped__", self.records[gi].factory) is muon:
+                if p.ndim < 2 and unclipped(self.records[gi].factory) is muon:
                     raise ValueError(
                         f"MuonOptimizer: parameter {self._name(gi, i)!r} has shape {tuple(p.shape)}; Muon "
                         "needs matrices (strict=True). Leave strict off to give 0-D/1-D parameters (biases, "

@@ -14,7 +14,7 @@ from ..combine import chain
 from ..core import GradientTransformation
 from ..transforms.qk import QK_STAT, QKLayout, qk_clip
 
-__all__ = ["QKClip"]
+__all__ = ["QKClip", "unclipped"]
 
 
 @dataclass(frozen=True)
@@ -140,3 +140,8 @@ class _Clipped:
 
     def __call__(self, *args: Any, **kwargs: Any) -> GradientTransformation:
         return chain(self.__wrapped__(*args, **kwargs), self.clip.transform())
+
+
+def unclipped(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
+    """The factory a group had before :meth:`QKClip.follow` appended the clip."""
+    return factory.__wrapped__ if isinstance(factory, _Clipped) else factory
