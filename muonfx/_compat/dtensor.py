@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 
 __all__ = ["dtensor_class", "is_dtensor", "local", "shards", "storages", "meshes_and_placements", "rewrap_all",
-           "dtensor_stack_views", "unstack_like", "PRIVATE_LAYOUT", "CHECKED_AGAINST"]
+           "dtensor_stack_views", "unstack_like", "local_range", "PRIVATE_LAYOUT", "CHECKED_AGAINST"]
 
 #: the torch versions whose DTensor layout this module was checked against
 CHECKED_AGAINST = ("2.13.0",)
@@ -218,3 +218,43 @@ def unstack_like(outs: Sequence[torch.Tensor], gs: Sequence[torch.Tensor]) -> li
         for (i, _, _), r in zip(fast, rewrap_all([f[1] for f in fast], [f[2] for f in fast])):
             res[i] = r
     return res
+
+
+def local_range(t: Any, dim: int) -> tuple[int, int] | None:
+    """``(start, length)``: the indices along ``dim`` of the whole tensor that a DTensor's
+    local shard holds, one contiguous range (``Shard``, ``Replicate``, uneven and empty
+    shards); ``None`` where they are not one range (a ``_StridedShard`` of ``dim``). A
+    plain tensor holds all of them.
+
+    Read with DTensor's own rule (``compute_local_shape_and_global_offset``, private);
+    where that is missing, from the placements by ``torch.chunk``'s split, as ``Shard``
+    splits.
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx._compat.dtensor import local_range
+        >>> local_range(torch.zeros(6, 4), 0)
+        (0, 6)
+    """
+    if not is_dtensor(t):
+        return 0, t.shape[dim]
+    dim = dim % t.ndim
+    for pl in t.placements:
+        if type(pl).__name__ == "_StridedShard" and getattr(pl, "dim", None) == dim:
+            return None
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return int(offset[dim]), int(shape[dim])
+    except ImportError:  # the placements, by Shard's split (ceil-sized chunks, the last ones short or empty)
+        start, length = 0, t.shape[dim]
+        coord = t.device_mesh.get_coordinate()
+        for mesh_dim, pl in enumerate(t.placements):
+            if getattr(pl, "dim", None) == dim and pl.is_shard():
+                n = t.device_mesh.size(mesh_dim)
+                chunk = -(-length // n)
+                lo = min(coord[mesh_dim] * chunk, length)
+                start, length = start + lo, min(chunk, length - lo)
+        return start, length
