@@ -364,3 +364,24 @@ def test_optimizer_with_qk_clip_copies_and_pickles():
         assert other.qk_clip.tau == 5.0 and set(other.qk_clip.layout) == {"attn"}
     sd = opt.state_dict()
     opt.load_state_dict(sd)
+
+
+def test_a_group_in_pieces_clips_as_the_whole_group():
+    """qk_clip is leafwise: a Muon group cut into pieces (a small batch budget) gets the
+    statistics in every piece and computes what it computes whole."""
+    results = []
+    for budget in (None, 2048):
+        old = mfx.linalg.set_batch_bytes(budget, "cpu")
+        try:
+            a, opt, rec, _, _ = _twins(lambda m, c: mfx.create_hybrid_optimizer(m, muon_lr=0.05, qk_clip=c)
+                                       if c else None)
+            a(torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(5))).backward()
+            opt.step()
+            muon_group = opt.plan.groups[0]
+            results.append((muon_group.pieces, {n: p.detach().clone() for n, p in a.named_parameters()}))
+        finally:
+            mfx.linalg.set_batch_bytes(old, "cpu")
+    (whole, ref), (pieces, got) = results
+    assert whole is None and pieces is not None and len(pieces) > 1
+    for n in ref:
+        assert torch.equal(ref[n], got[n]), n

@@ -15,7 +15,7 @@ from typing import Mapping
 import torch
 
 from .._compat.dtensor import is_dtensor, local, local_range, rewrap_all
-from ..core import EmptyState, GradientTransformation, Key, aligned, build, key_str, leaves
+from ..core import EmptyState, GradientTransformation, Key, LeafwiseTransformation, aligned, build, key_str, leaves
 from ..hyperparams import check
 
 __all__ = ["QKLayout", "qk_clip", "qk_factors", "QK_STAT"]
@@ -233,7 +233,9 @@ def qk_clip(tau: float = 100.0, alpha: float = 0.5, layout: Mapping[str, QKLayou
             out[i] = _clip_rows(name, lay, us[i], ps[i], *factors[layer])
         return build(keys, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    # leafwise: a leaf's result depends on its own update and parameter and on the statistics,
+    # which every leaf shares (the adapter passes them to every piece of a large group)
+    return LeafwiseTransformation(init_fn, update_fn)
 
 
 def _clip_rows(name: str, lay: QKLayout, u: torch.Tensor, w: torch.Tensor, qf: torch.Tensor,
