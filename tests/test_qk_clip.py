@@ -385,3 +385,36 @@ def test_a_group_in_pieces_clips_as_the_whole_group():
     assert whole is None and pieces is not None and len(pieces) > 1
     for n in ref:
         assert torch.equal(ref[n], got[n]), n
+
+
+# ---------------------------------------------------------------------------
+# muonfx train --qk-clip
+# ---------------------------------------------------------------------------
+
+
+def test_train_qk_clip_reports_and_bounds_the_logits(tmp_path, capsys):
+    """muonfx train --qk-clip TAU on the built-in GPT: the per-head max logit in the progress
+    line and summary.json; with tau below the first steps' logits, every head is clipped
+    to tau and the next step starts near it."""
+    import json
+
+    from helpers import run_main
+
+    args = ["train", "--steps", "4", "--eval-every", "2", "--eval-batches", "1", "--batch-size", "4",
+            "--context", "32", "--threads", "1", "--no-progress"]
+    assert run_main(args + ["--log-max-logit", "--out", str(tmp_path / "plain")]) == 0
+    assert run_main(args + ["--qk-clip", "1.0", "--out", str(tmp_path / "clip")]) == 0
+    out = capsys.readouterr().out
+    assert "| max logit " in out
+    plain = json.loads((tmp_path / "plain" / "summary.json").read_text())["runs"]["muon_adamw"]
+    clip = json.loads((tmp_path / "clip" / "summary.json").read_text())
+    assert clip["settings"]["qk_clip"] == 1.0
+    run = clip["runs"]["muon_adamw"]
+    assert run["qk_clip"] == 1.0 and plain["qk_clip"] is None
+    assert [s for s, _ in run["max_logit_curve"]] == [1, 2, 3, 4]
+    assert set(run["final_max_logit_per_head"]) == {"h.0", "h.1", "h.2", "h.3"}
+    assert all(len(v) == 4 for v in run["final_max_logit_per_head"].values())
+    # the first step is measured before any clip: the same in both runs
+    assert run["max_logit_curve"][0] == plain["max_logit_curve"][0] and plain["max_logit_curve"][0][1] > 1.0
+    # after the clip the largest logit is tau plus one step's growth, below the run without
+    assert run["max_logit_curve"][-1][1] < plain["max_logit_curve"][-1][1]
