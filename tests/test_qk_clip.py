@@ -418,3 +418,10 @@ def test_train_qk_clip_reports_and_bounds_the_logits(tmp_path, capsys):
     assert run["max_logit_curve"][0] == plain["max_logit_curve"][0] and plain["max_logit_curve"][0][1] > 1.0
     # after the clip the largest logit is tau plus one step's growth, below the run without
     assert run["max_logit_curve"][-1][1] < plain["max_logit_curve"][-1][1]
+
+
+def test_fsdp_muon_optimizer_refuses_qk_clip_with_its_own_accumulation():
+    m = _Attn()
+    rec = mfx.QKLogitRecorder()
+    with pytest.raises(ValueError, match="gradient_accumulation_steps > 1 would clip at every micro-batch"):
+        mfx.FSDPMuonOptimizer(m, gradient_accumulation_steps=2, qk_clip=mfx.QKClip(rec, m.layout()))

@@ -120,6 +120,10 @@ class FSDPMuonOptimizer(TransformOptimizer):
         self.model = model
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
+        if qk_clip is not None and gradient_accumulation_steps > 1:
+            raise ValueError("FSDPMuonOptimizer: qk_clip with gradient_accumulation_steps > 1 would clip at every "
+                             "micro-batch; accumulate in .grad instead (gradient_accumulation_steps=1, step() once "
+                             "per k micro-batches: the recorder keeps the maximum over them)")
         changed = []  # one line in all, each change with its fix
         if beta2 is not None:
             changed.append(f"beta2={beta2!r} turns on NorMuon row normalisation here (muon_fsdp ignored it): "
