@@ -236,6 +236,14 @@ class _Attn(torch.nn.Module):
         return {"attn": mfx.QKLayout.fused("c_attn.weight", heads=self.heads, head_dim=8, bias="c_attn.bias")}
 
 
+def _recording() -> tuple[_Attn, mfx.QKLogitRecorder]:
+    """A seeded _Attn that records into a new recorder."""
+    torch.manual_seed(0)
+    m = _Attn()
+    m.recorder = rec = mfx.QKLogitRecorder()
+    return m, rec
+
+
 def _twins(build):
     """(model, opt, recorder) with the clip, and (model, opt) without, from one initialisation."""
     torch.manual_seed(0)
@@ -311,10 +319,7 @@ def test_optimizer_matches_the_functional_chain():
 
 
 def test_option_errors_change_nothing():
-    torch.manual_seed(0)
-    m = _Attn()
-    rec = mfx.QKLogitRecorder()
-    m.recorder = rec
+    m, rec = _recording()
     bad = {"attn": mfx.QKLayout.fused("attn.c_attn.weight", heads=2, head_dim=8)}
     with pytest.raises(ValueError, match="does not hold.*attn.c_attn.weight"):
         mfx.create_hybrid_optimizer(m, qk_clip=mfx.QKClip(rec, bad))
@@ -330,10 +335,7 @@ def test_option_errors_change_nothing():
 
 
 def test_a_skipped_step_resets_the_recorder_and_clips_nothing_at_inf():
-    torch.manual_seed(0)
-    m = _Attn()
-    rec = mfx.QKLogitRecorder()
-    m.recorder = rec
+    m, rec = _recording()
 
     def skipping(lr: float = 0.1) -> mfx.GradientTransformation:
         return mfx.apply_if_finite(mfx.scale(-lr))
@@ -353,10 +355,7 @@ def test_optimizer_with_qk_clip_copies_and_pickles():
     import copy
     import pickle
 
-    torch.manual_seed(0)
-    m = _Attn()
-    rec = mfx.QKLogitRecorder()
-    m.recorder = rec
+    m, rec = _recording()
     opt = mfx.create_hybrid_optimizer(m, qk_clip=mfx.QKClip(rec, m.layout(), tau=5.0))
     m(torch.randint(0, 11, (2, 6))).backward()
     opt.step()
