@@ -83,7 +83,8 @@ class Progress:
         rate = (step - self.start_step) / (now - self.t0) if now > self.t0 else 0.0
         eta = (self.total - step) / rate if rate > 0 else 0.0
         end = "\r" if sys.stderr.isatty() else "\n"
-        print(f"{self.desc} step {step}/{self.total} | loss {loss:.3f}{extra.replace(',', ' |')} | {format_rate(tps)} | "
+        shown = extra.replace(",", " |")
+        print(f"{self.desc} step {step}/{self.total} | loss {loss:.3f}{shown} | {format_rate(tps)} | "
               f"ETA {format_time(eta)}", end=end, file=sys.stderr, flush=True)
 
     def write(self, line: str) -> None:

@@ -228,7 +228,8 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
                 break
             if recorder is not None:
                 logit_curve.append([step, round(max(float(m.max()) for m in last_logits.values()), 3)])
-            log.update(step, losses[-1], len(losses) * B * T, f"max logit {logit_curve[-1][1]:.1f}" if logit_curve else "")
+            shown = f"max logit {logit_curve[-1][1]:.1f}" if logit_curve else ""
+            log.update(step, losses[-1], len(losses) * B * T, shown)
         if step % args.eval_every == 0 or step == args.steps:
             te = time.perf_counter()
             v = evaluate(model, corpus, args.eval_batches, B, T, rt)

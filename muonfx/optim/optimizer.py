@@ -306,10 +306,12 @@ class TransformOptimizer(torch.optim.Optimizer):
         the compile keywords."""
         return {"defaults": self.defaults, "param_groups": self.param_groups, "records": self.records,
                 "_default_tx": self._default_tx, "_default_factory": self._default_factory,
-                "_dtensor_ref": self._dtensor_ref, "qk_clip": self.qk_clip, "routing": getattr(self, "routing", None), "compile_kwargs": self._runner.compile_kwargs}
+                "_dtensor_ref": self._dtensor_ref, "qk_clip": self.qk_clip,
+                "routing": getattr(self, "routing", None), "compile_kwargs": self._runner.compile_kwargs}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         kwargs = state.pop("compile_kwargs", None)
+        state.setdefault("qk_clip", None)  # (a copy pickled before the option existed)
         super().__setstate__(state)
         self._torch_state = None
         self._runner = Runner()
