@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from .._compat.dtensor import meshes_and_placements, rewrap_all, shards
 from ..linalg.batching import batch_bytes
+from ..linalg.settings import MatrixSettings
 from ..seam import MatrixFn, ScalarFn, compute_dtype
 from .exchange import RankProgram, rank_program, run_program
 from .layout import is_cut, largest, lifted, mesh_ranks, stack_layout
@@ -119,7 +120,8 @@ class DTensorBackend:
 
     # -- matrices -----------------------------------------------------------
 
-    def map_matrices(self, fn: MatrixFn, stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def map_matrices(self, fn: MatrixFn, stacks: Sequence[torch.Tensor],
+                     settings: MatrixSettings | None = None) -> list[torch.Tensor]:
         # one exchange per (process group of the mesh the stacks are lifted to, exchange dtype), in the order
         # of first appearance (the same on every rank: the stacks are)
         jobs: dict[tuple, list[int]] = {}
@@ -148,18 +150,19 @@ class DTensorBackend:
         out: list[torch.Tensor | None] = [None] * len(stacks)
         for (_, dtype), idx in jobs.items():
             sub = [stacks[i] for i in idx]
-            for i, r in zip(idx, self._map(fn, sub, [views[i] for i in idx], dtype)):
+            for i, r in zip(idx, self._map(fn, sub, [views[i] for i in idx], dtype, settings)):
                 out[i] = r
         return out  # type: ignore[return-value]
 
-    def planned(self, stacks: Sequence[DTensor], views: Sequence[tuple], dtype: torch.dtype
-                ) -> tuple[ExchangePlan, RankProgram, Any]:
+    def planned(self, stacks: Sequence[DTensor], views: Sequence[tuple], dtype: torch.dtype,
+                settings: MatrixSettings | None = None) -> tuple[ExchangePlan, RankProgram, Any]:
         """The plan for ``stacks`` (on the meshes and placements ``views``, see
-        :func:`~muonfx.distributed.layout.lifted`) exchanged in ``dtype``: made once, then
-        reused; this rank's program; the process group."""
+        :func:`~muonfx.distributed.layout.lifted`) exchanged in ``dtype`` under the batch
+        budget of ``settings`` (None: the process's): made once, then reused; this rank's
+        program; the process group."""
         mesh = views[0][0]
         group, _ = mesh_group(mesh)
-        budget = batch_bytes(mesh.device_type)
+        budget = batch_bytes(mesh.device_type) if settings is None else settings.budget(mesh.device_type)
         key = (dtype, budget, id(group)) + tuple((tuple(s.shape), v[1], id(v[0])) for s, v in zip(stacks, views))
         hit = self._plans.get(key)
         if hit is None:
@@ -192,9 +195,9 @@ class DTensorBackend:
         self.stats.plans += 1
         return _Planned(plan, rank_program(plan, dist.get_rank(group)))
 
-    def _map(self, fn: MatrixFn, stacks: Sequence[DTensor], views: Sequence[tuple], dtype: torch.dtype
-             ) -> list[DTensor]:
-        plan, prog, group = self.planned(stacks, views, dtype)
+    def _map(self, fn: MatrixFn, stacks: Sequence[DTensor], views: Sequence[tuple], dtype: torch.dtype,
+             settings: MatrixSettings | None = None) -> list[DTensor]:
+        plan, prog, group = self.planned(stacks, views, dtype, settings)
         locals_ = shards(stacks, DTensor)
         outs = [torch.empty_like(loc) for loc in locals_]
         stats = self.stats
@@ -204,7 +207,7 @@ class DTensorBackend:
             work.wait()
             stats.wait_seconds += time.perf_counter() - t0
 
-        run_program(prog, fn, locals_, outs, dtype, group, stats, wait, comm_device(views[0][0]))
+        run_program(prog, fn, locals_, outs, dtype, group, stats, wait, comm_device(views[0][0]), settings)
         self.stats.buckets += plan.buckets
         return rewrap_all(outs, stacks)
 
