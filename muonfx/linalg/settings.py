@@ -17,8 +17,8 @@ dtype when it was built, the rest when it runs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Iterable
 
 import torch
 
@@ -42,6 +42,8 @@ class MatrixSettings:
             (:func:`muonfx.linalg.set_batch_bytes`); other device types get the process's.
         triton: whether the symmetric Triton products are asked for
             (:func:`muonfx.linalg.triton_ns.set_enabled`, ``MUONFX_TRITON_NS``).
+        stats: where the DTensor exchange also counts its traffic (the stepping
+            optimizer's :class:`muonfx.distributed.CommStats`), or None; not compared.
 
     Example::
 
@@ -59,16 +61,18 @@ class MatrixSettings:
     ns_dtype: torch.dtype | None
     batch_bytes: tuple[tuple[str, int], ...]
     triton: bool
+    stats: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def capture(cls, device_types: Iterable[str] = ()) -> "MatrixSettings":
+    def capture(cls, device_types: Iterable[str] = (), stats: Any = None) -> "MatrixSettings":
         """The process defaults now, with the budgets of ``device_types`` (each device's
-        own default dtype decided now as well: a compiled graph cannot read /proc/cpuinfo)."""
+        own default dtype decided now as well: a compiled graph cannot read /proc/cpuinfo),
+        and ``stats`` (see the attributes)."""
         device_types = sorted(set(device_types))
         for d in device_types:
             precision.device_ns_dtype(torch.device(d))
         return cls(precision.pinned_ns_dtype(), tuple((d, batching.batch_bytes(d)) for d in device_types),
-                   triton_ns.requested())
+                   triton_ns.requested(), stats)
 
     def budget(self, device_type: str) -> int:
         """The batch budget on ``device_type`` (the process's for a type not captured)."""

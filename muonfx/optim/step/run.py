@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ... import tree
 from ...core import build, key_str, td_items
+from ...distributed.stats import CommStats
 from ...counts import Counts, by_count
 from ...hyperparams import check_group_values
 from ...linalg.settings import EXTRA_ARG
@@ -108,6 +109,8 @@ class Runner:
             fullgraph=True``).
         compiled: the compiled graphs (:class:`~.compiled.CompiledSteps`).
         last: the plan of the last step.
+        comm_stats: the optimizer's own counters of the DTensor matrix exchange
+            (:class:`muonfx.distributed.CommStats`; its plans' settings carry it).
     """
 
     #: plans kept per optimizer (the least recently used goes first)
@@ -118,6 +121,7 @@ class Runner:
         self.compiled = CompiledSteps()
         self.plans: OrderedDict[tuple, StepPlan] = OrderedDict()
         self.last: StepPlan | None = None
+        self.comm_stats = CommStats()
         #: the dry runs of whole groups, shared by their plans (see plan.checked)
         self._checks: dict[tuple, tuple] = {}
 
@@ -152,7 +156,7 @@ class Runner:
             self.plans.move_to_end(key)
             return plan
         devices = {p.device.type for group in param_groups for p in group["params"]}
-        settings = Settings.capture(devices)
+        settings = Settings.capture(devices, self.comm_stats)
         groups = []
         for gi, (rec, group, w) in enumerate(zip(records, param_groups, works)):
             if w is None:
