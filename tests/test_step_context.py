@@ -162,3 +162,103 @@ def test_fused_adamw_ignores_extra_args():
     assert opt.plan.groups[0].path == "fused"
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+# -- the plan's settings travel with the step ------------------------------------------
+
+import threading  # noqa: E402
+
+from muonfx.linalg import batching, precision, triton_ns  # noqa: E402
+
+MATS = {f"w{i}": (24, 40) for i in range(4)}
+
+
+def _built(ns_dtype, budget, seed=0):
+    """A Muon optimizer whose plan captured ``ns_dtype`` (the process default then) and
+    ``budget``; the process defaults are put back afterwards."""
+    gen = torch.Generator().manual_seed(seed)
+    named = [(k, torch.nn.Parameter(torch.randn(*s, generator=gen))) for k, s in MATS.items()]
+    old_budget = batching.set_batch_bytes(budget, "cpu")
+    old_dtype = precision._override
+    mfx.linalg.set_default_ns_dtype(ns_dtype)
+    try:
+        opt = mfx.TransformOptimizer(named, mfx.muon, lr=0.02, weight_decay=0.1)
+        plan = opt.plan
+    finally:
+        mfx.linalg.set_default_ns_dtype(old_dtype)
+        batching.set_batch_bytes(old_budget, "cpu")
+    assert plan.settings.ns_dtype == ns_dtype
+    return named, opt
+
+
+def _grads(named, step):
+    gen = torch.Generator().manual_seed(500 + step)
+    for _, p in named:
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def _steps(named, opt, steps, barrier=None):
+    for step in range(steps):
+        _grads(named, step)
+        if barrier is not None:
+            barrier.wait()
+        opt.step()
+    return [p.detach().clone() for _, p in named]
+
+
+CONFIGS = [(torch.float32, 24 * 40 * 4), (torch.bfloat16, None)]
+
+
+def test_two_optimizers_in_two_threads_get_their_single_thread_results():
+    steps, rounds = 4, 2
+    alone = []
+    for d, b in CONFIGS:
+        named, opt = _built(d, b)
+        alone.append([_steps(named, opt, steps) for _ in range(rounds)])
+    assert any(not torch.equal(x, y) for x, y in zip(alone[0][0], alone[1][0]))  # the settings matter
+    pairs = [_built(d, b) for d, b in CONFIGS]
+    assert pairs[0][1].plan.groups[0].pieces is not None and pairs[1][1].plan.groups[0].pieces is None
+    for r in range(rounds):  # a second round carries each optimizer's state on
+        barrier = threading.Barrier(2)
+        out: list = [None, None]
+        errors: list = []
+
+        def run(i):
+            try:
+                out[i] = _steps(*pairs[i], steps, barrier)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+                barrier.abort()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        for i in range(2):
+            assert all(torch.equal(x, y) for x, y in zip(out[i], alone[i][r])), (i, r)
+
+
+def test_a_step_writes_no_process_setting(monkeypatch):
+    named, opt = _built(torch.float32, 24 * 40 * 4)
+    _steps(named, opt, 1)
+
+    def refuse(*a, **k):
+        raise AssertionError("a process setting was written during a step")
+
+    monkeypatch.setattr(batching, "set_batch_bytes", refuse)
+    monkeypatch.setattr(triton_ns, "set_enabled", refuse)
+    monkeypatch.setattr(precision, "set_default_ns_dtype", refuse)
+    before = (dict(batching._overrides), triton_ns._switch, precision._override)
+    _steps(named, opt, 2)
+    opt.replan()
+    _steps(named, opt, 1)
+    assert (dict(batching._overrides), triton_ns._switch, precision._override) == before
+
+
+def test_the_settings_name_is_the_plans_own():
+    named, opt = _built(torch.float32, None)
+    _grads(named, 0)
+    with pytest.raises(ValueError, match="matrix_settings"):
+        opt.step(matrix_settings=None)

@@ -162,7 +162,10 @@ def rewrap_all(locals_: Sequence[torch.Tensor], likes: Sequence[Any]) -> list[An
 
 #: the spec of ``t.reshape(1, a, b)`` for a 2-D DTensor ``t`` (:func:`dtensor_stack_views`), by
 #: ``t``'s mesh (held, so its ``id`` stays its own), placements, shape, strides and dtype: DTensor's own view rule
-#: runs once per distinct layout, not once per parameter and step
+#: runs once per distinct layout, not once per parameter and step. At most :data:`STACK_SPECS`
+#: layouts: storing one more drops the one stored first (a hit costs no Python call: it runs per
+#: parameter and step)
+STACK_SPECS = 4096
 _STACK_SPECS: dict[tuple, tuple[Any, Any]] = {}
 
 
@@ -182,6 +185,8 @@ def dtensor_stack_views(ts: Sequence[torch.Tensor], dims: Sequence[tuple[int, in
         if hit is None or hit[0] is not spec.mesh:
             view = t.reshape(1, a, b)
             if view._local_tensor.shape == (1, *t._local_tensor.shape):
+                if len(_STACK_SPECS) >= STACK_SPECS and key not in _STACK_SPECS:
+                    del _STACK_SPECS[next(iter(_STACK_SPECS))]
                 _STACK_SPECS[key] = (spec.mesh, view._spec)
             # else: a layout whose view is not the shard's own: DTensor's rule each time
             out.append(view)

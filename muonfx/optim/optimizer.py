@@ -223,6 +223,14 @@ class TransformOptimizer(torch.optim.Optimizer):
         routing = getattr(self, "routing", None)
         return dataclasses.replace(plan, routing=tuple(routing)) if routing else plan
 
+    @property
+    def comm_stats(self) -> Any:
+        """This optimizer's own counters of the DTensor matrix exchange
+        (:class:`muonfx.distributed.CommStats`: bytes, all-to-alls, buckets, plans, matrices
+        orthogonalised by its steps; ``.reset()``); what every exchange of the process
+        counted is :func:`muonfx.distributed.comm_stats`."""
+        return self._runner.comm_stats
+
     def replan(self) -> None:
         """Build the plans anew at the next step, reading the process settings again
         (:func:`muonfx.linalg.set_default_ns_dtype`, :func:`muonfx.linalg.set_batch_bytes`,

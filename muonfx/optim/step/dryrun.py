@@ -47,7 +47,7 @@ class MatrixWork:
             if not isinstance(fn, NewtonSchulz):
                 return ("-", type(self.fn).__name__, "-")
             if self.dtype != torch.float64:
-                fn = NewtonSchulz(fn.schedule, fn.eps, pinned, fn.method, fn.restart, fn.accuracy)
+                fn = NewtonSchulz(fn.schedule, fn.eps, pinned, fn.method, fn.restart, fn.accuracy, fn.triton)
         return fn.route(self.rows, self.cols, self.dtype, device)
 
 
@@ -67,7 +67,7 @@ class _FakeBackend:
     def claims(self, t: torch.Tensor) -> bool:
         return isinstance(t, FakeTensor)
 
-    def map_matrices(self, fn, stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def map_matrices(self, fn, stacks: Sequence[torch.Tensor], settings: Any = None) -> list[torch.Tensor]:
         for s in stacks:
             self.record.matrices.append(MatrixWork(int(s.shape[-2]), int(s.shape[-1]), int(s.shape[0]), s.dtype, fn))
         return [torch.empty_like(s) for s in stacks]

@@ -15,11 +15,11 @@
    pieces write their first piece and compute and write the rest, one by one
    (:mod:`.pieces`).
 
-The settings the plan captured (:class:`~.plan.Settings`) are held for the whole step.
-
 The extra arguments of a step (``opt.step(**extra_args)``, see
 :mod:`muonfx.core.contract`) reach every group's transform, whole, in pieces and in the
-compiled graph (as its inputs); the fused kernels take none and ignore them.
+compiled graph (as its inputs); the fused kernels take none and ignore them. The
+settings the plan captured (:class:`~.plan.Settings`) go with them, as the extra
+argument ``matrix_settings``: nothing is written to a module while a step runs.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ... import tree
 from ...core import build, key_str, td_items
+from ...distributed.stats import CommStats
 from ...counts import Counts, by_count
 from ...hyperparams import check_group_values
+from ...linalg.settings import EXTRA_ARG
 from ...wrappers import hyperparam_values
 from ..groups import GroupRecord, GroupWork, gather, static_key
 from .compiled import CompiledSteps
@@ -107,6 +109,8 @@ class Runner:
             fullgraph=True``).
         compiled: the compiled graphs (:class:`~.compiled.CompiledSteps`).
         last: the plan of the last step.
+        comm_stats: the optimizer's own counters of the DTensor matrix exchange
+            (:class:`muonfx.distributed.CommStats`; its plans' settings carry it).
     """
 
     #: plans kept per optimizer (the least recently used goes first)
@@ -117,6 +121,7 @@ class Runner:
         self.compiled = CompiledSteps()
         self.plans: OrderedDict[tuple, StepPlan] = OrderedDict()
         self.last: StepPlan | None = None
+        self.comm_stats = CommStats()
         #: the dry runs of whole groups, shared by their plans (see plan.checked)
         self._checks: dict[tuple, tuple] = {}
 
@@ -151,29 +156,28 @@ class Runner:
             self.plans.move_to_end(key)
             return plan
         devices = {p.device.type for group in param_groups for p in group["params"]}
-        settings = Settings.capture(devices)
+        settings = Settings.capture(devices, self.comm_stats)
         groups = []
-        with settings.held():
-            for gi, (rec, group, w) in enumerate(zip(records, param_groups, works)):
-                if w is None:
-                    continue
-                tx = rec.transform(w.hp, settings.ns_dtype)
-                keys = [rec.keys[i] for i in w.idx]
-                params_all = list(group["params"])
-                check_key = (gi, static_key(w.hp), tuple([(p.shape, p.dtype, p.device) for p in params_all]),
-                             settings)
+        for gi, (rec, group, w) in enumerate(zip(records, param_groups, works)):
+            if w is None:
+                continue
+            tx = rec.transform(w.hp)
+            keys = [rec.keys[i] for i in w.idx]
+            params_all = list(group["params"])
+            check_key = (gi, static_key(w.hp), tuple([(p.shape, p.dtype, p.device) for p in params_all]),
+                         settings)
 
-                def check(tx=tx, rec=rec, w=w, params_all=params_all, check_key=check_key):
-                    if check_key not in self._checks:
-                        if len(self._checks) >= 4 * self.PLANS:
-                            self._checks.clear()
-                        self._checks[check_key] = checked(tx, rec.keys, params_all, rec.current_state(w.hp),
-                                                          settings, extra)
-                    return self._checks[check_key]
+            def check(tx=tx, rec=rec, w=w, params_all=params_all, check_key=check_key):
+                if check_key not in self._checks:
+                    if len(self._checks) >= 4 * self.PLANS:
+                        self._checks.clear()
+                    self._checks[check_key] = checked(tx, rec.keys, params_all, rec.current_state(w.hp),
+                                                      settings, extra)
+                return self._checks[check_key]
 
-                groups.append(group_plan(gi, keys, w.idx, w.params, params_all, tx, group.get("compile"),
-                                         settings, (gi, static_key(w.hp)) in self.compiled.failed, check,
-                                         rec.factory, w.hp, group.get("fused")))
+            groups.append(group_plan(gi, keys, w.idx, w.params, params_all, tx, group.get("compile"),
+                                     settings, (gi, static_key(w.hp)) in self.compiled.failed, check,
+                                     rec.factory, w.hp, group.get("fused")))
         sources = tuple((rec.names, list(group["params"])) for rec, group in zip(records, param_groups))
         plan = StepPlan(key, tuple(groups), settings, sources)
         self.plans[key] = plan
@@ -195,23 +199,24 @@ class Runner:
         group's gradients already gathered and checked (:func:`muonfx.optim.groups.gather`,
         None for a group without any), as the ranks of a DTensor step agree on them;
         ``extra``: the step's extra arguments, passed to every group's transform."""
-        extra = {} if extra is None else extra
+        if extra and EXTRA_ARG in extra:
+            raise ValueError(f"step(): the extra argument {EXTRA_ARG!r} is the plan's own (its settings); "
+                             "name yours otherwise")
         if works is None:
             works = [gather(rec, group) for rec, group in zip(records, param_groups)]
         if all(w is None for w in works):
             return
         plan = self.plan(records, param_groups, works, extra)
         self.last = plan
-        with plan.settings.held():
-            if not self._run(plan, records, works, param_groups, extra):
-                # the compiled graph did not run (the compiler failed, or this torch would
-                # recompile it): nothing was written; the step again, by the plan that steps
-                # those groups eagerly
-                self._settings_events(param_groups)
-                self.forget()
-                plan = self.last = self.plan(records, param_groups, works, extra)
-                if not self._run(plan, records, works, param_groups, extra):
-                    raise RuntimeError("muonfx: the eager plan of a step tried to compile it")
+        if not self._run(plan, records, works, param_groups, {**(extra or {}), EXTRA_ARG: plan.settings}):
+            # the compiled graph did not run (the compiler failed, or this torch would
+            # recompile it): nothing was written; the step again, by the plan that steps
+            # those groups eagerly
+            self._settings_events(param_groups)
+            self.forget()
+            plan = self.last = self.plan(records, param_groups, works, extra)
+            if not self._run(plan, records, works, param_groups, {**(extra or {}), EXTRA_ARG: plan.settings}):
+                raise RuntimeError("muonfx: the eager plan of a step tried to compile it")
 
     def _run(self, plan: StepPlan, records: list[GroupRecord], works: list, param_groups: list[dict],
              extra: dict) -> bool:
