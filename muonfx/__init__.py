@@ -32,6 +32,7 @@ _EXPORTS = {
     "momentum_warmup": ".schedules",
     **dict.fromkeys(["QKLogitRecorder", "max_logits"], ".attention"),
     "QKClip": ".optim.qk_clip",
+    "NoMuonError": ".optim.routing",
     **dict.fromkeys(["QKLayout", "qk_clip"], ".transforms.qk"),
     **dict.fromkeys(["BiasCorrectedMomentumState", "MomentumState", "RowNormalizeState", "bias_corrected_momentum",
                      "ScaleByAdamState", "ScaleByScheduleState", "cautious_decay", "clip_by_global_norm",
@@ -78,6 +79,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
                                    muon_with_momentum_warmup, normuon, optax_muon, split_newton_schulz)
     from .attention import QKLogitRecorder, max_logits
     from .optim.qk_clip import QKClip
+    from .optim.routing import NoMuonError
     from .schedules import momentum_warmup
     from .transforms.qk import QKLayout, qk_clip
     from .transforms import (BiasCorrectedMomentumState, MomentumState, RowNormalizeState, ScaleByAdamState,
