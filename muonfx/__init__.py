@@ -30,6 +30,10 @@ _EXPORTS = {
     **dict.fromkeys(["moonlight", "muon_cautious", "muon_per_head", "modded_nanogpt_normuon",
                      "muon_with_momentum_warmup", "normuon", "optax_muon", "split_newton_schulz"], ".presets.variants"),
     "momentum_warmup": ".schedules",
+    **dict.fromkeys(["QKLogitRecorder", "max_logits"], ".attention"),
+    "QKClip": ".optim.qk_clip",
+    "NoMuonError": ".optim.routing",
+    **dict.fromkeys(["QKLayout", "qk_clip"], ".transforms.qk"),
     **dict.fromkeys(["BiasCorrectedMomentumState", "MomentumState", "RowNormalizeState", "bias_corrected_momentum",
                      "ScaleByAdamState", "ScaleByScheduleState", "cautious_decay", "clip_by_global_norm",
                      "decoupled_decay", "global_norm", "momentum", "nesterov", "newton_schulz", "row_normalize",
@@ -73,7 +77,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from .presets.standard import adamw, default_muon_labels, muon, muon_adamw
     from .presets.variants import (moonlight, muon_cautious, muon_per_head, modded_nanogpt_normuon,
                                    muon_with_momentum_warmup, normuon, optax_muon, split_newton_schulz)
+    from .attention import QKLogitRecorder, max_logits
+    from .optim.qk_clip import QKClip
+    from .optim.routing import NoMuonError
     from .schedules import momentum_warmup
+    from .transforms.qk import QKLayout, qk_clip
     from .transforms import (BiasCorrectedMomentumState, MomentumState, RowNormalizeState, ScaleByAdamState,
                              ScaleByScheduleState, bias_corrected_momentum, cautious_decay, clip_by_global_norm,
                              decoupled_decay, global_norm, momentum, nesterov, newton_schulz, row_normalize, scale,

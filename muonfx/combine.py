@@ -15,7 +15,8 @@ import torch
 from tensordict import TensorDictBase, is_leaf_nontensor
 
 from ._compat.dtensor import is_dtensor
-from .core import GradientTransformation, Key, aligned, build, check_keys, key_str, leaves, leafwise_if
+from .core import (GradientTransformation, Key, aligned, build, check_keys, key_str, leaves, leafwise_if,
+                   takes_extra_args)
 
 Predicate = Callable[[str, torch.Tensor], bool]
 MaskSpec = Union[Predicate, TensorDictBase, Mapping[str, bool]]
@@ -30,7 +31,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Apply ``transforms`` one after another; the state is the tuple of their states.
 
     ``chain()`` is the identity; ``chain(identity(), t)`` computes what ``t`` does.
-    Leafwise (:func:`muonfx.leafwise`) when every transform is.
+    Leafwise (:func:`muonfx.leafwise`) when every transform is. Extra arguments of a
+    call (``tx.update(u, s, p, **extra_args)``, see :mod:`muonfx.core.contract`) reach
+    every transform that takes them; the others are called without.
 
     Example::
 
@@ -41,15 +44,17 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         if not isinstance(t, GradientTransformation):
             raise TypeError(f"chain: argument {i} is a {type(t).__name__}, not a GradientTransformation")
 
+    takes = [takes_extra_args(t) for t in transforms]
+
     def init_fn(params):
         return tuple(t.init(params) for t in transforms)
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
         if len(state) != len(transforms):
             raise ValueError(f"chain: state has {len(state)} entries for {len(transforms)} transforms")
         new_state = []
-        for t, s in zip(transforms, state):
-            updates, s = t.update(updates, s, params)
+        for t, s, x in zip(transforms, state, takes):
+            updates, s = t.update(updates, s, params, **extra_args) if x else t.update(updates, s, params)
             new_state.append(s)
         return updates, tuple(new_state)
 
@@ -59,7 +64,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransformation:
     """Like :func:`chain`, with the state a dict ``{name: state}`` (addressable by name).
 
-    Leafwise (:func:`muonfx.leafwise`) when every transform is.
+    Leafwise (:func:`muonfx.leafwise`) when every transform is; extra arguments as in
+    :func:`chain`.
 
     Example::
 
@@ -80,15 +86,18 @@ def named_chain(*named: tuple[str, GradientTransformation]) -> GradientTransform
         if not isinstance(n, str) or not isinstance(t, GradientTransformation):
             raise TypeError(f"named_chain takes (str, GradientTransformation) pairs, got ({n!r}, {type(t).__name__})")
 
+    takes = [takes_extra_args(t) for _, t in named]
+
     def init_fn(params):
         return {n: t.init(params) for n, t in named}
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
         if set(state) != set(names):
             raise ValueError(f"named_chain: state names {sorted(state)} differ from the chain's {names}")
         new_state = {}
-        for n, t in named:
-            updates, new_state[n] = t.update(updates, state[n], params)
+        for (n, t), x in zip(named, takes):
+            updates, new_state[n] = (t.update(updates, state[n], params, **extra_args) if x
+                                     else t.update(updates, state[n], params))
         return updates, new_state
 
     return leafwise_if(GradientTransformation(init_fn, update_fn), *(t for _, t in named))
@@ -179,6 +188,7 @@ def masked(inner: GradientTransformation, mask: MaskSpec) -> GradientTransformat
     like the params, or a mapping ``{dotted key: bool}``. Masked-out leaves get no
     state. With an all-false mask ``masked`` is the identity. Leafwise
     (:func:`muonfx.leafwise`) when ``inner`` is: the mask is decided leaf by leaf.
+    Extra arguments of a call reach ``inner`` as in :func:`chain`.
 
     Example::
 
@@ -196,11 +206,13 @@ def masked(inner: GradientTransformation, mask: MaskSpec) -> GradientTransformat
         pick = _picks(keys, resolve_labels(mask, keys, ps, "mask"))
         return MaskedState(inner.init(_sub(keys, ps, pick)))
 
-    def update_fn(updates, state, params=None):
+    takes = takes_extra_args(inner)
+
+    def update_fn(updates, state, params=None, **extra_args):
         keys, us, ps, labels = _split(updates, params, mask, "mask")
         pick = _picks(keys, labels)
         sub_p = _sub(keys, ps, pick) if ps is not None else None
-        new_u, new_inner = inner.update(_sub(keys, us, pick), state.inner_state, sub_p)
+        new_u, new_inner = inner.update(_sub(keys, us, pick), state.inner_state, sub_p, **(extra_args if takes else {}))
         out = [new_u.get(k) if p else u for k, u, p in zip(keys, us, pick)]
         return build(keys, out), MaskedState(new_inner)
 
@@ -235,7 +247,8 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], labels: Lab
     naming the leaves. Every transform is initialised (on its possibly empty share).
     Leafwise (:func:`muonfx.leafwise`) when every transform is: labels are decided
     leaf by leaf, and a transform whose share of a piece is empty still runs (its
-    counters advance alike).
+    counters advance alike). Extra arguments of a call reach every transform as in
+    :func:`chain`.
 
     Example::
 
@@ -266,7 +279,9 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], labels: Lab
             lbl: t.init(_sub(keys, ps, [x == lbl for x in lbls])) for lbl, t in transforms.items()
         })
 
-    def update_fn(updates, state, params=None):
+    takes = {lbl: takes_extra_args(t) for lbl, t in transforms.items()}
+
+    def update_fn(updates, state, params=None, **extra_args):
         keys, us, ps, lbls = _split(updates, params, labels, "labels")
         _check(keys, lbls)
         out: dict[Key, torch.Tensor] = {}
@@ -274,7 +289,8 @@ def partition(transforms: Mapping[Hashable, GradientTransformation], labels: Lab
         for lbl, t in transforms.items():
             pick = [x == lbl for x in lbls]
             sub_p = _sub(keys, ps, pick) if ps is not None else None
-            new_u, new_states[lbl] = t.update(_sub(keys, us, pick), state.inner_states[lbl], sub_p)
+            new_u, new_states[lbl] = t.update(_sub(keys, us, pick), state.inner_states[lbl], sub_p,
+                                              **(extra_args if takes[lbl] else {}))
             for k, p in zip(keys, pick):
                 if p:
                     out[k] = new_u.get(k)
@@ -333,7 +349,8 @@ def blockwise(inner: GradientTransformation, split_sizes: SplitSizes, dim: int =
     matrix transforms inside (one batched Newton-Schulz for all heads of all layers).
     On DTensors, blocks along a sharded dim are gathered first (correct, not fast);
     the output gets the input's placements back. Leafwise (:func:`muonfx.leafwise`) when
-    ``inner`` is: a leaf's blocks are keyed under the leaf's own key.
+    ``inner`` is: a leaf's blocks are keyed under the leaf's own key. Extra arguments of
+    a call reach ``inner`` as in :func:`chain`.
 
     Example::
 
@@ -371,13 +388,15 @@ def blockwise(inner: GradientTransformation, split_sizes: SplitSizes, dim: int =
         bkeys, bps, _ = split(keys, ps)
         return inner.init(build(bkeys, bps))
 
-    def update_fn(updates, state, params=None):
+    takes = takes_extra_args(inner)
+
+    def update_fn(updates, state, params=None, **extra_args):
         keys, us = leaves(updates)
         bkeys, bus, counts = split(keys, us)
         bparams = None
         if params is not None:
             bparams = build(bkeys, split(keys, aligned(params, keys, "params"))[1])
-        new, state = inner.update(build(bkeys, bus), state, bparams)
+        new, state = inner.update(build(bkeys, bus), state, bparams, **(extra_args if takes else {}))
         outs, i = [], 0
         for u, n in zip(us, counts):
             view_ndim = u.ndim if u.ndim <= 3 else 2  # the split view: 4-D+ leaves are [out, in*kh*kw]

@@ -28,6 +28,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from .linalg.batching import batch_bytes, plan_batches
+from .linalg.settings import MatrixSettings
 
 MatrixFn = Callable[[torch.Tensor], torch.Tensor]
 ScalarFn = Callable[[torch.Tensor], torch.Tensor]
@@ -73,8 +74,11 @@ class Backend(Protocol):
     def claims(self, t: torch.Tensor) -> bool:
         """True if this backend serves tensors like ``t``."""
 
-    def map_matrices(self, fn: MatrixFn, stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Apply ``fn`` to every matrix of every ``[k, m, n]`` stack; same shapes out."""
+    def map_matrices(self, fn: MatrixFn, stacks: Sequence[torch.Tensor],
+                     settings: MatrixSettings | None = None) -> list[torch.Tensor]:
+        """Apply ``fn`` to every matrix of every ``[k, m, n]`` stack; same shapes out.
+        ``settings``: the step's :class:`~muonfx.linalg.MatrixSettings` (its batch
+        budget), passed only when there is one."""
 
     def global_sum(self, fn: ScalarFn, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """``sum(fn(t) for t in tensors)`` over the logical (whole) tensors, as a local 0-d tensor."""
@@ -106,11 +110,14 @@ def _split_by_backend(tensors: Sequence[torch.Tensor]):
     return list(groups.values())
 
 
-def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor],
+                       settings: MatrixSettings | None = None) -> list[torch.Tensor]:
     """Apply ``fn`` to same-shape matrices in batches bounded in bytes; results in input order.
 
     Stacks of the same ``(m, n)``, dtype and device are cut into batches of at most
-    :func:`muonfx.linalg.batch_bytes` bytes (see :func:`muonfx.linalg.plan_batches`).
+    ``settings.budget(device type)`` bytes (:class:`~muonfx.linalg.MatrixSettings`; without
+    settings the process's :func:`muonfx.linalg.batch_bytes`; see
+    :func:`muonfx.linalg.plan_batches`).
     A batch that is one whole stack goes as it is (no copy); other batches are
     concatenated along dim 0, and a stack cut over several batches is put back
     together. Batches of several parts are put together in ``fn``'s
@@ -134,7 +141,7 @@ def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor]) -> list[tor
         for i in idx:
             counts.append(stacks[i].shape[0])
         if device not in budgets:
-            budgets[device] = batch_bytes(device)
+            budgets[device] = batch_bytes(device) if settings is None else settings.budget(device.type)
         pieces: dict[int, list[torch.Tensor]] = {}
         for batch in plan_batches(counts, mat_bytes, budgets[device]):
             parts, sizes = [], []
@@ -162,20 +169,25 @@ def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor]) -> list[tor
     return out
 
 
-def map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor],
+                 settings: MatrixSettings | None = None) -> list[torch.Tensor]:
     """Apply the matrix function ``fn`` to each ``[k, m, n]`` stack in ``stacks``.
 
     ``fn`` must treat the matrices of a batch independently: ``fn(cat(a, b)) ==
     cat(fn(a), fn(b))``. Tensors claimed by a registered backend (e.g. DTensor
     shards) are served by it; the rest are batched locally (:func:`local_map_matrices`).
-    Returns new tensors; the inputs are never modified.
+    ``settings`` (a step's :class:`~muonfx.linalg.MatrixSettings`) gives the batch
+    budgets; None: the process's. Returns new tensors; the inputs are never modified.
     """
     if not _BACKENDS:
-        return local_map_matrices(fn, stacks)
+        return local_map_matrices(fn, stacks, settings)
     out: list[torch.Tensor | None] = [None] * len(stacks)
     for backend, idx in _split_by_backend(stacks):
         sub = [stacks[i] for i in idx]
-        res = local_map_matrices(fn, sub) if backend is None else backend.map_matrices(fn, sub)
+        if backend is None:
+            res = local_map_matrices(fn, sub, settings)
+        else:
+            res = backend.map_matrices(fn, sub) if settings is None else backend.map_matrices(fn, sub, settings)
         for i, r in zip(idx, res):
             out[i] = r
     return out  # type: ignore[return-value]

@@ -1,5 +1,8 @@
 """Wrappers that change *when* or *with what* an inner transform runs:
-finite checks, gradient accumulation and injected (schedulable) hyperparameters."""
+finite checks, gradient accumulation and injected (schedulable) hyperparameters.
+
+Each passes the extra arguments of a call (``update(u, s, p, **extra_args)``, see
+:mod:`muonfx.core.contract`) to its inner transform when that takes them."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from . import seam, tree
 from .core import (GradientTransformation, LeafwiseTransformation, aligned, build, is_leafwise, leafwise,
-                   leafwise_if, leaves, td_items)
+                   leafwise_if, leaves, takes_extra_args, td_items)
 from .counts import Counts, advance, by_count, common, from_values, zeros
 from .hyperparams import check
 from .ops import foreach
@@ -71,11 +74,13 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int =
     if not isinstance(max_consecutive_errors, int) or max_consecutive_errors < 0:
         raise ValueError(f"max_consecutive_errors must be an int >= 0, got {max_consecutive_errors!r}")
 
+    takes = takes_extra_args(inner)
+
     def init_fn(params):
         return ApplyIfFiniteState(0, True, 0, inner.init(params))
 
-    def update_fn(updates, state, params=None):
-        new_u, new_inner = inner.update(updates, state.inner_state, params)
+    def update_fn(updates, state, params=None, **extra_args):
+        new_u, new_inner = inner.update(updates, state.inner_state, params, **(extra_args if takes else {}))
         keys, us = leaves(new_u)
         bad = int(seam.global_sum(_count_nonfinite, us).item()) if us else 0
         if bad == 0:
@@ -142,7 +147,9 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
         acc = build(keys, [torch.zeros_like(p, dtype=_acc_dtype(p)) for p in ps])
         return AccumulateState(zeros(keys), acc, inner.init(params))
 
-    def cycle(keys, gs, accs, mini, inner_state, params):
+    takes = takes_extra_args(inner)
+
+    def cycle(keys, gs, accs, mini, inner_state, params, extra_args):
         """One call on parameters that share their micro-step ``mini``."""
         total = foreach("add", accs, [g if g.dtype == a.dtype else g.to(a.dtype) for g, a in zip(gs, accs)])
         if mini + 1 < every_k:
@@ -151,16 +158,16 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
         if every_k > 1:
             foreach("div_", total, float(every_k))
         mean = build(keys, [t if t.dtype == g.dtype else t.to(g.dtype) for t, g in zip(total, gs)])
-        new_u, new_inner = inner.update(mean, inner_state, params)
+        new_u, new_inner = inner.update(mean, inner_state, params, **(extra_args if takes else {}))
         return new_u, build(keys, [torch.zeros_like(a) for a in accs]), new_inner
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
         keys, gs = leaves(updates)
         accs = aligned(state.acc, keys, "accumulate state (acc)", like=gs)
         groups = by_count(state.mini_step, keys, "accumulate state (mini_step)")
         if len(groups) <= 1:
             mini = groups[0][0] if groups else common(state.mini_step)
-            new_u, acc, new_inner = cycle(keys, gs, accs, mini, state.inner_state, params)
+            new_u, acc, new_inner = cycle(keys, gs, accs, mini, state.inner_state, params, extra_args)
             nxt = mini + 1 if mini + 1 < every_k else 0
             steps = state.mini_step
             steps = steps._replace(values=(nxt,), index=None) if isinstance(steps, Counts) else nxt
@@ -175,7 +182,8 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
             ks = [keys[j] for j in pos]
             sub_p = None if params is None else _pick(params, ks)
             sub_inner = tree.restrict(inner_state, ks)
-            new_u, acc, new_sub = cycle(ks, [gs[j] for j in pos], [accs[j] for j in pos], mini, sub_inner, sub_p)
+            new_u, acc, new_sub = cycle(ks, [gs[j] for j in pos], [accs[j] for j in pos], mini, sub_inner, sub_p,
+                                        extra_args)
             inner_state = tree.merge(inner_state, new_sub)
             outs.update(zip(*td_items(new_u)))
             acc_out.update(zip(*td_items(acc)))
@@ -185,9 +193,6 @@ def accumulate(inner: GradientTransformation, every_k: int) -> GradientTransform
         mini_step = from_values(state.mini_step.keys, [by_key[k] for k in state.mini_step.keys])
         return (build(keys, [outs[k] for k in keys]),
                 AccumulateState(mini_step, build(keys, [acc_out[k] for k in keys]), inner_state))
-
-    return leafwise_if(GradientTransformation(init_fn, update_fn), inner)
-
 
     return leafwise_if(GradientTransformation(init_fn, update_fn), inner)
 
@@ -282,6 +287,7 @@ def inject_hyperparams(
     that is NaN, infinite, out of range, ``None`` or a string raises an error naming the
     hyperparameter. Callables that do not take one argument (label functions, mask
     predicates) are not schedules: they go to the factory unchanged.
+    The extra arguments of a call reach the inner transform when it takes them.
 
     The transform is leafwise (:func:`muonfx.leafwise`) when ``factory``'s transform
     built from the initial values is (the hyperparameters are scalars every leaf
@@ -341,7 +347,7 @@ def inject_hyperparams(
             keys = td_items(params)[0] if isinstance(params, TensorDictBase) else []
             return InjectHyperparamsState(zeros(keys), hp, built(hp).init(params))
 
-        def update_fn(updates, state, params=None):
+        def update_fn(updates, state, params=None, **extra_args):
             missing = set(injected) - set(state.hyperparams)
             if missing:
                 raise ValueError(f"inject_hyperparams: state lacks hyperparameters {sorted(missing)}")
@@ -350,7 +356,11 @@ def inject_hyperparams(
             current = state.hyperparams
             if len(groups) <= 1 or not (scheduled or any([is_schedule(v) for v in current.values()])):
                 hp = values_at(groups[0][0] if groups else common(state.count), current)
-                new_u, new_inner = built(hp).update(updates, state.inner_state, params)
+                tx = built(hp)
+                if extra_args and takes_extra_args(tx):
+                    new_u, new_inner = tx.update(updates, state.inner_state, params, **extra_args)
+                else:
+                    new_u, new_inner = tx.update(updates, state.inner_state, params)
                 return new_u, InjectHyperparamsState(advance(state.count), hp, new_inner)
             # parameters with step counts of their own and a schedule: each count has its
             # own values, so each set of parameters sharing a count gets its own update
@@ -361,7 +371,9 @@ def inject_hyperparams(
                 ks = [keys[j] for j in pos]
                 hp = values_at(t, current)
                 sub_p = None if params is None else _pick(params, ks)
-                u, new_sub = built(hp).update(build(ks, [us[j] for j in pos]), tree.restrict(inner, ks), sub_p)
+                tx = built(hp)
+                u, new_sub = tx.update(build(ks, [us[j] for j in pos]), tree.restrict(inner, ks), sub_p,
+                                       **(extra_args if takes_extra_args(tx) else {}))
                 inner = tree.merge(inner, new_sub)
                 outs.update(zip(*td_items(u)))
             last = max(groups)[0]  # the values of the most advanced parameters, for the record

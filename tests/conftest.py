@@ -93,10 +93,10 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def _process_wide_ns_settings_restored():
-    """A test that pins the Newton-Schulz dtype process-wide (``set_default_ns_dtype``,
-    ``precision.held``) leaves the next test the settings it found."""
+    """A test that pins the Newton-Schulz dtype process-wide (``set_default_ns_dtype``)
+    leaves the next test the settings it found."""
     from muonfx.linalg import precision
 
-    before = (precision._override, precision._held)
+    before = precision._override
     yield
-    precision._override, precision._held = before
+    precision._override = before

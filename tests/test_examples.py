@@ -63,3 +63,16 @@ def test_examples_readme_lists_every_example():
     readme = (EXAMPLES / "README.md").read_text(encoding="utf-8")
     for script in sorted(EXAMPLES.glob("*.py")):
         assert script.name in readme, f"examples/README.md does not list {script.name}"
+
+
+@pytest.mark.slow
+def test_qk_clip_example_bounds_the_logits():
+    """examples/qk_clip.py, 40 steps: the largest logit grows past 3 x tau without the clip
+    and stays under 2 x tau with it."""
+    proc = run_example("qk_clip.py", "--steps", "40", "--tau", "5", "--threads", "1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"examples/qk_clip.py exited with {proc.returncode}:\n{out}"
+    m = re.search(r"^largest logit over the last \d+ steps: no clip ([0-9.]+), tau 5 ([0-9.]+)", proc.stdout, re.M)
+    assert m is not None, out
+    plain, clipped = float(m.group(1)), float(m.group(2))
+    assert plain > 15 and clipped < 10, out

@@ -137,3 +137,73 @@ def test_tune_steps_only_what_it_times_and_runs_no_hook(mesh, monkeypatch):
     assert hooks == []
     opt.step()
     assert len(hooks) == 1 and opt.transform_state(1).count == 1
+
+
+def test_each_optimizer_counts_its_own_exchange(mesh):
+    """Every optimizer has its own CommStats (its steps' share of the exchange); the
+    process counters (muonfx.distributed.comm_stats) count every one."""
+    from torch.distributed.tensor import Shard
+
+    from muonfx.distributed import comm_stats
+
+    a, _ = _sharded(mesh, [[Shard(0)]], 3, seed=1)
+    b, _ = _sharded(mesh, [[Shard(0)]], 5, seed=2)
+    opts = [mfx.TransformOptimizer(x, mfx.muon, lr=0.02) for x in (a, b)]
+    assert opts[0].comm_stats is not opts[1].comm_stats
+    total = comm_stats().matrices_orthogonalized
+    opts[0].step()
+    opts[1].step()
+    opts[1].step()
+    assert opts[0].comm_stats.matrices_orthogonalized == 3
+    assert opts[1].comm_stats.matrices_orthogonalized == 10
+    assert comm_stats().matrices_orthogonalized - total == 13
+    opts[1].comm_stats.reset()
+    assert opts[1].comm_stats.matrices_orthogonalized == 0 and opts[0].comm_stats.matrices_orthogonalized == 3
+
+
+def test_extra_args_reach_the_transforms_of_a_dtensor_step(mesh):
+    from torch.distributed.tensor import Shard
+
+    from muonfx.core import EmptyState, GradientTransformation
+
+    seen = []
+
+    def update_fn(updates, state, params=None, **extra_args):
+        seen.append(extra_args["factor"])
+        return updates.apply(lambda u: u * extra_args["factor"]), state
+
+    named, plain = _sharded(mesh, [[Shard(0)]], 2)
+    tx = lambda lr=0.1: mfx.chain(mfx.newton_schulz(dtype=torch.float32),  # noqa: E731
+                                  GradientTransformation(lambda p: EmptyState(), update_fn), mfx.scale(-lr))
+    opts = [mfx.TransformOptimizer(x, tx) for x in (named, plain)]
+    for o in opts:
+        o.step(factor=0.5)
+    assert seen == [0.5, 0.5]
+    for (k, q), (_, p) in zip(named, plain):
+        torch.testing.assert_close(q.full_tensor(), p.detach(), rtol=1e-6, atol=1e-7, msg=k)
+
+
+def test_the_dtensor_caches_are_bounded(mesh, monkeypatch):
+    """The stack specs (muonfx._compat.dtensor.STACK_SPECS layouts), the meshes' process
+    groups (backend.MESHES) and the exchange plans (DTensorBackend.PLANS) keep at most
+    their documented number of entries."""
+    from torch.distributed.tensor import Shard
+
+    from muonfx._compat import dtensor as dt_compat
+    from muonfx.core.cache import LRU
+    from muonfx.distributed import backend
+
+    assert backend._GROUPS.size == backend.MESHES and backend.BACKEND._plans.size == backend.DTensorBackend.PLANS
+    monkeypatch.setattr(dt_compat, "STACK_SPECS", 2)
+    monkeypatch.setattr(dt_compat, "_STACK_SPECS", {})
+    monkeypatch.setattr(backend, "_GROUPS", LRU(2))
+    monkeypatch.setattr(backend.BACKEND, "_plans", LRU(2))
+    for n, rows in enumerate((8, 12, 16, 20)):
+        meshn = init_device_mesh("cpu", (1,))  # a new mesh object each time
+        from torch.distributed.tensor import distribute_tensor
+
+        q = torch.nn.Parameter(distribute_tensor(torch.randn(rows, 6), meshn, [Shard(0)]))
+        q.grad = distribute_tensor(torch.randn(rows, 6), meshn, [Shard(0)])
+        mfx.TransformOptimizer([("w", q)], mfx.muon, lr=0.02).step()
+        assert len(dt_compat._STACK_SPECS) <= 2 and len(backend._GROUPS) <= 2 and len(backend.BACKEND._plans) <= 2
+    assert len(backend.BACKEND._plans) == 2 and len(dt_compat._STACK_SPECS) == 2

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 
 __all__ = ["dtensor_class", "is_dtensor", "local", "shards", "storages", "meshes_and_placements", "rewrap_all",
-           "dtensor_stack_views", "unstack_like", "PRIVATE_LAYOUT", "CHECKED_AGAINST"]
+           "dtensor_stack_views", "unstack_like", "local_range", "PRIVATE_LAYOUT", "CHECKED_AGAINST"]
 
 #: the torch versions whose DTensor layout this module was checked against
 CHECKED_AGAINST = ("2.13.0",)
@@ -162,7 +162,10 @@ def rewrap_all(locals_: Sequence[torch.Tensor], likes: Sequence[Any]) -> list[An
 
 #: the spec of ``t.reshape(1, a, b)`` for a 2-D DTensor ``t`` (:func:`dtensor_stack_views`), by
 #: ``t``'s mesh (held, so its ``id`` stays its own), placements, shape, strides and dtype: DTensor's own view rule
-#: runs once per distinct layout, not once per parameter and step
+#: runs once per distinct layout, not once per parameter and step. At most :data:`STACK_SPECS`
+#: layouts: storing one more drops the one stored first (a hit costs no Python call: it runs per
+#: parameter and step)
+STACK_SPECS = 4096
 _STACK_SPECS: dict[tuple, tuple[Any, Any]] = {}
 
 
@@ -182,6 +185,8 @@ def dtensor_stack_views(ts: Sequence[torch.Tensor], dims: Sequence[tuple[int, in
         if hit is None or hit[0] is not spec.mesh:
             view = t.reshape(1, a, b)
             if view._local_tensor.shape == (1, *t._local_tensor.shape):
+                if len(_STACK_SPECS) >= STACK_SPECS and key not in _STACK_SPECS:
+                    del _STACK_SPECS[next(iter(_STACK_SPECS))]
                 _STACK_SPECS[key] = (spec.mesh, view._spec)
             # else: a layout whose view is not the shard's own: DTensor's rule each time
             out.append(view)
@@ -218,3 +223,43 @@ def unstack_like(outs: Sequence[torch.Tensor], gs: Sequence[torch.Tensor]) -> li
         for (i, _, _), r in zip(fast, rewrap_all([f[1] for f in fast], [f[2] for f in fast])):
             res[i] = r
     return res
+
+
+def local_range(t: Any, dim: int) -> tuple[int, int] | None:
+    """``(start, length)``: the indices along ``dim`` of the whole tensor that a DTensor's
+    local shard holds, one contiguous range (``Shard``, ``Replicate``, uneven and empty
+    shards); ``None`` where they are not one range (a ``_StridedShard`` of ``dim``). A
+    plain tensor holds all of them.
+
+    Read with DTensor's own rule (``compute_local_shape_and_global_offset``, private);
+    where that is missing, from the placements by ``torch.chunk``'s split, as ``Shard``
+    splits.
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx._compat.dtensor import local_range
+        >>> local_range(torch.zeros(6, 4), 0)
+        (0, 6)
+    """
+    if not is_dtensor(t):
+        return 0, t.shape[dim]
+    dim = dim % t.ndim
+    for pl in t.placements:
+        if type(pl).__name__ == "_StridedShard" and getattr(pl, "dim", None) == dim:
+            return None
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return int(offset[dim]), int(shape[dim])
+    except ImportError:  # the placements, by Shard's split (ceil-sized chunks, the last ones short or empty)
+        start, length = 0, t.shape[dim]
+        coord = t.device_mesh.get_coordinate()
+        for mesh_dim, pl in enumerate(t.placements):
+            if getattr(pl, "dim", None) == dim and pl.is_shard():
+                n = t.device_mesh.size(mesh_dim)
+                chunk = -(-length // n)
+                lo = min(coord[mesh_dim] * chunk, length)
+                start, length = start + lo, min(chunk, length - lo)
+        return start, length

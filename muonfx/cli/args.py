@@ -19,6 +19,7 @@ DEFAULTS = dict(
     optimizer="muon_adamw", steps=300, lr=None, adamw_lr=3e-3, weight_decay=0.01, batch_size=32, model="tiny",
     context=None, seed=0, warmup=20, grad_clip=0.0, compare=None, device="auto", eval_every=50, eval_batches=16,
     out=None, save=None, resume=None, stop_at=None, threads=0, cache_dir=None, amp="auto", ns_method="standard",
+    qk_clip=0.0, log_max_logit=False,
 )
 
 #: ``--ns-method``'s choices (the Muon presets' ``ns_method``)
@@ -27,7 +28,7 @@ NS_METHODS = ("standard", "gram", "auto")
 #: settings a resumed run must share with its checkpoint (they shape the model, the
 #: optimizer state, the schedule or the data stream)
 RUN_KEYS = ("optimizer", "lr", "adamw_lr", "weight_decay", "batch_size", "model", "context", "seed", "warmup",
-            "grad_clip", "ns_method")
+            "grad_clip", "ns_method", "qk_clip")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -56,6 +57,12 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Newton-Schulz form of the Muon presets: standard (torch.optim.Muon's iteration, the "
                         "default), gram (the Gram iteration on rectangular matrices: fewer flops, up to 4x bf16's "
                         "rounding; docs/evidence.md) or auto")
+    g.add_argument("--qk-clip", type=float, metavar="TAU",
+                   help="QK-clip (Kimi K2's MuonClip): after every step, scale the query and key rows of each "
+                        "attention head whose largest logit went above TAU (100 in K2) so that it is TAU; the "
+                        "per-head max logit is reported (default 0: off)")
+    g.add_argument("--log-max-logit", action="store_true",
+                   help="report the largest attention logit (per head in summary.json) without clipping it")
     g.add_argument("--compare", metavar="NAME",
                    help="also train NAME (e.g. adamw) with the same seed and data; write loss.png and summary.json")
     g = p.add_argument_group("where and how")
@@ -86,7 +93,7 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 #: the type of each numeric or named setting (``--resume`` reads them from a file)
 _INTS = ("steps", "batch_size", "context", "seed", "warmup", "eval_every", "eval_batches", "threads", "stop_at")
-_FLOATS = ("lr", "adamw_lr", "weight_decay", "grad_clip")
+_FLOATS = ("lr", "adamw_lr", "weight_decay", "grad_clip", "qk_clip")
 _STRS = ("optimizer", "model", "amp", "compare", "ns_method")
 
 
@@ -164,7 +171,7 @@ def validate(args: argparse.Namespace) -> str | None:
     for k, v in positive.items():
         if v < 1:
             return f"--{k.replace('_', '-')} must be at least 1, got {v}"
-    for k in ("adamw_lr", "weight_decay", "warmup", "grad_clip", "threads"):
+    for k in ("adamw_lr", "weight_decay", "warmup", "grad_clip", "threads", "qk_clip"):
         if getattr(args, k) < 0:
             return f"--{k.replace('_', '-')} must not be negative, got {getattr(args, k)}"
     if args.lr is not None and args.lr <= 0:

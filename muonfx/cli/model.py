@@ -25,21 +25,28 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..attention import QKLogitRecorder
+from ..transforms.qk import QKLayout
 from .sizes import MODELS, GPTConfig
 
 __all__ = ["GPTConfig", "GPT", "MODELS"]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, name: str = "attn") -> None:
         super().__init__()
         self.heads = cfg.heads
+        self.name = name
+        #: a muonfx.QKLogitRecorder the training forward passes record their logits in, or None
+        self.recorder: QKLogitRecorder | None = None
         self.c_attn = nn.Linear(cfg.d, 3 * cfg.d, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.d, cfg.d, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         q, k, v = self.c_attn(x).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        if self.recorder is not None and self.training:
+            self.recorder.record(self.name, q, k, is_causal=True)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, D))
 
@@ -55,10 +62,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, name: str = "attn") -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d, bias=cfg.bias)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, name)
         self.ln_2 = nn.LayerNorm(cfg.d, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
@@ -85,7 +92,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(cfg.vocab, cfg.d),
             wpe=nn.Embedding(cfg.context, cfg.d),
-            h=nn.ModuleList(Block(cfg) for _ in range(cfg.layers)),
+            h=nn.ModuleList(Block(cfg, f"h.{i}") for i in range(cfg.layers)),
             ln_f=nn.LayerNorm(cfg.d, bias=cfg.bias),
         ))
         self.lm_head = nn.Linear(cfg.d, cfg.vocab, bias=False)
@@ -103,6 +110,28 @@ class GPT(nn.Module):
                 nn.init.normal_(p, 0.0, std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
+
+    def record_logits(self, recorder: QKLogitRecorder | None) -> None:
+        """Record every layer's per-head max logit in ``recorder`` (layers ``"h.0"``, ``"h.1"``,
+        ...) in training forward passes; ``None`` stops recording."""
+        for block in self.transformer.h:
+            block.attn.recorder = recorder
+
+    def qk_layout(self) -> dict[str, QKLayout]:
+        """The layout of every layer's fused ``c_attn`` for :func:`muonfx.qk_clip`.
+
+        Example::
+
+            >>> from muonfx.cli.model import GPT, GPTConfig
+            >>> m = GPT(GPTConfig(layers=1, d=16, heads=2, context=8, vocab=10, bias=True))
+            >>> m.qk_layout()["h.0"].keys()
+            ('transformer.h.0.attn.c_attn.weight', 'transformer.h.0.attn.c_attn.bias')
+        """
+        cfg = self.cfg
+        return {f"h.{i}": QKLayout.fused(f"transformer.h.{i}.attn.c_attn.weight", heads=cfg.heads,
+                                         head_dim=cfg.d // cfg.heads,
+                                         bias=f"transformer.h.{i}.attn.c_attn.bias" if cfg.bias else None)
+                for i in range(cfg.layers)}
 
     @property
     def blocks(self) -> nn.ModuleList:

@@ -20,6 +20,8 @@ import torch
 from ..core import GradientTransformation
 from ..optim import TransformOptimizer
 from ..optim.muon_optimizer import create_hybrid_optimizer
+from ..optim.qk_clip import QKClip
+from ..optim.routing import check_muon_reached, routes
 from ..presets import standard as presets
 from ..presets.options import MuonOptions
 
@@ -68,19 +70,21 @@ def default_lr(name: str, adamw_lr: float) -> float:
 
 
 def build_optimizer(name: str, model: torch.nn.Module, lr: float | None, adamw_lr: float,
-                    weight_decay: float, ns_method: str = "standard") -> TransformOptimizer:
+                    weight_decay: float, ns_method: str = "standard", qk_clip: QKClip | None = None
+                    ) -> TransformOptimizer:
     """The optimizer ``--optimizer name`` stands for, on ``model`` (``ns_method``: the
-    Newton-Schulz form of its Muon part, where it has one)."""
+    Newton-Schulz form of its Muon part, where it has one; ``qk_clip``: the optimizers'
+    QK-clip option)."""
     err = check_optimizer(name)
     if err:
         raise ValueError(err)
     lr = default_lr(name, adamw_lr) if lr is None else lr
     if name == "muon_adamw":
         return create_hybrid_optimizer(model, muon_lr=lr, adamw_lr=adamw_lr, adamw_betas=ADAMW_BETAS,
-                                       adamw_weight_decay=weight_decay, ns_method=ns_method)
+                                       adamw_weight_decay=weight_decay, ns_method=ns_method, qk_clip=qk_clip)
     if name == "adamw":
         return TransformOptimizer(model.named_parameters(), presets.adamw, lr=lr, betas=ADAMW_BETAS,
-                                  weight_decay=weight_decay)
+                                  weight_decay=weight_decay, qk_clip=qk_clip)
     factory = getattr(presets, name)
     sig = inspect.signature(factory).parameters
     muon_kw = {"ns_method": ns_method} if "ns_method" in sig else {}
@@ -88,13 +92,15 @@ def build_optimizer(name: str, model: torch.nn.Module, lr: float | None, adamw_l
     if "adamw_lr" in sig:  # a whole-model preset (like muon_adamw)
         extra = {"adamw_betas": ADAMW_BETAS, "adamw_weight_decay": weight_decay}
         kw = {k: v for k, v in extra.items() if k in sig}
-        return TransformOptimizer(named, factory, lr=lr, adamw_lr=adamw_lr, **kw, **muon_kw)
+        return TransformOptimizer(named, factory, lr=lr, adamw_lr=adamw_lr, qk_clip=qk_clip, **kw, **muon_kw)
     matrices = [(n, p) for n, p in named if p.ndim >= 2]
     rest = [(n, p) for n, p in named if p.ndim < 2]
+    check_muon_reached(f"--optimizer {name}", routes(named, lambda n, p: "muon" if p.ndim >= 2 else "adamw"),
+                       allow=False)
     groups = [dict(params=matrices, tx=factory, lr=lr, **muon_kw)]
     if rest:
         groups.append(dict(params=rest, tx=presets.adamw, lr=adamw_lr, betas=ADAMW_BETAS, weight_decay=weight_decay))
-    return TransformOptimizer(groups, factory)
+    return TransformOptimizer(groups, factory, qk_clip=qk_clip)
 
 
 def describe(opt: torch.optim.Optimizer) -> list[dict]:

@@ -63,15 +63,17 @@ class Progress:
         """Leave ``seconds`` (spent on something other than training) out of the rate and the ETA's clock."""
         self.t0 += seconds
 
-    def update(self, step: int, loss: float, tokens: int) -> None:
+    def update(self, step: int, loss: float, tokens: int, extra: str = "") -> None:
+        """Count ``tokens`` and show ``step``, ``loss`` and ``extra`` (e.g. ``"max logit 41.2"``)."""
         self.tokens += tokens
+        extra = f", {extra}" if extra else ""
         done = step - self.step
         self.step = step
         if not self.enabled:
             return
         tps = self.tokens_per_s()
         if self._bar is not None:
-            self._bar.set_postfix_str(f"loss {loss:.3f}, {format_rate(tps)}", refresh=False)
+            self._bar.set_postfix_str(f"loss {loss:.3f}{extra}, {format_rate(tps)}", refresh=False)
             self._bar.update(done)
             return
         now = time.perf_counter()
@@ -81,7 +83,8 @@ class Progress:
         rate = (step - self.start_step) / (now - self.t0) if now > self.t0 else 0.0
         eta = (self.total - step) / rate if rate > 0 else 0.0
         end = "\r" if sys.stderr.isatty() else "\n"
-        print(f"{self.desc} step {step}/{self.total} | loss {loss:.3f} | {format_rate(tps)} | "
+        shown = extra.replace(",", " |")
+        print(f"{self.desc} step {step}/{self.total} | loss {loss:.3f}{shown} | {format_rate(tps)} | "
               f"ETA {format_time(eta)}", end=end, file=sys.stderr, flush=True)
 
     def write(self, line: str) -> None:

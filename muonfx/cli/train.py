@@ -25,6 +25,8 @@ from .checkpoint import CheckpointError, restore, save_checkpoint
 from .corpus import Corpus, sample_batch
 from .estimate import RunClock
 from .interrupt import Interrupted, StepInterrupt
+from ..attention import QKLogitRecorder
+from ..optim.qk_clip import QKClip
 from .model import GPT, MODELS
 from .optimizers import build_optimizer, describe
 from .progress import Progress, format_rate, format_time
@@ -95,7 +97,7 @@ def evaluate(model: GPT, corpus: Corpus, batches: int, batch_size: int, context:
 
 def _settings(args, name: str) -> dict:
     keys = ("lr", "adamw_lr", "weight_decay", "batch_size", "model", "context", "seed", "warmup", "grad_clip",
-            "steps", "eval_every", "eval_batches", "amp", "ns_method")
+            "steps", "eval_every", "eval_batches", "amp", "ns_method", "qk_clip")
     s = {k: getattr(args, k) for k in keys}
     s["optimizer"] = name
     s["threads"] = torch.get_num_threads()  # the sums' rounding: --resume reuses it
@@ -141,7 +143,13 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
     n_params = model.num_params()
     if rt.fsdp:
         shard_model(model, rt)
-    opt = build_optimizer(name, model, lr, args.adamw_lr, args.weight_decay, args.ns_method)
+    tau = getattr(args, "qk_clip", 0.0) or 0.0
+    recorder = QKLogitRecorder() if tau > 0 or getattr(args, "log_max_logit", False) else None
+    model.record_logits(recorder)
+    clip = QKClip(recorder, model.qk_layout(), tau=tau) if tau > 0 else None
+    opt = build_optimizer(name, model, lr, args.adamw_lr, args.weight_decay, args.ns_method, qk_clip=clip)
+    logit_curve: list = []  # [step, the largest logit of any head] at every logged step
+    last_logits: dict = {}
     groups = describe(opt)  # before the scheduler scales the lrs
     sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupLinear(args.warmup, args.steps))
     gen = torch.Generator().manual_seed(args.seed)
@@ -209,6 +217,10 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
         if timing:
             _sync(rt)
             tb = time.perf_counter()
+        if recorder is not None:  # the step's statistics, before the step resets them
+            last_logits = recorder.maxima()
+            if clip is None:
+                recorder.reset()
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -231,7 +243,10 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
             if not all(math.isfinite(v) for v in losses):
                 say(f"[{name}] step {step}: the loss is {losses[-1]}; stopping (lower --lr / --adamw-lr?)")
                 break
-            log.update(step, losses[-1], len(losses) * B * T)
+            if recorder is not None:
+                logit_curve.append([step, round(max(float(m.max()) for m in last_logits.values()), 3)])
+            shown = f"max logit {logit_curve[-1][1]:.1f}" if logit_curve else ""
+            log.update(step, losses[-1], len(losses) * B * T, shown)
         if step % args.eval_every == 0 or step == args.steps:
             te = time.perf_counter()
             v = evaluate(model, corpus, args.eval_batches, B, T, rt)
@@ -242,7 +257,9 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
             pace = (time.perf_counter() - t0 - eval_seconds) / (step - start)  # this run's, so far
             say(f"[{name}] step {step:5d} | train {history['train'][-1][1]:.4f} | val {v:.4f} | "
                 f"lr x{sched.get_last_lr()[0] / opt.param_groups[0]['initial_lr']:.3f} | "
-                f"{format_rate(log.tokens_per_s())} training | {clock.left(step, pace, sum(eval_times) / len(eval_times), then)}")
+                f"{format_rate(log.tokens_per_s())} training | "
+                f"{f'max logit {logit_curve[-1][1]:.1f} | ' if logit_curve else ''}"
+                f"{clock.left(step, pace, sum(eval_times) / len(eval_times), then)}")
         if interrupted and step < stop:  # a whole step is done: stop here, as --stop-at would
             break
     if interrupted and step < stop:
@@ -269,6 +286,10 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
     }
     if save_error:
         rec["save_error"] = save_error[-1]
+    if recorder is not None:
+        rec["qk_clip"] = tau or None
+        rec["max_logit_curve"] = logit_curve
+        rec["final_max_logit_per_head"] = {n: [round(float(v), 3) for v in m] for n, m in last_logits.items()}
     say(f"[{name}] done: {trained} steps in {format_time(seconds)}; final train {rec['final_train_loss']:.4f}, "
         f"val {rec['final_val_loss']:.4f}")
     return rec

@@ -194,7 +194,7 @@ def run_train(args, argv: list[str], prog: str = "muonfx train") -> int:
         settings = {k: getattr(args, k) for k in ("optimizer", "compare", "model", "steps", "lr", "adamw_lr",
                                                    "weight_decay", "batch_size", "context", "warmup", "grad_clip",
                                                    "seed", "eval_every", "eval_batches", "amp", "stop_at",
-                                                   "ns_method")}
+                                                   "ns_method", "qk_clip", "log_max_logit")}
         summary = {
             "command": " ".join([prog, shlex.join(argv[1:] if argv[:1] == ["train"] else argv)]).strip(),
             "versions": _versions(), "settings": settings,

@@ -16,10 +16,10 @@ sits above it.
 """
 
 from .._compat.tensordict import build, td_items
-from .contract import EmptyState, GradientTransformation, LeafwiseTransformation, identity, is_leafwise, leafwise, \
-    leafwise_if
+from .contract import EmptyState, GradientTransformation, InitFn, LeafwiseTransformation, UpdateFn, UpdateFnExtraArgs, \
+    identity, is_leafwise, leafwise, leafwise_if, takes_extra_args, with_extra_args_support
 from .leaves import Key, aligned, apply_updates, check_keys, check_like, key_str, leaves
 
 __all__ = ["GradientTransformation", "LeafwiseTransformation", "leafwise", "is_leafwise", "leafwise_if", "EmptyState",
            "identity", "apply_updates", "Key", "key_str", "leaves", "aligned", "build", "check_keys", "check_like",
-           "td_items"]
+           "td_items", "InitFn", "UpdateFn", "UpdateFnExtraArgs", "takes_extra_args", "with_extra_args_support"]

@@ -4,8 +4,16 @@
 A *transform* is a pair of pure functions (:class:`GradientTransformation`):
 
 * ``init(params) -> state`` builds the transform's state, eagerly and completely;
-* ``update(updates, state, params=None) -> (new_updates, new_state)`` maps a
-  TensorDict of updates (gradients, at the start of a chain) to new updates.
+* ``update(updates, state, params=None, **extra_args) -> (new_updates, new_state)``
+  maps a TensorDict of updates (gradients, at the start of a chain) to new updates.
+
+*Extra arguments* (optax's ``GradientTransformationExtraArgs``): whoever runs a
+transform may pass keyword arguments after ``params`` (a step's context: a value the
+model computed, a loss, a per-step setting). A transform whose ``update`` takes
+``**extra_args`` receives all of them and reads those it knows; one whose ``update``
+takes none (the plain ``update(updates, state, params=None)``) is called without them:
+:func:`takes_extra_args` tells which, :func:`with_extra_args_support` turns the latter
+into the former, and every combinator, wrapper and the adapter's step pass them on.
 
 ``params`` and ``updates`` are :class:`tensordict.TensorDict` s keyed like
 ``TensorDict.from_module(model)``: nested keys are tuples of strings, shown to users
@@ -14,12 +22,37 @@ as dotted names (``"layers.0.weight"``). ``update`` never mutates its inputs.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import inspect
+from typing import Any, Callable, NamedTuple, Protocol
 
 from tensordict import TensorDictBase
 
 __all__ = ["GradientTransformation", "LeafwiseTransformation", "leafwise", "is_leafwise", "leafwise_if",
-           "EmptyState", "identity"]
+           "EmptyState", "identity", "InitFn", "UpdateFn", "UpdateFnExtraArgs", "takes_extra_args",
+           "with_extra_args_support"]
+
+
+class InitFn(Protocol):
+    """``init(params) -> state``: the state of a transform, built eagerly and completely."""
+
+    def __call__(self, params: TensorDictBase) -> Any: ...
+
+
+class UpdateFn(Protocol):
+    """``update(updates, state, params=None) -> (new_updates, new_state)``: a transform
+    that takes no extra arguments (it is called without them)."""
+
+    def __call__(self, updates: TensorDictBase, state: Any,
+                 params: TensorDictBase | None = None) -> tuple[TensorDictBase, Any]: ...
+
+
+class UpdateFnExtraArgs(Protocol):
+    """``update(updates, state, params=None, **extra_args) -> (new_updates, new_state)``:
+    a transform that receives every extra argument of the call, reads those it knows and
+    ignores the others (a combinator passes all of them on)."""
+
+    def __call__(self, updates: TensorDictBase, state: Any, params: TensorDictBase | None = None,
+                 **extra_args: Any) -> tuple[TensorDictBase, Any]: ...
 
 
 class GradientTransformation(NamedTuple):
@@ -30,9 +63,12 @@ class GradientTransformation(NamedTuple):
         numbers (typically a NamedTuple of them), and has the same structure on every
         rank and at every step.
 
-    ``update(updates: TensorDict, state, params: TensorDict | None = None) -> (TensorDict, state)``
+    ``update(updates: TensorDict, state, params: TensorDict | None = None, **extra_args) -> (TensorDict, state)``
         Returns new updates and the new state. It never mutates ``updates``,
-        ``state`` or ``params``.
+        ``state`` or ``params``. ``**extra_args`` is optional (:class:`UpdateFn` or
+        :class:`UpdateFnExtraArgs`): an ``update`` that declares it receives the extra
+        arguments of the call (a step's context); one that does not is called without
+        them (:func:`takes_extra_args`).
 
     Example::
 
@@ -46,8 +82,8 @@ class GradientTransformation(NamedTuple):
         0.99
     """
 
-    init: Callable[[TensorDictBase], Any]
-    update: Callable[..., tuple[TensorDictBase, Any]]
+    init: InitFn | Callable[[TensorDictBase], Any]
+    update: UpdateFn | UpdateFnExtraArgs | Callable[..., tuple[TensorDictBase, Any]]
 
 
 class LeafwiseTransformation(GradientTransformation):
@@ -120,3 +156,57 @@ def identity() -> GradientTransformation:
 
     return LeafwiseTransformation(init_fn, update_fn)
 
+
+
+def takes_extra_args(tx: GradientTransformation) -> bool:
+    """Whether ``tx.update`` takes extra arguments (declares ``**extra_args``,
+    :class:`UpdateFnExtraArgs`): such a transform is called with every extra argument of
+    a call, one that does not (:class:`UpdateFn`) without any.
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> from muonfx.core import takes_extra_args
+        >>> takes_extra_args(mfx.scale(2.0)), takes_extra_args(mfx.chain(mfx.scale(2.0)))
+        (False, True)
+    """
+    fn = tx.update
+    code = getattr(fn, "__code__", None)  # (a function or bound method: no signature to build)
+    if code is not None:
+        return bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature (a builtin): called without extra arguments
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def with_extra_args_support(tx: GradientTransformation) -> GradientTransformation:
+    """``tx`` with an ``update`` that takes extra arguments (:class:`UpdateFnExtraArgs`):
+    ``tx`` itself where it does (:func:`takes_extra_args`), else the same transform whose
+    update ignores them (optax's ``with_extra_args_support``). Leafwise when ``tx`` is.
+
+    The combinators and wrappers of muonfx do the same without the extra call: each
+    passes a call's extra arguments to the transforms that take them and calls the
+    others without.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> from muonfx.core import with_extra_args_support
+        >>> tx = with_extra_args_support(mfx.scale(2.0))
+        >>> u = TensorDict({"w": torch.ones(1)}, [])
+        >>> tx.update(u, tx.init(u), None, loss=torch.tensor(3.0))[0]["w"].item()
+        2.0
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"with_extra_args_support takes a GradientTransformation, got {type(tx).__name__}")
+    if takes_extra_args(tx):
+        return tx
+    inner = tx.update
+
+    def update_fn(updates, state, params=None, **extra_args):
+        return inner(updates, state, params)
+
+    return type(tx)(tx.init, update_fn)

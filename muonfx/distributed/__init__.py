@@ -4,7 +4,7 @@ Importing this module changes nothing and imports no DTensor code (so neither do
 ``import muonfx``): the backend (:mod:`muonfx.distributed.backend`, which imports
 ``torch.distributed.tensor``) is loaded by :func:`install`, called by
 :class:`muonfx.TransformOptimizer` as soon as it sees a DTensor parameter, or on first
-use of ``BACKEND``, ``CommStats`` or ``DTensorBackend`` from here.
+use of ``BACKEND`` or ``DTensorBackend`` from here.
 """
 
 from __future__ import annotations
@@ -16,20 +16,21 @@ import torch
 from .. import seam
 from .overview import describe
 from .plan import assign_owners, ns_flops, shard_sizes
+from .stats import CommStats
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-    from .backend import CommStats, DTensorBackend
+    from .backend import DTensorBackend
 
 __all__ = ["install", "uninstall", "check_params", "comm_stats", "pick_backend", "describe", "BACKEND",
            "CommStats", "DTensorBackend", "assign_owners", "ns_flops", "shard_sizes"]
 
-_LAZY = ("BACKEND", "CommStats", "DTensorBackend")
+_LAZY = ("BACKEND", "DTensorBackend")
 
 
 def __getattr__(name: str) -> Any:
-    """``BACKEND``, ``CommStats`` and ``DTensorBackend``, imported on first use."""
+    """``BACKEND`` and ``DTensorBackend``, imported on first use."""
     if name in _LAZY:
         from . import backend
 
@@ -71,7 +72,9 @@ def uninstall() -> None:
 
 
 def comm_stats() -> CommStats:
-    """This rank's matrix-exchange counters (bytes, collectives, matrices orthogonalised)."""
+    """This rank's matrix-exchange counters (bytes, collectives, matrices orthogonalised)
+    of the whole process; an optimizer's own share is its
+    :attr:`~muonfx.TransformOptimizer.comm_stats`."""
     from .backend import BACKEND
 
     return BACKEND.stats

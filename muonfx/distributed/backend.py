@@ -24,7 +24,7 @@ Per-rank traffic and work are counted in :attr:`DTensorBackend.stats`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -32,47 +32,22 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from .._compat.dtensor import meshes_and_placements, rewrap_all, shards
+from ..core.cache import LRU
 from ..linalg.batching import batch_bytes
+from ..linalg.settings import MatrixSettings
 from ..seam import MatrixFn, ScalarFn, compute_dtype
 from .exchange import RankProgram, rank_program, run_program
+from .stats import CommStats
 from .layout import is_cut, largest, lifted, mesh_ranks, stack_layout
 from .plan import ExchangePlan, plan_exchange
 
 __all__ = ["DTensorBackend", "CommStats", "BACKEND", "mesh_group"]
 
 
-@dataclass
-class CommStats:
-    """Counters of this rank's matrix traffic and work (reset with :meth:`reset`).
-
-    ``bytes_sent`` / ``bytes_received`` count what crossed to or from other ranks in
-    the matrix exchange (in the exchange dtype); ``collectives`` its all-to-alls (two
-    per bucket); ``buckets`` the buckets; ``wait_seconds`` the time this rank spent
-    blocked waiting for them (what the overlap did not hide); ``reductions`` the
-    all-reduces of :meth:`DTensorBackend.sum_over`; ``plans`` the exchange plans made
-    (once per set of stacks); ``matrices_orthogonalized`` the matrices this rank
-    transformed."""
-
-    elements_sent: int = 0
-    elements_received: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    collectives: int = 0
-    buckets: int = 0
-    wait_seconds: float = 0.0
-    reductions: int = 0
-    plans: int = 0
-    matrices_orthogonalized: int = 0
-    shapes: list = field(default_factory=list)
-
-    def reset(self) -> None:
-        self.elements_sent = self.elements_received = self.bytes_sent = self.bytes_received = 0
-        self.collectives = self.buckets = self.reductions = self.plans = self.matrices_orthogonalized = 0
-        self.wait_seconds = 0.0
-        self.shapes = []
-
-
-_GROUPS: dict[int, tuple[Any, Any, tuple[int, ...]]] = {}
+#: the process group and ranks of each mesh seen (by ``id``, the mesh held so that its
+#: ``id`` stays its own), at most :data:`MESHES` (the least recently used goes first)
+MESHES = 64
+_GROUPS: LRU = LRU(MESHES)
 
 
 def mesh_group(mesh) -> tuple[Any, tuple[int, ...]]:
@@ -110,16 +85,22 @@ class _Planned:
 class DTensorBackend:
     """Seam backend for DTensors (FSDP2, HSDP, tensor, expert parallel; see the module doc)."""
 
+    #: exchange plans kept (per set of stacks; the least recently used goes first)
+    PLANS = 256
+
     def __init__(self) -> None:
+        #: the counters of every exchange of the process (an optimizer's step also counts
+        #: its own share in its :attr:`muonfx.TransformOptimizer.comm_stats`)
         self.stats = CommStats()
-        self._plans: dict[tuple, _Planned] = {}
+        self._plans: LRU = LRU(self.PLANS)
 
     def claims(self, t: torch.Tensor) -> bool:
         return isinstance(t, DTensor)
 
     # -- matrices -----------------------------------------------------------
 
-    def map_matrices(self, fn: MatrixFn, stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def map_matrices(self, fn: MatrixFn, stacks: Sequence[torch.Tensor],
+                     settings: MatrixSettings | None = None) -> list[torch.Tensor]:
         # one exchange per (process group of the mesh the stacks are lifted to, exchange dtype), in the order
         # of first appearance (the same on every rank: the stacks are)
         jobs: dict[tuple, list[int]] = {}
@@ -148,18 +129,19 @@ class DTensorBackend:
         out: list[torch.Tensor | None] = [None] * len(stacks)
         for (_, dtype), idx in jobs.items():
             sub = [stacks[i] for i in idx]
-            for i, r in zip(idx, self._map(fn, sub, [views[i] for i in idx], dtype)):
+            for i, r in zip(idx, self._map(fn, sub, [views[i] for i in idx], dtype, settings)):
                 out[i] = r
         return out  # type: ignore[return-value]
 
-    def planned(self, stacks: Sequence[DTensor], views: Sequence[tuple], dtype: torch.dtype
-                ) -> tuple[ExchangePlan, RankProgram, Any]:
+    def planned(self, stacks: Sequence[DTensor], views: Sequence[tuple], dtype: torch.dtype,
+                settings: MatrixSettings | None = None) -> tuple[ExchangePlan, RankProgram, Any]:
         """The plan for ``stacks`` (on the meshes and placements ``views``, see
-        :func:`~muonfx.distributed.layout.lifted`) exchanged in ``dtype``: made once, then
-        reused; this rank's program; the process group."""
+        :func:`~muonfx.distributed.layout.lifted`) exchanged in ``dtype`` under the batch
+        budget of ``settings`` (None: the process's): made once, then reused; this rank's
+        program; the process group."""
         mesh = views[0][0]
         group, _ = mesh_group(mesh)
-        budget = batch_bytes(mesh.device_type)
+        budget = batch_bytes(mesh.device_type) if settings is None else settings.budget(mesh.device_type)
         key = (dtype, budget, id(group)) + tuple((tuple(s.shape), v[1], id(v[0])) for s, v in zip(stacks, views))
         hit = self._plans.get(key)
         if hit is None:
@@ -192,9 +174,11 @@ class DTensorBackend:
         self.stats.plans += 1
         return _Planned(plan, rank_program(plan, dist.get_rank(group)))
 
-    def _map(self, fn: MatrixFn, stacks: Sequence[DTensor], views: Sequence[tuple], dtype: torch.dtype
-             ) -> list[DTensor]:
-        plan, prog, group = self.planned(stacks, views, dtype)
+    def _map(self, fn: MatrixFn, stacks: Sequence[DTensor], views: Sequence[tuple], dtype: torch.dtype,
+             settings: MatrixSettings | None = None) -> list[DTensor]:
+        own = getattr(settings, "stats", None)  # the stepping optimizer's counters
+        before = self.stats.snapshot() if own is not None else None
+        plan, prog, group = self.planned(stacks, views, dtype, settings)
         locals_ = shards(stacks, DTensor)
         outs = [torch.empty_like(loc) for loc in locals_]
         stats = self.stats
@@ -204,8 +188,10 @@ class DTensorBackend:
             work.wait()
             stats.wait_seconds += time.perf_counter() - t0
 
-        run_program(prog, fn, locals_, outs, dtype, group, stats, wait, comm_device(views[0][0]))
+        run_program(prog, fn, locals_, outs, dtype, group, stats, wait, comm_device(views[0][0]), settings)
         self.stats.buckets += plan.buckets
+        if own is not None:
+            own.add_since(before, self.stats)
         return rewrap_all(outs, stacks)
 
     # -- global reductions ----------------------------------------------------

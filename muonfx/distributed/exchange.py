@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..linalg.settings import MatrixSettings
 from ..seam import MatrixFn, local_map_matrices
 from .layout import Runs, runs_len
 from .plan import ExchangePlan
@@ -138,12 +139,14 @@ class _Counter:
 
 
 def run_program(prog: RankProgram, fn: MatrixFn, locals_: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-                dtype: torch.dtype, group, stats, wait: Callable[[object], None], device: torch.device) -> None:
+                dtype: torch.dtype, group, stats, wait: Callable[[object], None], device: torch.device,
+                settings: MatrixSettings | None = None) -> None:
     """Transform the matrices of ``locals_`` (the stacks' local tensors) as ``prog``
     says, writing this rank's pieces of the results into ``outs`` (tensors shaped like
     ``locals_``); ``dtype`` is the exchange dtype, ``wait(work)`` waits for a collective,
     ``device`` the one the collectives and the owners' work run on (the mesh's: a GPU
-    under NCCL also when FSDP2 offloads the shards to the host)."""
+    under NCCL also when FSDP2 offloads the shards to the host), ``settings`` the step's
+    (the owners' batch budget; None: the process's)."""
     count = _Counter(stats, prog.me, torch.empty((), dtype=dtype).element_size())
     W = prog.world
 
@@ -170,7 +173,7 @@ def run_program(prog: RankProgram, fn: MatrixFn, locals_: Sequence[torch.Tensor]
             loc = locals_[s]
             part = loc if len(js) == loc.shape[0] else loc[torch.tensor(js, device=loc.device)]
             parts.append(part.to(device))
-        results = local_map_matrices(fn, parts)
+        results = local_map_matrices(fn, parts, settings)
         for (s, js), res in zip(prog.local, results):
             if len(js) == outs[s].shape[0]:
                 outs[s].copy_(res)
@@ -195,7 +198,7 @@ def run_program(prog: RankProgram, fn: MatrixFn, locals_: Sequence[torch.Tensor]
                 _runs_copy(views[slot], recv[off:off + nr * nc].view(nr, nc), rows, cols, True)
                 off += nr * nc
         del recv
-        results = local_map_matrices(fn, bufs) if bufs else []
+        results = local_map_matrices(fn, bufs, settings) if bufs else []
         del bufs
         res_views = [r[i] for r in results for i in range(r.shape[0])]
         stats.matrices_orthogonalized += bk.mine

@@ -110,6 +110,11 @@ def describe(source: torch.optim.Optimizer | torch.nn.Module | Iterable[tuple[st
 
     label = labels or default_muon_labels
     named = _named(source)
+    # an optimizer that says where it sent each parameter (MuonOptimizer, create_hybrid_optimizer,
+    # FSDPMuonOptimizer: ``routing``) is described by that, with the rule behind each route
+    said = {n: (r, rule) for n, _, r, rule in getattr(source, "routing", None) or ()} if labels is None else {}
+    if said:
+        label = lambda n, p: said[n][0] if n in said else default_muon_labels(n, p)  # noqa: E731
     rows: list[dict[str, Any]] = []
     stacks, where = [], []  # (layout, ranks) of each DTensor matrix, and its row
     device_type = "cpu"
@@ -127,7 +132,7 @@ def describe(source: torch.optim.Optimizer | torch.nn.Module | Iterable[tuple[st
         else:
             row["placements"] = "plain tensor"
         route = label(name, p)
-        row["route"] = route
+        row["route"] = route + (f" ({said[name][1]})" if name in said else "")
         if route != "muon" or p.ndim < 2:
             row["matrix view"] = "-"
             row["Newton-Schulz"] = "none (elementwise on local shards)" if is_dt else "none"

@@ -288,13 +288,17 @@ class NewtonSchulz:
     """
 
     def __init__(self, schedule: Schedule, eps: float = 1e-7, dtype: torch.dtype | None = None,
-                 method: str = "standard", restart: int | None = None, accuracy: str = "dtype") -> None:
+                 method: str = "standard", restart: int | None = None, accuracy: str = "dtype",
+                 triton: bool | None = None) -> None:
         if method not in METHODS:
             raise ValueError(f"unknown Newton-Schulz method {method!r}; use 'standard', 'gram', 'spectral' or 'auto'")
         if accuracy not in ACCURACIES:
             raise ValueError(f"unknown Newton-Schulz accuracy {accuracy!r}; use 'dtype' or 'bf16'")
         self.schedule, self.eps, self.method, self.restart, self.accuracy = schedule, eps, method, restart, accuracy
         self.compute_dtype = dtype
+        #: whether the symmetric Triton products are asked for (None: the process switch,
+        #: :func:`muonfx.linalg.triton_ns.requested`, read at each call)
+        self.triton = triton
 
     def _choose(self, m: int, n: int, in_dtype: torch.dtype, device: torch.device) -> tuple:
         """``(compute dtype, method, restart)`` for ``m x n`` matrices of ``in_dtype`` on
@@ -330,7 +334,8 @@ class NewtonSchulz:
         cdtype, method, restart = self._choose(m, n, in_dtype, device)
         if method == "spectral":
             products = "eigh"
-        elif cdtype in (torch.bfloat16, torch.float16) and triton_ns.requested() and triton_ns.runs_on(device):
+        elif (cdtype in (torch.bfloat16, torch.float16) and (triton_ns.requested() if self.triton is None else self.triton)
+              and triton_ns.runs_on(device)):
             products = "triton (checked on first use)"
         else:
             products = "torch"
@@ -357,7 +362,7 @@ class NewtonSchulz:
         x = None
         if method == "spectral":
             x = _spectral([_normalized(g, safety, eps, cdtype, tall)], steps)
-        elif low and triton_ns.takes(g, cdtype, restart, method == "gram"):
+        elif low and triton_ns.takes(g, cdtype, restart, method == "gram", self.triton):
             # the same iteration with symmetric Triton products (CUDA); None: use torch's
             x = triton_ns.orthogonalize([_normalized(g, safety, eps, cdtype, tall)], steps, restart, method == "gram")
         if x is None:

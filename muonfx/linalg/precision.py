@@ -37,14 +37,12 @@ its step plan is built and keeps it until the plan is rebuilt (:func:`held`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import platform
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -55,8 +53,6 @@ ENV = "MUONFX_NS_DTYPE"
 _NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _override: torch.dtype | None = None
-#: the pin an optimizer step captured when its plan was built (see held()); None: none held
-_held: tuple[torch.dtype | None] | None = None
 _cpu: "CpuChoice | None" = None
 
 
@@ -118,29 +114,13 @@ def ns_dtype_for(device: torch.device, input_dtype: torch.dtype = torch.float32)
 def pinned_ns_dtype() -> torch.dtype | None:
     """The process-wide override in force now: :func:`set_default_ns_dtype`, else
     ``MUONFX_NS_DTYPE`` (``"auto"``: none); None when neither pins a dtype.
-    :func:`muonfx.newton_schulz` reads it once, when it is built."""
-    if _held is not None:
-        return _held[0]
+    :func:`muonfx.newton_schulz` reads it once, when it is built; an optimizer's step
+    plan reads it when the plan is built and passes it to every step
+    (:class:`muonfx.linalg.MatrixSettings`)."""
     if _override is not None:
         return _override
     env = os.environ.get(ENV)
     return _env_dtype(env) if env else None
-
-
-@contextlib.contextmanager
-def held(dtype: torch.dtype | None) -> Iterator[None]:
-    """Inside the block :func:`pinned_ns_dtype` is ``dtype`` (``None``: no pin), whatever
-    :func:`set_default_ns_dtype` or ``MUONFX_NS_DTYPE`` say: an optimizer's step plan
-    captures the pin when it is built and holds it for each of its steps
-    (:class:`muonfx.optim.step.plan.Settings`), so a change between steps reaches a running
-    optimizer only through a new plan."""
-    global _held
-    before = _held
-    _held = (dtype,)
-    try:
-        yield
-    finally:
-        _held = before
 
 
 def device_ns_dtype(device: torch.device) -> torch.dtype:

@@ -120,13 +120,13 @@ def _key(m: int, n: int, dtype: torch.dtype, device: torch.device, restart: int 
     return (str(device), dtype, min(m, n), max(m, n), bool(gram), (restart or None) if gram else None)
 
 
-def takes(t: torch.Tensor, dtype: torch.dtype, restart: int | None, gram: bool) -> bool:
+def takes(t: torch.Tensor, dtype: torch.dtype, restart: int | None, gram: bool, asked: bool | None = None) -> bool:
     """Whether the Newton-Schulz of the batch ``t`` (``[B, m, n]``, either orientation),
     computed in ``dtype``, runs with the symmetric Triton products: they are asked for
-    (:func:`requested`), :func:`available` for ``t``, and passed their check for this
-    shape (:func:`verify`; eagerly, a shape not checked yet is checked now; inside
-    ``torch.compile`` only shapes checked before take them)."""
-    if not requested() or not available(t):
+    (``asked``; ``None``: :func:`requested`), :func:`available` for ``t``, and passed their
+    check for this shape (:func:`verify`; eagerly, a shape not checked yet is checked now;
+    inside ``torch.compile`` only shapes checked before take them)."""
+    if not (requested() if asked is None else asked) or not available(t):
         return False
     key = _key(t.shape[-2], t.shape[-1], dtype, t.device, restart, gram)
     verdict = _verdicts.get(key)

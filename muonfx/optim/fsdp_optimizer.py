@@ -16,7 +16,9 @@ from ..presets import adamw
 from ..presets.options import MeaningChangedWarning, MuonOptions, takes_muon_options
 from ..presets.predecessor import fsdp_muon
 from ..wrappers import accumulate
-from .muon_optimizer import model_labels
+from .muon_optimizer import _embedding_ids, model_labels
+from .qk_clip import QKClip
+from .routing import check_muon_reached, rule_of
 from .optimizer import TransformOptimizer
 from .step.fused import FusedAdamW, register
 
@@ -84,6 +86,10 @@ class FSDPMuonOptimizer(TransformOptimizer):
     after every micro-batch; parameters move on every k-th call, with the mean
     gradient.
 
+    A model in which no parameter gets Muon (flattened 1-D parameters, none at least
+    2-D, every matrix an embedding or a head) raises
+    :class:`~muonfx.optim.routing.NoMuonError` naming why, unless ``allow_no_muon=True``.
+
     Example::
 
         >>> import torch, muonfx as mfx
@@ -107,11 +113,17 @@ class FSDPMuonOptimizer(TransformOptimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
+        qk_clip: QKClip | None = None,
+        allow_no_muon: bool = False,
         **muon_options: Any,
     ) -> None:
         self.model = model
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
+        if qk_clip is not None and gradient_accumulation_steps > 1:
+            raise ValueError("FSDPMuonOptimizer: qk_clip with gradient_accumulation_steps > 1 would clip at every "
+                             "micro-batch; accumulate in .grad instead (gradient_accumulation_steps=1, step() once "
+                             "per k micro-batches: the recorder keeps the maximum over them)")
         changed = []  # one line in all, each change with its fix
         if beta2 is not None:
             changed.append(f"beta2={beta2!r} turns on NorMuon row normalisation here (muon_fsdp ignored it): "
@@ -134,6 +146,10 @@ class FSDPMuonOptimizer(TransformOptimizer):
         label = model_labels(model)
         muon_params = [(n, p) for n, p in named if label(n, p) == "muon"]
         other = [(n, p) for n, p in named if label(n, p) != "muon"]
+        embedding = _embedding_ids(model)
+        routing = [(n, tuple(p.shape), str(label(n, p)), rule_of(n, p, label(n, p), id(p) in embedding))
+                   for n, p in named]
+        check_muon_reached("FSDPMuonOptimizer", routing, allow_no_muon)
         groups = []
         if muon_params:
             groups.append(dict(
@@ -147,7 +163,9 @@ class FSDPMuonOptimizer(TransformOptimizer):
             ))
         if not groups:
             raise ValueError("FSDPMuonOptimizer: no trainable parameters")
-        super().__init__(groups, fsdp_muon)
+        super().__init__(groups, fsdp_muon, qk_clip=qk_clip)
+        #: where each parameter went and by which rule (:mod:`muonfx.optim.routing`)
+        self.routing = routing
         if other and _is_rank_zero():
             shown = ", ".join(repr(n) for n, _ in other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
             say_once("FSDPMuonOptimizer fallback", (

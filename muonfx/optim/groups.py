@@ -10,8 +10,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from ..core import GradientTransformation, Key, build, key_str, leafwise_if, leaves
-from ..linalg import precision
+from ..core import GradientTransformation, Key, build, key_str, leafwise_if, leaves, takes_extra_args
 from ..ops import foreach
 from ..wrappers import InjectHyperparamsState, inject_hyperparams, signature
 
@@ -31,7 +30,7 @@ def lr_multiplier(tx: GradientTransformation) -> Callable[..., GradientTransform
     :class:`muonfx.TransformOptimizer` uses it for pre-built transforms, so that
     ``group["lr"]`` (and any lr scheduler) scales the whole update: ``out = lr * tx(u)``.
     With ``lr == 1`` the update is exactly ``tx``'s. Leafwise (:func:`muonfx.leafwise`)
-    when ``tx`` is.
+    when ``tx`` is; the extra arguments of a call reach ``tx`` when it takes them.
 
     Example::
 
@@ -43,9 +42,11 @@ def lr_multiplier(tx: GradientTransformation) -> Callable[..., GradientTransform
         [-0.5, -0.5]
     """
 
+    takes = takes_extra_args(tx)
+
     def with_lr(lr: float = 1.0) -> GradientTransformation:
-        def update_fn(updates, state, params=None):
-            out, state = tx.update(updates, state, params)
+        def update_fn(updates, state, params=None, **extra_args):
+            out, state = tx.update(updates, state, params, **(extra_args if takes else {}))
             if lr == 1.0:
                 return out, state
             keys, us = leaves(out)
@@ -196,7 +197,7 @@ class GroupRecord:
         one = isinstance(lr0, (int, float)) or isinstance(lr0, torch.Tensor) and lr0.numel() == 1
         rec = cls(factory, keys, float(lr0) if one else None)  # anything else is refused by the transform
         with torch.no_grad():
-            rec.state = rec.transform(rec.hyperparams(group), precision.pinned_ns_dtype()).init(
+            rec.state = rec.transform(rec.hyperparams(group)).init(
                 build(keys, list(group["params"])))
         return rec
 
@@ -225,17 +226,16 @@ class GroupRecord:
                         hp[n] = v * ratio
         return hp
 
-    def transform(self, hp: dict[str, Any], pin: Any = None) -> GradientTransformation:
-        """The injected transform for ``hp``, built once per set of static values (and per
-        default Newton-Schulz dtype ``pin`` held while it is built, see
-        :class:`muonfx.optim.step.plan.Settings`)."""
+    def transform(self, hp: dict[str, Any]) -> GradientTransformation:
+        """The injected transform for ``hp``, built once per set of static values (the
+        plan's settings reach it at each step as an extra argument, see
+        :mod:`muonfx.optim.step.plan`)."""
         # numbers (and tuples of them, such as betas) live in the state; anything
         # else (strings, dtypes, schedules) selects the transform
-        key = (static_key(hp), pin)
+        key = static_key(hp)
         tx = self.transforms.get(key)
         if tx is None:
-            with precision.held(pin):
-                tx = self.transforms[key] = inject_hyperparams(_reuse_last(self.factory))(**hp)
+            tx = self.transforms[key] = inject_hyperparams(_reuse_last(self.factory))(**hp)
         return tx
 
     def current_state(self, hp: dict[str, Any]) -> InjectHyperparamsState:

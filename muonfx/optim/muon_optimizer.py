@@ -11,18 +11,22 @@ from ..logs import say_once
 from ..presets import adamw, default_muon_labels, muon
 from ..presets.options import MeaningChangedWarning, takes_muon_options
 from .optimizer import TransformOptimizer
+from .qk_clip import QKClip, unclipped
+from .routing import check_muon_reached, rule_of
 
 __all__ = ["MuonOptimizer", "create_hybrid_optimizer", "model_labels", "MeaningChangedWarning"]
+
+
+def _embedding_ids(model: torch.nn.Module) -> set[int]:
+    return {id(p) for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+            for p in m.parameters(recurse=False)}
 
 
 def model_labels(model: torch.nn.Module) -> Callable[[str, torch.Tensor], Hashable]:
     """A label function for ``model``: ``"adamw"`` for the parameters of its
     ``nn.Embedding``/``nn.EmbeddingBag`` modules (whatever their names), otherwise
     :func:`muonfx.default_muon_labels` (0-D/1-D tensors and embedding/head names)."""
-    embedding_params = {
-        id(p) for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
-        for p in m.parameters(recurse=False)
-    }
+    embedding_params = _embedding_ids(model)
 
     def labels(name: str, p: torch.Tensor) -> Hashable:
         return "adamw" if id(p) in embedding_params else default_muon_labels(name, p)
@@ -98,6 +102,12 @@ class MuonOptimizer(TransformOptimizer):
     ``nesterov=False`` default (torch.optim.Muon and ``mfx.muon`` use ``True``). The
     predecessor gave 0-D/1-D parameters momentum SGD at Muon's lr and embeddings Muon.
 
+    A ``MuonOptimizer`` in which no parameter gets Muon (every parameter flattened to
+    1-D, none at least 2-D, or every matrix an embedding or a head) raises
+    :class:`~muonfx.optim.routing.NoMuonError` saying why; ``allow_no_muon=True``
+    allows it. :attr:`routing` lists each parameter's route and the rule behind it.
+    ``qk_clip`` takes a :class:`muonfx.QKClip` (see :class:`muonfx.TransformOptimizer`).
+
     Example::
 
         >>> import torch, muonfx as mfx
@@ -118,6 +128,8 @@ class MuonOptimizer(TransformOptimizer):
         adamw_betas: tuple[float, float] = ADAMW_FALLBACK["adamw_betas"],
         adamw_eps: float = ADAMW_FALLBACK["adamw_eps"],
         adamw_weight_decay: float = ADAMW_FALLBACK["adamw_weight_decay"],
+        qk_clip: QKClip | None = None,
+        allow_no_muon: bool = False,
         **muon_options: Any,
     ) -> None:
         if not isinstance(strict, bool):
@@ -134,10 +146,17 @@ class MuonOptimizer(TransformOptimizer):
         else:
             groups, fallbacks = self._split_params(params, fallback)
         fallback_groups = [gi for gi, g in enumerate(groups) if any(g is f for f in fallbacks)]
-        super().__init__(groups, muon, **muon_options)
+        super().__init__(groups, muon, qk_clip=qk_clip, **muon_options)
+        embedding = _embedding_ids(params) if isinstance(params, torch.nn.Module) else set()
+        #: where each parameter went and by which rule (:mod:`muonfx.optim.routing`)
+        self.routing = [(self._name(gi, i), tuple(p.shape), "adamw" if gi in fallback_groups else "muon",
+                         rule_of(self._name(gi, i), p, "adamw" if gi in fallback_groups else "muon",
+                                 id(p) in embedding))
+                        for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
+        check_muon_reached("MuonOptimizer", self.routing, allow_no_muon)
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
-                if p.ndim < 2 and self.records[gi].factory is muon:
+                if p.ndim < 2 and unclipped(self.records[gi].factory) is muon:
                     raise ValueError(
                         f"MuonOptimizer: parameter {self._name(gi, i)!r} has shape {tuple(p.shape)}; Muon "
                         "needs matrices (strict=True). Leave strict off to give 0-D/1-D parameters (biases, "
@@ -226,6 +245,8 @@ def create_hybrid_optimizer(
     adamw_betas: tuple[float, float] = (0.9, 0.95),
     adamw_eps: float = 1e-8,
     labels: Callable[[str, torch.Tensor], Hashable] | None = None,
+    qk_clip: QKClip | None = None,
+    allow_no_muon: bool = False,
     **muon_options: Any,
 ) -> TransformOptimizer:
     """One optimizer: Muon for hidden matrices, AdamW for embeddings, head, biases, norms.
@@ -241,6 +262,11 @@ def create_hybrid_optimizer(
     ``adamw_lr``, ``adamw_betas``, ``adamw_eps`` (Adam's epsilon) and
     ``adamw_weight_decay``, and accepts sparse gradients (``nn.Embedding(sparse=True)``)
     by densifying them. Frozen parameters (``requires_grad=False``) are left out.
+    A model in which no parameter gets Muon raises
+    :class:`~muonfx.optim.routing.NoMuonError` naming why (flattened 1-D parameters, no
+    parameter at least 2-D, every matrix sent to AdamW by an embedding/head rule), unless
+    ``allow_no_muon=True``; the optimizer's ``routing`` lists each parameter's route
+    and rule. ``qk_clip`` takes a :class:`muonfx.QKClip` (QK-clip, "MuonClip").
 
     Example::
 
@@ -252,10 +278,13 @@ def create_hybrid_optimizer(
     """
     label_fn = labels or model_labels(model)
     groups: dict[str, list] = {"muon": [], "adamw": []}
+    embedding = _embedding_ids(model)
+    routing = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         lbl = label_fn(name, p)
+        routing.append((name, tuple(p.shape), str(lbl), rule_of(name, p, lbl, id(p) in embedding, labels is not None)))
         if lbl not in groups:
             raise ValueError(f"create_hybrid_optimizer: label {lbl!r} for parameter {name!r}; use 'muon' or 'adamw'")
         if lbl == "muon" and p.ndim < 2:
@@ -271,4 +300,7 @@ def create_hybrid_optimizer(
         ))
     if not param_groups:
         raise ValueError("create_hybrid_optimizer: the model has no trainable parameters")
-    return TransformOptimizer(param_groups, muon)
+    check_muon_reached("create_hybrid_optimizer", routing, allow_no_muon)
+    opt = TransformOptimizer(param_groups, muon, qk_clip=qk_clip)
+    opt.routing = routing
+    return opt

@@ -7,6 +7,7 @@ and hands each step to its :class:`~muonfx.optim.step.Runner`, which runs it by 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Iterable
 
 import torch
@@ -15,6 +16,7 @@ from .._compat.dtensor import is_dtensor
 from ..core import key_str
 from ..wrappers import signature
 from . import checkpoint
+from .qk_clip import QKClip
 from .groups import ADAPTER_KEYS, GroupRecord, TxOrFactory, as_factory, check_known, factory_defaults
 from .step import Runner, StepPlan
 from .step.compiled import CompiledSteps
@@ -38,6 +40,9 @@ class TransformOptimizer(torch.optim.Optimizer):
         **hyperparams: defaults for every group (``lr``, ``weight_decay``, ``momentum``,
             ``betas``, ...). They live in ``param_groups`` and are read at every step, so
             lr schedulers and hand edits take effect.
+        qk_clip: a :class:`muonfx.QKClip` (QK-clip, Kimi K2's "MuonClip"): the groups
+            holding its layout's weights end their chain with :func:`muonfx.qk_clip`, and
+            every step passes them the recorder's statistics and resets it.
 
     A step computes exactly what the functional loop computes (``update`` then
     ``apply_updates``), for any transform, yours included; then it writes the new state
@@ -75,7 +80,12 @@ class TransformOptimizer(torch.optim.Optimizer):
         >>> opt.step(); sched.step(); opt.zero_grad()
     """
 
-    def __init__(self, params: Iterable[Any], tx: TxOrFactory, **hyperparams: Any) -> None:
+    def __init__(self, params: Iterable[Any], tx: TxOrFactory, *, qk_clip: QKClip | None = None,
+                 **hyperparams: Any) -> None:
+        if qk_clip is not None and not isinstance(qk_clip, QKClip):
+            raise TypeError(f"qk_clip must be a muonfx.QKClip, got {type(qk_clip).__name__}")
+        #: the QK-clip option (:class:`muonfx.QKClip`), or None
+        self.qk_clip = qk_clip
         self._default_tx = tx
         self._default_factory = as_factory(tx)
         #: one record per param group (factory, keys, functional state)
@@ -93,6 +103,8 @@ class TransformOptimizer(torch.optim.Optimizer):
         # the default transform (OneCycleLR's cycle_momentum looks for "momentum" or
         # "betas" there), the ones given here overriding the factory's defaults.
         super().__init__(params, {**factory_defaults(self._default_factory), "compile": None, **hyperparams})
+        if qk_clip is not None:
+            qk_clip.check_params({n for rec in self.records for n in rec.names})
 
     # ``opt.state`` is torch's per-parameter view of the functional state, built when read
     @property
@@ -136,6 +148,8 @@ class TransformOptimizer(torch.optim.Optimizer):
                 from ..distributed import check_params
 
                 self._dtensor_ref = check_params(names, group["params"], self._dtensor_ref)
+            if self.qk_clip is not None:
+                factory = self.qk_clip.follow(factory, [str(n) for n in names])
             rec = GroupRecord.create(factory, names, group)
         except Exception:
             self.param_groups.pop()  # leave the optimizer as it was before this call
@@ -155,8 +169,15 @@ class TransformOptimizer(torch.optim.Optimizer):
     # -- stepping -----------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, **extra_args: Any) -> Any:
         """One optimizer step; runs ``closure`` (with grad enabled) first and returns its loss.
+
+        ``extra_args`` (keywords) reach every group's transform as the extra arguments of
+        its update (``tx.update(updates, state, params, **extra_args)``, see
+        :mod:`muonfx.core.contract`): a transform of your own that takes ``**extra_args``
+        reads them (``opt.step(attn_logit_max=m)``), the others never see them. With
+        ``qk_clip`` the recorder's statistics go as ``qk_logit_max`` (unless given here),
+        and the recorder is reset after the step.
 
         Every group's update is computed before anything is written, so an error (a
         sparse gradient, a NaN learning rate or schedule value, a parameter the
@@ -175,6 +196,8 @@ class TransformOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.qk_clip is not None:  # the step's statistics, reduced over the data-parallel ranks
+            extra_args = {**self.qk_clip.extra_args(), **extra_args}
         works = None
         if self._dtensor_ref is not None:  # ranks agree on rank-local errors before any collective
             from ..distributed.agree import step_group
@@ -186,7 +209,9 @@ class TransformOptimizer(torch.optim.Optimizer):
                 agree_settings(self.records, self.param_groups, *agreement)  # what every rank must share, first
                 works = agreed_work(self.records, self.param_groups, *agreement)
         self._torch_state = None
-        self._runner.step(self.records, self.param_groups, works)
+        self._runner.step(self.records, self.param_groups, works, extra_args)
+        if self.qk_clip is not None:  # a step that ran (or that apply_if_finite skipped) used them
+            self.qk_clip.recorder.reset()
         return loss
 
     @property
@@ -194,9 +219,18 @@ class TransformOptimizer(torch.optim.Optimizer):
         """How steps run: the plan of the last step, or (before the first) of a step in
         which every parameter has a gradient. ``print(opt.plan)`` shows each group's
         path, pieces and settings, and what its transform does with each parameter."""
-        if self._runner.last is not None:
-            return self._runner.last
-        return self._runner.preview(self.records, self.param_groups)
+        plan = self._runner.last if self._runner.last is not None else \
+            self._runner.preview(self.records, self.param_groups)
+        routing = getattr(self, "routing", None)
+        return dataclasses.replace(plan, routing=tuple(routing)) if routing else plan
+
+    @property
+    def comm_stats(self) -> Any:
+        """This optimizer's own counters of the DTensor matrix exchange
+        (:class:`muonfx.distributed.CommStats`: bytes, all-to-alls, buckets, plans, matrices
+        orthogonalised by its steps; ``.reset()``); what every exchange of the process
+        counted is :func:`muonfx.distributed.comm_stats`."""
+        return self._runner.comm_stats
 
     def replan(self) -> None:
         """Build the plans anew at the next step, reading the process settings again
@@ -282,10 +316,12 @@ class TransformOptimizer(torch.optim.Optimizer):
         the compile keywords."""
         return {"defaults": self.defaults, "param_groups": self.param_groups, "records": self.records,
                 "_default_tx": self._default_tx, "_default_factory": self._default_factory,
-                "_dtensor_ref": self._dtensor_ref, "compile_kwargs": self._runner.compile_kwargs}
+                "_dtensor_ref": self._dtensor_ref, "qk_clip": self.qk_clip,
+                "routing": getattr(self, "routing", None), "compile_kwargs": self._runner.compile_kwargs}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         kwargs = state.pop("compile_kwargs", None)
+        state.setdefault("qk_clip", None)  # (a copy pickled before the option existed)
         super().__setstate__(state)
         self._torch_state = None
         self._runner = Runner()

@@ -41,6 +41,7 @@ from __future__ import annotations
 # <- check <- this module, which only re-exports.
 from . import strategies as _strategies
 from .check import ADAPTER_LAW_NAMES, COMPILED_RTOL, LAWS, OPT_IN_LAWS, ConformanceError, check_transform
+from .qk_law import QKClipLawError, check_qk_clip
 from .strategies import (DEFAULT_DTYPES, as_dtensors, key_paths, keys, matrices, param_tensordicts,
                          params_and_grads, random_tensor, seeds, shapes, sharded_params_and_grads,
                          singular_values)
@@ -53,4 +54,6 @@ __all__ = [
     "COMPILED_RTOL",
     "ConformanceError",
     "check_transform",
+    "check_qk_clip",
+    "QKClipLawError",
 ]

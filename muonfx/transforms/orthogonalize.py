@@ -11,6 +11,7 @@ from ..hyperparams import check, check_float_dtype
 from ..linalg import CoefficientSpec, NewtonSchulz, resolve
 from ..linalg.newton_schulz import METHODS
 from ..linalg.precision import device_ns_dtype, pinned_ns_dtype
+from ..linalg.settings import EXTRA_ARG
 from ._matrix import as_stacks
 
 
@@ -29,7 +30,8 @@ class _PerBatch:
 
     def __call__(self, g: torch.Tensor) -> torch.Tensor:
         ns = self.ns
-        return NewtonSchulz(ns.schedule, ns.eps, self.compute_dtype(g), ns.method, ns.restart, ns.accuracy)(g)
+        return NewtonSchulz(ns.schedule, ns.eps, self.compute_dtype(g), ns.method, ns.restart, ns.accuracy,
+                            ns.triton)(g)
 
 
 def newton_schulz(
@@ -105,6 +107,11 @@ def newton_schulz(
     route them with :func:`mask_by_ndim` or :func:`partition`. Same-shape matrices are
     orthogonalised in batches (bounded in bytes) through :func:`muonfx.seam.map_matrices`.
 
+    The extra argument ``matrix_settings`` of a call (a
+    :class:`muonfx.linalg.MatrixSettings`, which an optimizer's step passes) gives the
+    default dtype, the batch budgets and the Triton switch of this call; without it the
+    process defaults serve (the dtype read when the transform was built).
+
     Example::
 
         >>> import torch, muonfx as mfx
@@ -123,25 +130,28 @@ def newton_schulz(
         raise ValueError(f"newton_schulz: unknown method {method!r}; use 'auto', 'standard', 'gram' or 'spectral'")
     # a process-wide override (set_default_ns_dtype, MUONFX_NS_DTYPE) is read now, once:
     # the transform computes the same thing at every step whatever the setting later says
-    pinned = pinned_ns_dtype() if dtype is None else None
-    # no dtype asked for: the device's default, which promises bf16's accuracy (what
-    # torch.optim.Muon computes), so "auto" (asked for) may take the Gram form in float32 too
-    accuracy = "bf16" if dtype is None and pinned is None else "dtype"
+    built_pin = pinned_ns_dtype() if dtype is None else None
 
     def init_fn(params):
         return EmptyState()
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        settings = extra_args.get(EXTRA_ARG)
+        pinned = built_pin if settings is None or dtype is not None else settings.ns_dtype
+        # no dtype asked for: the device's default, which promises bf16's accuracy (what
+        # torch.optim.Muon computes), so "auto" (asked for) may take the Gram form in float32 too
+        accuracy = "bf16" if dtype is None and pinned is None else "dtype"
         keys, gs = leaves(updates)
         one = dtype
         if one is None and gs and len({(g.device, g.dtype) for g in gs}) == 1:
             # float64 stays float64; else the pinned dtype or the device's own (a fact of
             # the machine), once per update rather than per batch
             one = torch.float64 if gs[0].dtype == torch.float64 else pinned or device_ns_dtype(gs[0].device)
-        run = NewtonSchulz(schedule, eps, one, method, accuracy=accuracy)
+        run = NewtonSchulz(schedule, eps, one, method, accuracy=accuracy,
+                           triton=None if settings is None else settings.triton)
         if one is None:  # leaves on several devices or of several dtypes: per batch
             run = _PerBatch(run, pinned)
-        outs = seam.map_matrices(run, as_stacks(keys, gs, "newton_schulz"))
+        outs = seam.map_matrices(run, as_stacks(keys, gs, "newton_schulz"), settings)
         return build(keys, unstack_like(outs, gs)), state
 
     return LeafwiseTransformation(init_fn, update_fn)

@@ -79,12 +79,13 @@ def compiler_failed(e: BaseException) -> bool:
 
 def _graph(units: list[tuple[Any, list]], kwargs: dict, name: str) -> Callable[..., Any]:
     """The compiled function of ``units`` (``(transform, keys)`` per group or piece):
-    ``fn(grads, params, states) -> new states``, writing in place."""
+    ``fn(grads, params, states, extra) -> new states``, writing in place; ``extra``, the
+    step's extra arguments, are inputs of the graph like the gradients."""
 
-    def step_in_place(grads, params, states):
+    def step_in_place(grads, params, states, extra):
         new_states = []
         for (tx, keys), gs, ps, state in zip(units, grads, params, states):
-            upd, new = tx.update(build(keys, gs), state, build(keys, ps))
+            upd, new = tx.update(build(keys, gs), state, build(keys, ps), **extra)
             us = [upd.get(k) for k in keys]
             new_states.append(store(state, new))
             torch._foreach_add_(ps, us)
@@ -125,8 +126,9 @@ class CompiledSteps:
         self.off: set[int] = set()
 
     def run(self, key: Any, units: list[tuple[Any, list]], hps: list[dict], grads: list, params: list,
-            states: list, kwargs: dict, where: list[tuple[int, dict]]) -> list[Any] | None:
-        """Run the graph of ``units`` (built on first use); the new states, or None where
+            states: list, kwargs: dict, where: list[tuple[int, dict]], extra: dict | None = None) -> list[Any] | None:
+        """Run the graph of ``units`` (built on first use) with the step's extra arguments
+        ``extra`` (inputs of the graph); the new states, or None where
         the compiler failed before the graph ran (nothing written; the groups ``where``
         (index, hyperparameters) step eagerly from now on, and the logger says so once)."""
         fn = self.graphs.get(key)
@@ -142,7 +144,7 @@ class CompiledSteps:
         frames = _compiled_frames()
         t0 = time.monotonic()
         try:
-            out = fn(grads, params, states)
+            out = fn(grads, params, states, {} if extra is None else extra)
         except Exception as e:
             if not compiler_failed(e):
                 raise

@@ -47,7 +47,7 @@ class MatrixWork:
             if not isinstance(fn, NewtonSchulz):
                 return ("-", type(self.fn).__name__, "-")
             if self.dtype != torch.float64:
-                fn = NewtonSchulz(fn.schedule, fn.eps, pinned, fn.method, fn.restart, fn.accuracy)
+                fn = NewtonSchulz(fn.schedule, fn.eps, pinned, fn.method, fn.restart, fn.accuracy, fn.triton)
         return fn.route(self.rows, self.cols, self.dtype, device)
 
 
@@ -67,7 +67,7 @@ class _FakeBackend:
     def claims(self, t: torch.Tensor) -> bool:
         return isinstance(t, FakeTensor)
 
-    def map_matrices(self, fn, stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def map_matrices(self, fn, stacks: Sequence[torch.Tensor], settings: Any = None) -> list[torch.Tensor]:
         for s in stacks:
             self.record.matrices.append(MatrixWork(int(s.shape[-2]), int(s.shape[-1]), int(s.shape[0]), s.dtype, fn))
         return [torch.empty_like(s) for s in stacks]
@@ -94,10 +94,12 @@ def fake_state(state: Any, mode: FakeTensorMode) -> Any:
     return tree.unflatten(out, spec)
 
 
-def dry_run(transform: Any, keys: Sequence[Key], params: Sequence[torch.Tensor], state: Any | None) -> DryRun:
+def dry_run(transform: Any, keys: Sequence[Key], params: Sequence[torch.Tensor], state: Any | None,
+            extra: dict | None = None) -> DryRun:
     """Run ``transform.update`` on fake copies of ``params`` (as gradients and as
-    parameters) and of ``state`` (``None``: a fresh ``init``); return what the seam saw.
-    Raises what the update raises."""
+    parameters) and of ``state`` (``None``: a fresh ``init``), with fake copies of the
+    step's extra arguments ``extra``; return what the seam saw. Raises what the update
+    raises."""
     record = DryRun()
     backend = _FakeBackend(record)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -106,10 +108,11 @@ def dry_run(transform: Any, keys: Sequence[Key], params: Sequence[torch.Tensor],
         with torch.no_grad():
             ps = [mode.from_tensor(p.detach()) for p in params]
             st = None if state is None else fake_state(state, mode)
+            xs = fake_state(extra, mode) if extra else {}
             with mode:
                 grads = build(list(keys), [torch.empty_like(p) for p in ps])
                 p_td = build(list(keys), ps)
-                transform.update(grads, transform.init(p_td) if st is None else st, p_td)
+                transform.update(grads, transform.init(p_td) if st is None else st, p_td, **xs)
     finally:
         seam.unregister_backend(backend)
     return record

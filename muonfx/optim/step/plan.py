@@ -26,9 +26,23 @@ resume: no timing decides anything. Per param group it holds:
   compiled when its transform does matrix work, whose batches one graph would hold at
   once), after a dry run on fake tensors has found every error that depends on shapes,
   dtypes and kinds (:mod:`.dryrun`);
-* the settings read once, when the plan is built, and held for each of its steps
+* the settings read once, when the plan is built, and passed to each of its steps
   (:class:`Settings`: the default Newton-Schulz dtype, the batch budgets, the symmetric
   Triton kernels).
+
+How the settings reach the kernels: as a value, never through a module. The plan's
+:class:`Settings` (a :class:`muonfx.linalg.MatrixSettings`) is the extra argument
+``matrix_settings`` of every group's update (:mod:`muonfx.core.contract`), which the
+combinators and wrappers pass down to :func:`muonfx.newton_schulz`; it hands the dtype
+and the Triton switch to :class:`muonfx.linalg.NewtonSchulz` and the batch budget to
+:func:`muonfx.seam.map_matrices` (and so to the DTensor exchange). A value passed at run
+time rather than bound when the group's transform is built, so one transform serves every
+plan (a group's transforms are built once per set of static hyperparameters, whatever the
+settings), a compiled graph takes it as an input, and no setting is held in a module
+while a step runs: two optimizers stepping in two threads each compute with their own.
+The process-level setters (:func:`muonfx.linalg.set_default_ns_dtype`,
+:func:`muonfx.linalg.set_batch_bytes`, :func:`muonfx.linalg.triton_ns.set_enabled`, the
+environment variables) are the defaults a new plan reads.
 
 ``print(opt.plan)`` shows all of it, parameter by parameter (where each goes, which dims
 are the matrix and which the batch, the Newton-Schulz dtype, form and products).
@@ -36,15 +50,15 @@ are the matrix and which the batch, the Newton-Schulz dtype, form and products).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from ..._compat.dtensor import is_dtensor
 from ...core import GradientTransformation, Key, is_leafwise
-from ...linalg import batching, precision, triton_ns
+from ...linalg import triton_ns
+from ...linalg.settings import EXTRA_ARG, MatrixSettings
 from .dryrun import DryRun, dry_run
 from .fused import lowering
 from .pieces import plan_pieces
@@ -52,51 +66,11 @@ from .pieces import plan_pieces
 __all__ = ["Settings", "GroupPlan", "StepPlan"]
 
 
-@dataclass(frozen=True)
-class Settings:
-    """The process settings a plan reads once, when it is built, and holds for each of
-    its steps: a change between steps reaches a running optimizer through its next plan
-    (a new set of present parameters, :meth:`~muonfx.TransformOptimizer.replan`).
-
-    Attributes:
-        ns_dtype: the default Newton-Schulz dtype pinned for the process
-            (:func:`muonfx.linalg.set_default_ns_dtype`, ``MUONFX_NS_DTYPE``), or None.
-        batch_bytes: ``((device type, bytes), ...)``: the batch budget of each device type
-            of the step's parameters (:func:`muonfx.linalg.set_batch_bytes`).
-        triton: whether the symmetric Triton products are asked for
-            (:func:`muonfx.linalg.triton_ns.set_enabled`, ``MUONFX_TRITON_NS``).
-    """
-
-    ns_dtype: torch.dtype | None
-    batch_bytes: tuple[tuple[str, int], ...]
-    triton: bool
-
-    @classmethod
-    def capture(cls, device_types: set[str]) -> "Settings":
-        for d in device_types:  # each device's own default, decided now (a graph cannot read /proc/cpuinfo)
-            precision.device_ns_dtype(torch.device(d))
-        return cls(precision.pinned_ns_dtype(), tuple(sorted((d, batching.batch_bytes(d)) for d in device_types)),
-                   triton_ns.requested())
-
-    def budget(self, device_type: str) -> int:
-        for d, n in self.batch_bytes:
-            if d == device_type:
-                return n
-        return batching.batch_bytes(device_type)
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """Inside the block the process settings are the plan's (restored after)."""
-        before = [(d, batching.set_batch_bytes(n, d)) for d, n in self.batch_bytes]
-        switch = triton_ns._switch
-        triton_ns.set_enabled(self.triton)
-        try:
-            with precision.held(self.ns_dtype):
-                yield
-        finally:
-            triton_ns.set_enabled(switch)
-            for d, n in before:
-                batching.set_batch_bytes(n, d)
+#: The process settings a plan reads once, when it is built (:meth:`MatrixSettings.capture`
+#: over the device types of its parameters), and passes to each of its steps (see the
+#: module doc): a change between steps reaches a running optimizer through its next plan
+#: (a new set of present parameters, :meth:`~muonfx.TransformOptimizer.replan`).
+Settings = MatrixSettings
 
 
 @dataclass(frozen=True)
@@ -141,6 +115,8 @@ class StepPlan:
     settings: Settings
     #: names and parameters of every param group (for the description)
     sources: tuple = field(compare=False, default=())
+    #: where the optimizer sent each parameter: ``(name, shape, route, rule)`` (for the description)
+    routing: tuple = field(compare=False, default=())
 
     @property
     def compiled(self) -> tuple:
@@ -185,8 +161,7 @@ def parameter_rows(plan: StepPlan, group: GroupPlan) -> list[list[str]]:
             what = f"sharded {tuple(p.placements)}"
         else:
             try:
-                with plan.settings.held():
-                    seen: DryRun = dry_run(group.transform, [group.keys[j]], [p], None)
+                seen: DryRun = dry_run(group.transform, [group.keys[j]], [p], None, {EXTRA_ARG: plan.settings})
             except Exception as e:  # noqa: BLE001 - a transform that needs data to run: say so
                 seen, what = None, f"(not known without data: {type(e).__name__})"
             if seen is not None and seen.matrices:
@@ -216,6 +191,10 @@ def describe(plan: StepPlan, parameters: bool = True) -> str:
             widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))] if rows else []
             for r in rows:
                 lines.append("    " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if plan.routing:
+        from ..routing import format_routes
+
+        lines.append("  " + format_routes(plan.routing))
     if not plan.groups:
         lines.append("  (no parameter has a gradient)")
     return "\n".join(lines)
@@ -294,14 +273,14 @@ def group_plan(index: int, keys: list[Key], positions: list[int], params: list[t
 
 
 def checked(transform: GradientTransformation, keys: list[Key], params: list[torch.Tensor], state: Any,
-            settings: Settings) -> tuple[DryRun | None, BaseException | None]:
+            settings: Settings, extra: dict | None = None) -> tuple[DryRun | None, BaseException | None]:
     """The dry run of a whole group (every parameter, its whole state): ``(what it saw,
     None)``, or ``(None, the error)``. The plans of every set of present parameters share
     it (a leafwise transform's errors are each parameter's own), so a model whose present
-    parameters change from step to step (experts without tokens) runs it once."""
+    parameters change from step to step (experts without tokens) runs it once. ``extra``:
+    the extra arguments of the step that builds the plan (with ``settings``)."""
     try:
-        with settings.held():
-            return dry_run(transform, keys, params, state), None
+        return dry_run(transform, keys, params, state, {**(extra or {}), EXTRA_ARG: settings}), None
     except Exception as e:  # noqa: BLE001 - kept and judged by group_plan
         return None, e
 

@@ -15,7 +15,11 @@
    pieces write their first piece and compute and write the rest, one by one
    (:mod:`.pieces`).
 
-The settings the plan captured (:class:`~.plan.Settings`) are held for the whole step.
+The extra arguments of a step (``opt.step(**extra_args)``, see
+:mod:`muonfx.core.contract`) reach every group's transform, whole, in pieces and in the
+compiled graph (as its inputs); the fused kernels take none and ignore them. The
+settings the plan captured (:class:`~.plan.Settings`) go with them, as the extra
+argument ``matrix_settings``: nothing is written to a module while a step runs.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ... import tree
 from ...core import build, key_str, td_items
+from ...distributed.stats import CommStats
 from ...counts import Counts, by_count
 from ...hyperparams import check_group_values
+from ...linalg.settings import EXTRA_ARG
 from ...wrappers import hyperparam_values
 from ..groups import GroupRecord, GroupWork, gather, static_key
 from .compiled import CompiledSteps
@@ -68,8 +74,8 @@ def _updates(upd: Any, keys: tuple, params: list[torch.Tensor]) -> list[torch.Te
 class _Group:
     """One group's share of a running step: its plan, record, work and state."""
 
-    def __init__(self, plan: GroupPlan, rec: GroupRecord, work: GroupWork) -> None:
-        self.plan, self.rec, self.work = plan, rec, work
+    def __init__(self, plan: GroupPlan, rec: GroupRecord, work: GroupWork, extra: dict) -> None:
+        self.plan, self.rec, self.work, self.extra = plan, rec, work, extra
         self.full = rec.current_state(work.hp)
         self.state = tree.restrict(self.full, plan.keys) if plan.partial else self.full
 
@@ -82,7 +88,7 @@ class _Group:
         else:
             keys = tuple([g.keys[j] for j in positions])
             grads, params = [w.grads[j] for j in positions], [w.params[j] for j in positions]
-        upd, new = g.transform.update(build(keys, grads), state, build(keys, params))
+        upd, new = g.transform.update(build(keys, grads), state, build(keys, params), **self.extra)
         return _updates(upd, keys, params), new
 
     def finish(self, kept: Any) -> None:
@@ -103,6 +109,8 @@ class Runner:
             fullgraph=True``).
         compiled: the compiled graphs (:class:`~.compiled.CompiledSteps`).
         last: the plan of the last step.
+        comm_stats: the optimizer's own counters of the DTensor matrix exchange
+            (:class:`muonfx.distributed.CommStats`; its plans' settings carry it).
     """
 
     #: plans kept per optimizer (the least recently used goes first)
@@ -113,6 +121,7 @@ class Runner:
         self.compiled = CompiledSteps()
         self.plans: OrderedDict[tuple, StepPlan] = OrderedDict()
         self.last: StepPlan | None = None
+        self.comm_stats = CommStats()
         #: the dry runs of whole groups, shared by their plans (see plan.checked)
         self._checks: dict[tuple, tuple] = {}
 
@@ -137,37 +146,38 @@ class Runner:
                         id(w.record.factory), sig))
         return tuple(out)
 
-    def plan(self, records: list[GroupRecord], param_groups: list[dict], works: list[GroupWork | None]) -> StepPlan:
-        """The plan of a step with these gradients (built, or the one kept)."""
+    def plan(self, records: list[GroupRecord], param_groups: list[dict], works: list[GroupWork | None],
+             extra: dict | None = None) -> StepPlan:
+        """The plan of a step with these gradients (built, or the one kept); the dry runs
+        of a new plan's groups see the step's extra arguments ``extra`` (as fake tensors)."""
         key = self.key(param_groups, works)
         plan = self.plans.get(key)
         if plan is not None:
             self.plans.move_to_end(key)
             return plan
         devices = {p.device.type for group in param_groups for p in group["params"]}
-        settings = Settings.capture(devices)
+        settings = Settings.capture(devices, self.comm_stats)
         groups = []
-        with settings.held():
-            for gi, (rec, group, w) in enumerate(zip(records, param_groups, works)):
-                if w is None:
-                    continue
-                tx = rec.transform(w.hp, settings.ns_dtype)
-                keys = [rec.keys[i] for i in w.idx]
-                params_all = list(group["params"])
-                check_key = (gi, static_key(w.hp), tuple([(p.shape, p.dtype, p.device) for p in params_all]),
-                             settings)
+        for gi, (rec, group, w) in enumerate(zip(records, param_groups, works)):
+            if w is None:
+                continue
+            tx = rec.transform(w.hp)
+            keys = [rec.keys[i] for i in w.idx]
+            params_all = list(group["params"])
+            check_key = (gi, static_key(w.hp), tuple([(p.shape, p.dtype, p.device) for p in params_all]),
+                         settings)
 
-                def check(tx=tx, rec=rec, w=w, params_all=params_all, check_key=check_key):
-                    if check_key not in self._checks:
-                        if len(self._checks) >= 4 * self.PLANS:
-                            self._checks.clear()
-                        self._checks[check_key] = checked(tx, rec.keys, params_all, rec.current_state(w.hp),
-                                                          settings)
-                    return self._checks[check_key]
+            def check(tx=tx, rec=rec, w=w, params_all=params_all, check_key=check_key):
+                if check_key not in self._checks:
+                    if len(self._checks) >= 4 * self.PLANS:
+                        self._checks.clear()
+                    self._checks[check_key] = checked(tx, rec.keys, params_all, rec.current_state(w.hp),
+                                                      settings, extra)
+                return self._checks[check_key]
 
-                groups.append(group_plan(gi, keys, w.idx, w.params, params_all, tx, group.get("compile"),
-                                         settings, (gi, static_key(w.hp)) in self.compiled.failed, check,
-                                         rec.factory, w.hp, group.get("fused")))
+            groups.append(group_plan(gi, keys, w.idx, w.params, params_all, tx, group.get("compile"),
+                                     settings, (gi, static_key(w.hp)) in self.compiled.failed, check,
+                                     rec.factory, w.hp, group.get("fused")))
         sources = tuple((rec.names, list(group["params"])) for rec, group in zip(records, param_groups))
         plan = StepPlan(key, tuple(groups), settings, sources)
         self.plans[key] = plan
@@ -183,30 +193,35 @@ class Runner:
 
     # -- a step ------------------------------------------------------------------
 
-    def step(self, records: list[GroupRecord], param_groups: list[dict], works: list | None = None) -> None:
+    def step(self, records: list[GroupRecord], param_groups: list[dict], works: list | None = None,
+             extra: dict | None = None) -> None:
         """One step of every group with a gradient (see the module doc). ``works``: each
         group's gradients already gathered and checked (:func:`muonfx.optim.groups.gather`,
-        None for a group without any), as the ranks of a DTensor step agree on them."""
+        None for a group without any), as the ranks of a DTensor step agree on them;
+        ``extra``: the step's extra arguments, passed to every group's transform."""
+        if extra and EXTRA_ARG in extra:
+            raise ValueError(f"step(): the extra argument {EXTRA_ARG!r} is the plan's own (its settings); "
+                             "name yours otherwise")
         if works is None:
             works = [gather(rec, group) for rec, group in zip(records, param_groups)]
         if all(w is None for w in works):
             return
-        plan = self.plan(records, param_groups, works)
+        plan = self.plan(records, param_groups, works, extra)
         self.last = plan
-        with plan.settings.held():
-            if not self._run(plan, records, works, param_groups):
-                # the compiled graph did not run (the compiler failed, or this torch would
-                # recompile it): nothing was written; the step again, by the plan that steps
-                # those groups eagerly
-                self._settings_events(param_groups)
-                self.forget()
-                plan = self.last = self.plan(records, param_groups, works)
-                if not self._run(plan, records, works, param_groups):
-                    raise RuntimeError("muonfx: the eager plan of a step tried to compile it")
+        if not self._run(plan, records, works, param_groups, {**(extra or {}), EXTRA_ARG: plan.settings}):
+            # the compiled graph did not run (the compiler failed, or this torch would
+            # recompile it): nothing was written; the step again, by the plan that steps
+            # those groups eagerly
+            self._settings_events(param_groups)
+            self.forget()
+            plan = self.last = self.plan(records, param_groups, works, extra)
+            if not self._run(plan, records, works, param_groups, {**(extra or {}), EXTRA_ARG: plan.settings}):
+                raise RuntimeError("muonfx: the eager plan of a step tried to compile it")
 
-    def _run(self, plan: StepPlan, records: list[GroupRecord], works: list, param_groups: list[dict]) -> bool:
+    def _run(self, plan: StepPlan, records: list[GroupRecord], works: list, param_groups: list[dict],
+             extra: dict) -> bool:
         """Run ``plan``; False where its compiled graph could not be built (nothing written)."""
-        groups = [_Group(g, records[g.index], works[g.index]) for g in plan.groups]
+        groups = [_Group(g, records[g.index], works[g.index], extra) for g in plan.groups]
         compiled = [x for x in groups if x.plan.path == "compiled"]
         if compiled and is_in_torch_dispatch_mode():
             compiled = []  # dynamo skips frames under a dispatch mode (a memory counter): eager
@@ -232,7 +247,7 @@ class Runner:
             whole = [x for x in compiled if x.plan.pieces is None]
             for x in compiled:  # what the graphs' tracing would raise, raised now, as eagerly
                 _check_hyperparameters(x)
-            if whole and not self._compiled(whole, param_groups):
+            if whole and not self._compiled(whole, param_groups, extra):
                 return False
             written += [(x, range(len(x.plan.keys))) for x in whole]
             for x in compiled:
@@ -265,7 +280,7 @@ class Runner:
             self.compiled.off.clear()
             self.forget()
 
-    def _compiled(self, whole: list[_Group], param_groups: list[dict]) -> bool:
+    def _compiled(self, whole: list[_Group], param_groups: list[dict], extra: dict) -> bool:
         """The compiled groups run whole, in one graph; False (nothing written) where it
         could not be built."""
         key = ("whole",) + tuple((x.plan.index, x.plan.positions, static_key(x.work.hp), id(x.rec.factory))
@@ -273,7 +288,7 @@ class Runner:
         new = self.compiled.run(key, [(x.rec.factory, list(x.plan.keys)) for x in whole], [x.work.hp for x in whole],
                                 [x.work.grads for x in whole], [x.work.params for x in whole],
                                 [x.state for x in whole], self.compile_kwargs,
-                                [(x.plan.index, x.work.hp) for x in whole])
+                                [(x.plan.index, x.work.hp) for x in whole], extra)
         if new is None:
             return False
         for x, st in zip(whole, new):
@@ -296,7 +311,7 @@ class Runner:
                     key = ("piece", g.index, tuple(g.positions[j] for j in pc), static_key(x.work.hp),
                            id(x.rec.factory))
                     out = self.compiled.run(key, [(x.rec.factory, keys)], [x.work.hp], [grads], [params], [subs[n]],
-                                            self.compile_kwargs, [(g.index, x.work.hp)])
+                                            self.compile_kwargs, [(g.index, x.work.hp)], x.extra)
                     if out is None:
                         eager = True  # this graph cannot be built: this piece on, eagerly
                     else:
