@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check", "check_args", "check_betas", "check_group_values", "rule", "check_float_dtype"]
+__all__ = ["check", "check_args", "check_betas", "check_unmixed", "check_group_values", "rule", "check_float_dtype"]
 
 #: "finite" is written as ``<= the largest float`` (the same for every number), never as
 #: ``< inf``: traced with a symbolic float built from a schedule's own floats (a cosine
@@ -172,9 +172,17 @@ def check_betas(name: str, betas: Any) -> None:
     """
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise TypeError(f"hyperparameter {name!r} must be a pair (beta1, beta2), got {betas!r}")
-    if len({isinstance(b, torch.Tensor) for b in betas}) > 1:
-        raise ValueError(f"hyperparameter {name!r} mixes tensors and numbers ({tuple(betas)!r}); give two numbers "
-                         "or two one-element tensors")
+    check_unmixed(name, betas)
+
+
+def check_unmixed(name: str, values: Any) -> None:
+    """``ValueError`` naming ``name`` where a tuple hyperparameter mixes tensors and
+    numbers (torch's Adam family refuses such ``betas``); the adapter checks every tuple
+    of a param group by it at each step."""
+    if len(values) > 1 and len({isinstance(v, torch.Tensor) for v in values}) > 1:
+        raise ValueError(f"hyperparameter {name!r} mixes tensors and numbers ({tuple(values)!r}); give "
+                         f"{'two' if len(values) == 2 else 'all'} numbers or {'two' if len(values) == 2 else 'all'} "
+                         "one-element tensors")
 
 
 def check_group_values(hp: dict[str, Any], numeric: Any = ()) -> None:
