@@ -103,7 +103,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         vs = aligned(state.nu, keys, "adam state (nu)")
         kept = state.nu_max if state.nu_max is not None else TensorDict({}, [])
         if amsgrad:
-            if not kept.keys():
+            if keys and not kept.keys():
                 raise ValueError(AMSGRAD_WITHOUT_STATE)
             xs = aligned(kept, keys, "adam state (nu_max)")
         if maximize:
