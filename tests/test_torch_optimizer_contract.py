@@ -427,3 +427,29 @@ def test_a_run_resumes_from_the_optimizers_and_the_schedulers_state_dicts(case):
     _train(model, opt, range(3, 6), sched)
     _train(resumed_model, resumed, range(3, 6), resumed_sched)
     assert _same_params(model, resumed_model)
+
+
+# -- torch.optim.Muon's arguments ---------------------------------------------------------
+
+def test_muon_optimizer_takes_every_argument_of_torch_optim_muon():
+    """By keyword, with torch's defaults (torch.optim.Muon's signature read from the
+    installed torch); by position past ``lr`` a TypeError gives torch's reading as keywords."""
+    import inspect
+
+    sig = inspect.signature(torch.optim.Muon).parameters
+    given = {n: p.default for n, p in sig.items() if n != "params"}
+    assert {"lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
+            "adjust_lr_fn"} <= set(given)
+    w = nn.Parameter(torch.randn(8, 6))
+    opt = mfx.MuonOptimizer([w], **given)
+    group = opt.param_groups[0]
+    assert group["adjust_lr"] == "original" and "adjust_lr_fn" not in group
+    assert all(group[n] == v for n, v in given.items() if n != "adjust_lr_fn")
+    assert mfx.MuonOptimizer([w], adjust_lr_fn="match_rms_adamw").param_groups[0]["adjust_lr"] == "match_rms_adamw"
+    with pytest.raises(TypeError, match=r"torch.optim.Muon took weight_decay, momentum next.*"
+                                        r"weight_decay=0.1, momentum=0.95 \(torch.optim.Muon's order\)"):
+        mfx.MuonOptimizer([w], 1e-3, 0.1, 0.95)
+    with pytest.raises(ValueError, match="adjust_lr_fn='spectral'.*are adjust_lr's"):
+        mfx.MuonOptimizer([w], adjust_lr_fn="spectral")
+    with pytest.raises(ValueError, match="disagree"):
+        mfx.MuonOptimizer([w], adjust_lr_fn="original", adjust_lr="match_rms_adamw")
