@@ -112,6 +112,14 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, sched: An
             sched.step()
 
 
+def _trained(case: str, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model and ``case``'s optimizer over it, after ``steps`` steps."""
+    model = _model()
+    opt = _build(case, model)
+    _train(model, opt, range(steps))
+    return model, opt
+
+
 def _same_params(a: nn.Module, b: nn.Module) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
@@ -267,9 +275,7 @@ def test_betas_mixing_a_number_and_a_tensor_are_a_value_error(case):
 def test_the_same_values_written_into_param_groups_are_refused_by_the_step(case):
     """Where torch reads them only when the optimizer is built, muonfx reads the groups
     at every step: the same error types, and a refused step changes nothing."""
-    model = _model()
-    opt = _build(case, model)
-    _train(model, opt, range(1))
+    model, opt = _trained(case, 1)
     _grads(model, 1)
     before = _snapshot(model, opt)
     adamw_group = next(g for g in opt.param_groups if "betas" in g)
@@ -321,9 +327,7 @@ def test_a_parameter_in_two_groups_is_a_value_error_and_changes_nothing(case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_state_dict_of_another_layout_is_a_value_error_and_changes_nothing(case):
-    model = _model()
-    opt = _build(case, model)
-    _train(model, opt, range(1))
+    model, opt = _trained(case, 1)
     sd = opt.state_dict()
     before = _snapshot(model, opt)
     with pytest.raises(ValueError):
@@ -337,9 +341,7 @@ def test_a_state_dict_of_another_layout_is_a_value_error_and_changes_nothing(cas
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_step_without_gradients_changes_nothing(case):
-    model = _model()
-    opt = _build(case, model)
-    _train(model, opt, range(2))
+    model, opt = _trained(case, 2)
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())  # set_to_none, torch's default
     before = _snapshot(model, opt)
@@ -349,9 +351,7 @@ def test_a_step_without_gradients_changes_nothing(case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_parameters_without_gradients_keep_their_values_and_state(case):
-    model = _model()
-    opt = _build(case, model)
-    _train(model, opt, range(2))
+    model, opt = _trained(case, 2)
     kept = {n: p.detach().clone() for n, p in model.named_parameters()}
     index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     skip = ("l1.weight", "norm.bias")
