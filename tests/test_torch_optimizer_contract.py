@@ -206,6 +206,17 @@ def test_muon_optimizer_writes_no_names_it_was_not_given():
     assert [g["param_names"] for g in named.param_groups] == [["name0"], ["name1"]]
 
 
+def test_fsdp_muon_optimizer_names_parameters_only_where_the_model_knows_them():
+    model = _model()
+    by_model = mfx.FSDPMuonOptimizer(model, list(model.parameters()), **F32)
+    assert [g["param_names"] for g in by_model.param_groups] == [
+        ["l1.weight", "l2.weight"], ["l1.bias", "norm.weight", "norm.bias", "l2.bias"]]
+    stranger = nn.Parameter(torch.randn(3))
+    mixed = mfx.FSDPMuonOptimizer(model, list(model.parameters()) + [stranger], **F32)
+    assert not any("param_names" in g for g in mixed.param_groups)
+    assert any(p is stranger for g in mixed.param_groups for p in g["params"])
+
+
 # -- hooks run in torch's order ----------------------------------------------------------
 
 def _hook_events(opt: torch.optim.Optimizer, model: nn.Module) -> tuple[list[str], dict, float]:
