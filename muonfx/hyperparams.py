@@ -24,8 +24,9 @@ anything else                                          finite
 =====================================================  =================
 
 A value must be a real number (``int``/``float``) or a one-element tensor; ``None``,
-strings, booleans and tensors of other sizes raise ``TypeError``; a number outside its
-range raises ``ValueError``.
+strings and booleans raise ``TypeError``; a tensor of another size and a number outside
+its range raise ``ValueError`` (torch.optim's error for a tensor ``lr`` of more than one
+element).
 
 Example::
 
@@ -45,7 +46,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check", "check_args", "check_group_values", "rule", "check_float_dtype"]
+__all__ = ["check", "check_args", "check_betas", "check_unmixed", "check_group_values", "rule", "check_float_dtype"]
 
 #: "finite" is written as ``<= the largest float32`` (the same for every number), never as
 #: ``< inf``: traced with a symbolic float built from a schedule's own floats (a cosine
@@ -101,8 +102,8 @@ def check(name: str, value: Any, count: Any = None, source: Any = None) -> float
 
     ``count`` and ``source`` (the schedule that produced ``value``) only enrich the
     message. Raises ``TypeError`` for a value that is not a real number or a
-    one-element tensor, ``ValueError`` for a number out of range (NaN and infinities
-    included); both name ``name``.
+    one-element tensor, ``ValueError`` for a tensor of more than one element and for a
+    number out of range (NaN and infinities included); both name ``name``.
     """
     if type(value) is float or type(value) is int:
         v = value
@@ -119,6 +120,9 @@ def check(name: str, value: Any, count: Any = None, source: Any = None) -> float
     else:
         what = (f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
                 if isinstance(value, torch.Tensor) else f"{value!r} (a {type(value).__name__})")
+        if isinstance(value, torch.Tensor) and value.numel() != 1:  # torch.optim's error type for it
+            raise ValueError(f"hyperparameter {name!r} is {what}{_where(count, source)}; a tensor "
+                             "hyperparameter must have one element")
         raise TypeError(f"hyperparameter {name!r} is {what}{_where(count, source)}; it must be a real "
                         "number (or a one-element tensor)")
     r = _RULES.get(name)  # rule(name), inline: this runs for every hyperparameter of every step
@@ -151,6 +155,37 @@ def check_args(**named: Any) -> None:
                 check(f"{name}[{i}]", v)
         else:
             check(name, value)
+
+
+def check_betas(name: str, betas: Any) -> None:
+    """The shape of a ``betas`` pair, as torch.optim's Adam family wants it: ``TypeError``
+    unless it is a pair, ``ValueError`` where it mixes numbers and tensors (torch
+    refuses that too). The values are :func:`check`'s (:func:`check_args`).
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx.hyperparams import check_betas
+        >>> check_betas("betas", (0.9, 0.999))
+        >>> try:
+        ...     check_betas("betas", (torch.tensor(0.9), 0.999))
+        ... except ValueError as e:
+        ...     print(e)
+        hyperparameter 'betas' mixes tensors and numbers ((tensor(0.9000), 0.999)); give two numbers or two one-element tensors
+    """
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"hyperparameter {name!r} must be a pair (beta1, beta2), got {betas!r}")
+    check_unmixed(name, betas)
+
+
+def check_unmixed(name: str, values: Any) -> None:
+    """``ValueError`` naming ``name`` where a tuple hyperparameter mixes tensors and
+    numbers (torch's Adam family refuses such ``betas``); the adapter checks every tuple
+    of a param group by it at each step."""
+    if len(values) > 1 and len({isinstance(v, torch.Tensor) for v in values}) > 1:
+        raise ValueError(f"hyperparameter {name!r} mixes tensors and numbers ({tuple(values)!r}); give "
+                         f"{'two' if len(values) == 2 else 'all'} numbers or {'two' if len(values) == 2 else 'all'} "
+                         "one-element tensors")
 
 
 def check_group_values(hp: dict[str, Any], numeric: Any = ()) -> None:

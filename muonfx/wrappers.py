@@ -18,7 +18,7 @@ from . import seam, tree
 from .core import (GradientTransformation, LeafwiseTransformation, aligned, build, is_leafwise, leafwise,
                    leafwise_if, leaves, takes_extra_args, td_items)
 from .counts import Counts, advance, by_count, common, from_values, zeros
-from .hyperparams import check
+from .hyperparams import check, check_unmixed
 from .ops import foreach
 from .schedules import evaluate
 
@@ -416,6 +416,7 @@ def _checked(name: str, value: Any, count: int) -> Any:
     if type(value) is float or type(value) is int:  # the common case first
         return check(name, value, count)
     if isinstance(value, (tuple, list)):
+        check_unmixed(name, value)
         return tuple(_checked(f"{name}[{i}]", v, count) for i, v in enumerate(value))
     if is_schedule(value):  # a schedule written into the state between steps
         return evaluate(name, value, count)

@@ -15,6 +15,7 @@ from helpers import sweep  # noqa: E402
 
 CASES = {
     "adamw": (mfx.adamw, dict(lr=1e-3, weight_decay=0.01)),
+    "adamw_amsgrad_maximize": (mfx.adamw, dict(lr=1e-3, weight_decay=0.01, amsgrad=True, maximize=True)),
     "muon": (mfx.muon, dict(lr=0.02, momentum=0.95, weight_decay=0.01, ns_dtype=torch.float32)),
     "muon_adamw": (mfx.muon_adamw, dict(lr=0.02, momentum=0.95, weight_decay=0.01, adamw_lr=1e-3)),
     # the spectral form (LAPACK's eigh inside the graph), as "auto" takes it on large CPU matrices

@@ -49,6 +49,7 @@ PUBLIC: dict[str, tuple[str, Callable[[], mfx.GradientTransformation], dict[str,
     "scale_by_learning_rate_schedule": (
         ANY, lambda: mfx.scale_by_learning_rate(schedules.warmup_cosine_decay(0.0, 1.0, 1, 4)), {}),
     "scale_by_adam": (ANY, mfx.scale_by_adam, dict(zero_grad_exact=True)),
+    "scale_by_adam_amsgrad": (ANY, lambda: mfx.scale_by_adam(amsgrad=True, maximize=True), dict(zero_grad_exact=True)),
     "clip_by_global_norm": (ANY, lambda: mfx.clip_by_global_norm(0.5), dict(zero_grad_exact=True)),
     # combinators
     "chain": (ANY, lambda: mfx.chain(mfx.momentum(0.9), mfx.decoupled_decay(0.1),

@@ -246,7 +246,7 @@ BAD_HYPERPARAMS = [  # (factory, kwargs, exception, message naming the hyperpara
     (mfx.muon, {"momentum": NAN}, ValueError, r"'momentum' is nan"),
     (mfx.muon, {"lr": "abc"}, TypeError, r"'lr' is 'abc' \(a str\)"),
     (mfx.muon, {"lr": None}, TypeError, r"'lr' is None"),
-    (mfx.muon, {"lr": torch.ones(2)}, TypeError, r"'lr' is a tensor of shape \(2,\)"),
+    (mfx.muon, {"lr": torch.ones(2)}, ValueError, r"'lr' is a tensor of shape \(2,\).*must have one element"),
     (mfx.muon, {"ns_dtype": torch.int32}, TypeError, r"ns_dtype must be a floating-point torch dtype"),
     (mfx.muon, {"mu_dtype": torch.int64}, TypeError, r"mu_dtype must be a floating-point torch dtype"),
     (mfx.adamw, {"weight_decay": NAN}, ValueError, r"'weight_decay' is nan"),
@@ -256,6 +256,7 @@ BAD_HYPERPARAMS = [  # (factory, kwargs, exception, message naming the hyperpara
     (mfx.adamw, {"betas": (1.0, 0.999)}, ValueError, r"'betas\[0\]' is 1.0.*; betas\[0\] must be in \[0, 1\)"),
     (mfx.adamw, {"betas": (0.9, NAN)}, ValueError, r"'betas\[1\]' is nan"),
     (mfx.adamw, {"betas": (0.9,)}, TypeError, r"'betas' must be a pair"),
+    (mfx.adamw, {"betas": (torch.tensor(0.9), 0.999)}, ValueError, r"'betas' mixes tensors and numbers"),
     (mfx.muon_adamw, {"adamw_eps": NAN}, ValueError, r"'adamw_eps' is nan"),
     (mfx.muon_adamw, {"adamw_lr": -1.0}, ValueError, r"'adamw_lr' is -1.0"),
     (mfx.muon_adamw, {"adamw_weight_decay": INF}, ValueError, r"'adamw_weight_decay' is inf"),
@@ -290,7 +291,7 @@ def test_the_adapter_refuses_the_same_values_with_the_same_message(factory, kwar
 BAD_SCHEDULES = [  # a schedule's value, found bad at the step that uses it
     (lambda step: None, TypeError, r"'lr' is None \(a NoneType\) at step 1 \(returned by the schedule"),
     (lambda step: "0.1", TypeError, r"'lr' is '0.1' \(a str\) at step 1"),
-    (lambda step: torch.full((2,), 0.1), TypeError, r"'lr' is a tensor of shape \(2,\) .* at step 1"),
+    (lambda step: torch.full((2,), 0.1), ValueError, r"'lr' is a tensor of shape \(2,\) .* at step 1"),
     (lambda step: NAN if step else 0.1, ValueError, r"'lr' is nan at step 1"),
     (lambda step: -0.1 if step else 0.1, ValueError, r"'lr' is -0.1 at step 1 .*; lr must be >= 0"),
 ]

@@ -175,6 +175,8 @@ PURITY_CASES: dict[str, tuple[str, Callable[[], mfx.GradientTransformation]]] = 
         ANY, lambda: mfx.scale_by_learning_rate(schedules.warmup_cosine_decay(0.0, 1.0, 1, 4))),
     "scale_by_adam": (ANY, lambda: mfx.scale_by_adam()),
     "scale_by_adam_mu_f32": (ANY, lambda: mfx.scale_by_adam(mu_dtype=torch.float32)),
+    "scale_by_adam_amsgrad_maximize": (ANY, lambda: mfx.scale_by_adam(amsgrad=True, maximize=True)),
+    "scale_by_adam_amsgrad_mu_f32": (ANY, lambda: mfx.scale_by_adam(mu_dtype=torch.float32, amsgrad=True)),
     "clip_by_global_norm": (ANY, lambda: mfx.clip_by_global_norm(0.5)),
     "masked": (ANY, lambda: mfx.masked(mfx.scale_by_adam(), lambda k, t: t.ndim % 2 == 0)),
     "mask_by_ndim": (ANY, lambda: mfx.mask_by_ndim(mfx.newton_schulz(), MATRIX_DIMS)),
@@ -493,6 +495,7 @@ ZERO_CASES: dict[str, tuple[str, Callable[[], mfx.GradientTransformation]]] = {
     "newton_schulz": (MATRIX, lambda: mfx.newton_schulz()),
     "clip_by_global_norm": (ANY, lambda: mfx.clip_by_global_norm(1.0)),
     "scale_by_adam": (ANY, lambda: mfx.scale_by_adam()),
+    "adamw_amsgrad_maximize": (ANY, lambda: mfx.adamw(weight_decay=0.0, amsgrad=True, maximize=True)),
     "momentum": (ANY, lambda: mfx.momentum(0.9)),
     "nesterov": (ANY, lambda: mfx.nesterov(0.9)),
 }

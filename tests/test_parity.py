@@ -161,6 +161,22 @@ def test_muon_bf16_matches_torch_optim_muon(adjust_lr, nesterov):
         assert rel_err(want[k], params[k]) > 1e-3
 
 
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+def test_muon_optimizer_given_torch_optim_muons_arguments_computes_it(adjust_lr_fn):
+    """Every argument of torch.optim.Muon (2.13), spelled as torch spells it, given to
+    MuonOptimizer (with torch's Newton-Schulz dtype): torch's steps."""
+    params, grads_seq = _random_problem(seed=11 + (adjust_lr_fn == "original"))
+    torch_args = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True,
+                      ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=adjust_lr_fn)
+    got = run_torch(lambda ps: mfx.MuonOptimizer(ps, strict=True, ns_dtype=torch.bfloat16, **torch_args),
+                    params, grads_seq)
+    want = run_torch(lambda ps: torch.optim.Muon(ps, **torch_args), params, grads_seq)
+    for k in SHAPES:
+        err = rel_err(got[k], want[k])
+        assert err < BF16_PARITY_TOL, (k, err)
+        assert rel_err(want[k], params[k]) > 1e-3
+
+
 @pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw", "spectral"])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_muon_matches_reference_loop(adjust_lr, nesterov):

@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 
-from ..core import key_str
+from ..core import build, key_str
+from ..linalg import precision
 from ..counts import Counts, values_of
 from ..wrappers import hyperparam_values, signature
 from .checkpoint_names import flatten_per_param, unflatten_per_param
-from .groups import GroupRecord, serialisable
+from .groups import GroupRecord, serialisable, static_key
 
 __all__ = ["torch_state", "param_groups_for_saving", "load"]
 
@@ -103,9 +104,30 @@ def renamed_eps(saved: dict[str, Any], takes: Any) -> dict[str, Any]:
     return saved
 
 
+def _template(rec: GroupRecord, group: dict[str, Any], saved: dict[str, Any]) -> Any:
+    """The state whose layout the saved state must have: the group's own, or, where the
+    saved hyperparameters select another transform (``amsgrad``, a state dtype), the
+    state that transform makes (its layout is what was saved). Saved values that do not
+    build a transform are left to :func:`_check_hyperparams`, which names them."""
+    now = rec.hyperparams(group)
+    then = rec.hyperparams({**group, **{k: v for k, v in saved.items() if k not in ("params", "param_names")}})
+    if static_key(then) == static_key(now):
+        return rec.state
+    try:
+        with torch.no_grad():
+            return rec.transform(then, precision.pinned_ns_dtype()).init(build(rec.keys, list(group["params"])))
+    except Exception:  # noqa: BLE001 (refused by name in _check_hyperparams)
+        return rec.state
+
+
 def load(records: list[GroupRecord], param_groups: list[dict], state_dict: dict[str, Any]) -> None:
     """Load ``state_dict`` into ``records`` and ``param_groups``, or raise ``ValueError``
-    saying what differs (group, parameter, entry) and change nothing."""
+    saying what differs (group, parameter, entry) and change nothing.
+
+    As torch's, a state dict loads between optimizers built with and without parameter
+    names (``named_parameters()`` or ``parameters()``), both ways: a group without names
+    takes the saved ones, a group with names keeps its own; where both have names they
+    must be the same (muonfx's check that the checkpoint is this model's)."""
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("optimizer state_dict must have 'state' and 'param_groups'")
     saved_groups = state_dict["param_groups"]
@@ -124,12 +146,14 @@ def load(records: list[GroupRecord], param_groups: list[dict], state_dict: dict[
         if names is not None and mine is not None and list(names) != list(mine):
             diff = [(a, b) for a, b in zip(names, mine) if a != b][:5]
             raise ValueError(f"param group {gi}: parameter names differ (saved, current): {diff}")
+        if names is not None and len(names) != len(ids):
+            raise ValueError(f"param group {gi}: state_dict has {len(names)} parameter names for {len(ids)} parameters")
         for k, v in saved.items():
             if (k in group or k in ("compile", "fused")) and k not in ("params", "param_names"):
                 _check_value(gi, k, v, group.get(k))
         flat = {k: dict(state_dict["state"].get(pid, {})) for k, pid in zip(rec.keys, ids)}
         names_map = {k: key_str(k) for k in rec.keys}
-        new_states.append(unflatten_per_param(rec.state, rec.keys, flat, names_map))
+        new_states.append(unflatten_per_param(_template(rec, group, saved), rec.keys, flat, names_map))
     for gi, (rec, group, saved) in enumerate(zip(records, param_groups, saved_groups)):
         _check_hyperparams(gi, rec, {**group, **{k: v for k, v in saved.items() if k not in ("params", "param_names")}})
     # everything checked: now change things
@@ -137,5 +161,7 @@ def load(records: list[GroupRecord], param_groups: list[dict], state_dict: dict[
         for k, v in saved.items():
             if k not in ("params", "param_names"):
                 group[k] = v
+        if "param_names" in saved and "param_names" not in group:  # torch's rule: an unnamed group takes them
+            group["param_names"] = list(saved["param_names"])
         hp = rec.hyperparams(group)
         rec.state = state._replace(hyperparams={n: hp[n] for n in state.hyperparams if n in hp})

@@ -139,13 +139,15 @@ class FSDPMuonOptimizer(TransformOptimizer):
             warnings.warn("FSDPMuonOptimizer, read differently from muon_fsdp: " + "; ".join(
                 f"({i}) {c}" for i, c in enumerate(changed, 1)), MeaningChangedWarning, stacklevel=3)
         named = list(model.named_parameters()) if params is None else list(params)
-        if named and not isinstance(named[0], tuple):
+        plain = bool(named) and not isinstance(named[0], tuple)
+        if plain:  # named by the model where it has them all; else (torch's rule: all or none) left unnamed
             by_id = {id(p): n for n, p in model.named_parameters()}
-            named = [(by_id.get(id(p), f"param{i}"), p) for i, p in enumerate(named)]
+            plain = not all(id(p) in by_id for p in named)
+            named = [("" if plain else by_id[id(p)], p) for p in named]
         named = [(n, p) for n, p in named if p.requires_grad]
         label = model_labels(model)
-        muon_params = [(n, p) for n, p in named if label(n, p) == "muon"]
-        other = [(n, p) for n, p in named if label(n, p) != "muon"]
+        muon_params = [p if plain else (n, p) for n, p in named if label(n, p) == "muon"]
+        other = [p if plain else (n, p) for n, p in named if label(n, p) != "muon"]
         embedding = _embedding_ids(model)
         routing = [(n, tuple(p.shape), str(label(n, p)), rule_of(n, p, label(n, p), id(p) in embedding))
                    for n, p in named]
@@ -167,7 +169,8 @@ class FSDPMuonOptimizer(TransformOptimizer):
         #: where each parameter went and by which rule (:mod:`muonfx.optim.routing`)
         self.routing = routing
         if other and _is_rank_zero():
-            shown = ", ".join(repr(n) for n, _ in other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3 else "")
+            shown = ", ".join(repr(x[0]) if isinstance(x, tuple) else str(tuple(x.shape)) for x in other[:3]) + (
+                f" and {len(other) - 3} more" if len(other) > 3 else "")
             say_once("FSDPMuonOptimizer fallback", (
                 f"muonfx: FSDPMuonOptimizer gives {len(other)} parameter(s) that are not hidden matrices ({shown}: "
                 f"biases, norms, embeddings, the output head) AdamW (lr={adamw_lr:g}), the matrices Muon"))

@@ -54,12 +54,41 @@ def _label(item: Any) -> str:
     return "adamw" if item.ndim < 2 else "muon"
 
 
+def _items(params: list) -> list:
+    """What ``params`` (a list, or a list of param-group dicts) holds, group after group."""
+    groups = [g.get("params", []) for g in params] if params and isinstance(params[0], dict) else [params]
+    return [x for g in groups for x in ([g] if isinstance(g, torch.Tensor) else list(g))]
+
+
+def _tensors(params: list) -> list:
+    """The tensors of :func:`_items`, in the order given."""
+    return [_tensor(x) for x in _items(params)]
+
+
 def _without_names(params: list) -> bool:
     """True when ``params`` (a list, or a list of param-group dicts) holds plain tensors
     only: no ``(name, tensor)`` pairs."""
-    groups = [g.get("params", []) for g in params] if params and isinstance(params[0], dict) else [params]
-    items = [x for g in groups for x in ([g] if isinstance(g, torch.Tensor) else list(g))]
+    items = _items(params)
     return bool(items) and all(isinstance(x, torch.Tensor) for x in items)
+
+
+#: torch.optim.Muon's parameters after ``params, lr``, in its order (keyword-only here)
+TORCH_MUON_ORDER = ("weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
+#: torch.optim.Muon's ``adjust_lr_fn`` values (the same names and meaning as ``adjust_lr``'s)
+TORCH_ADJUST_LR_FN = ("original", "match_rms_adamw")
+
+
+def _from_adjust_lr_fn(value: Any, adjust_lr: Any) -> str:
+    """``adjust_lr`` for torch.optim.Muon's ``adjust_lr_fn`` (refused unless it is one of
+    torch's values, or where ``adjust_lr`` says otherwise)."""
+    if value not in TORCH_ADJUST_LR_FN:
+        raise ValueError(f"MuonOptimizer: adjust_lr_fn={value!r}; torch.optim.Muon's values are "
+                         f"{list(TORCH_ADJUST_LR_FN)} (or None). muonfx's other scales (\"spectral\", \"none\") "
+                         "are adjust_lr's")
+    if adjust_lr not in (None, "original", value):
+        raise ValueError(f"MuonOptimizer: adjust_lr_fn={value!r} and adjust_lr={adjust_lr!r} disagree; adjust_lr_fn "
+                         "is torch.optim.Muon's name of adjust_lr: give one of them")
+    return value
 
 
 def _few(names: list[str], n: int = 3) -> str:
@@ -118,7 +147,7 @@ class MuonOptimizer(TransformOptimizer):
     """
 
     @takes_muon_options(defaults={"nesterov": False}, legacy_order=("momentum", "weight_decay", "nesterov", "ns_steps"),
-                        legacy_name="muon_fsdp.MuonOptimizer")
+                        legacy_name="muon_fsdp.MuonOptimizer", other_orders={"torch.optim.Muon": TORCH_MUON_ORDER})
     def __init__(
         self,
         params: Iterable[Any] | torch.nn.Module,
@@ -128,12 +157,15 @@ class MuonOptimizer(TransformOptimizer):
         adamw_betas: tuple[float, float] = ADAMW_FALLBACK["adamw_betas"],
         adamw_eps: float = ADAMW_FALLBACK["adamw_eps"],
         adamw_weight_decay: float = ADAMW_FALLBACK["adamw_weight_decay"],
+        adjust_lr_fn: str | None = None,
         qk_clip: QKClip | None = None,
         allow_no_muon: bool = False,
         **muon_options: Any,
     ) -> None:
         if not isinstance(strict, bool):
             raise TypeError(f"MuonOptimizer: strict must be True or False, got {strict!r}")
+        if adjust_lr_fn is not None:
+            muon_options["adjust_lr"] = _from_adjust_lr_fn(adjust_lr_fn, muon_options["adjust_lr"])
         fallback = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay)
         unnamed = False
         if not isinstance(params, (torch.nn.Module, torch.Tensor)):
@@ -163,8 +195,10 @@ class MuonOptimizer(TransformOptimizer):
                         "norms) AdamW, or use mfx.create_hybrid_optimizer(model, ...)."
                     )
         muon_count = sum(len(g["params"]) for gi, g in enumerate(self.param_groups) if gi not in fallback_groups)
-        moved = [(self._name(gi, i), tuple(p.shape)) for gi in fallback_groups
-                 for i, p in enumerate(self.param_groups[gi]["params"])]
+        # a parameter given with a name is shown by it, one without by its place in what was given
+        place = {id(t): i for i, t in enumerate(_tensors(params))} if unnamed else {}
+        moved = [(f"#{place[id(p)] + 1}" if unnamed else repr(self._name(gi, i)), tuple(p.shape))
+                 for gi in fallback_groups for i, p in enumerate(self.param_groups[gi]["params"])]
         if moved or unnamed:
             say_once("MuonOptimizer split", self._split_line(muon_count, moved, unnamed, adamw_lr))
 
@@ -174,11 +208,11 @@ class MuonOptimizer(TransformOptimizer):
         given without names, how to send embeddings and the head to AdamW)."""
         line = f"muonfx: MuonOptimizer: Muon for {muon_count} matri{'x' if muon_count == 1 else 'ces'}"
         if moved:
-            if unnamed:  # their keys are param0, param1, ...: say where they were in what was given
-                which = [f"#{int(n[len('param'):]) + 1} {s}" for n, s in moved]
-                what = f"{len(moved)} 0-D/1-D parameter{'s' if len(moved) > 1 else ''} ({_few(which)} of those given)"
+            which = _few([f"{n} {s}" for n, s in moved])
+            if unnamed:
+                what = f"{len(moved)} 0-D/1-D parameter{'s' if len(moved) > 1 else ''} ({which} of those given)"
             else:
-                what = f"{len(moved)} other parameter{'s' if len(moved) > 1 else ''} ({_few([f'{n!r} {s}' for n, s in moved])})"
+                what = f"{len(moved)} other parameter{'s' if len(moved) > 1 else ''} ({which})"
             line += f", AdamW (lr {adamw_lr:g}) for {what} (strict=True: Muon alone, and 0-D/1-D parameters refused)"
         if unnamed:
             line += ("; parameters without names cannot be routed, so embeddings and an output head get Muon too: "
@@ -213,13 +247,8 @@ class MuonOptimizer(TransformOptimizer):
         if not any(splits(g) for g in given):
             return items, []  # nothing to split (or TransformOptimizer's error to raise)
         labels = [[_label(x) for x in g["params"]] if splits(g) else None for g in given]
-        # the groups gain names (torch wants all or none named): plain parameters are
-        # named by their place in what was given, param0, param1, ...
-        start = 0
-        for g in given:
-            if isinstance(g["params"], list):
-                g["params"] = [x if isinstance(x, tuple) else (f"param{start + i}", x) for i, x in enumerate(g["params"])]
-                start += len(g["params"])
+        # parameters keep what they were given with: names where they had them, none where
+        # they had none (torch's optimizers load each other's state dicts either way)
         groups: list[dict] = []
         fallbacks: list[dict] = []
         for g, lbl in zip(given, labels):

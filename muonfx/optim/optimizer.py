@@ -297,7 +297,11 @@ class TransformOptimizer(torch.optim.Optimizer):
         other model, a hyperparameter that breaks the rules of :mod:`muonfx.hyperparams`
         or does not build the group's transform) raise ``ValueError`` naming the group
         and what differs, and change nothing: every group is checked before any is
-        changed."""
+        changed. As torch's, it loads between optimizers built with and without parameter
+        names, both ways (a group without names takes the saved ones), and the pre-hooks
+        get a shallow copy of ``state_dict`` (what they replace is not the caller's)."""
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:

@@ -171,6 +171,7 @@ def takes_muon_options(
     legacy_order: Iterable[str] = (),
     legacy_name: str = "",
     changed: Mapping[str, str] | None = None,
+    other_orders: Mapping[str, Iterable[str]] | None = None,
 ) -> Callable[[F], F]:
     """Decorator: give a builder declared as ``f(<own params>, **options)`` the Muon options.
 
@@ -190,7 +191,9 @@ def takes_muon_options(
     ``legacy_order`` names (by their names here) the parameters an older API
     (``legacy_name``, e.g. ``"muon_fsdp.MuonOptimizer"``) took by position after the
     ones that are still positional here: a call with too many positional arguments then raises a
-    ``TypeError`` that says which keyword each extra argument must become.
+    ``TypeError`` that says which keyword each extra argument must become. ``other_orders``
+    adds other APIs' orders, ``{api name: parameter names}`` (``torch.optim.Muon``'s for
+    :class:`~muonfx.MuonOptimizer`): the message then gives each reading.
 
     ``changed`` names (by their public names) the keywords this builder once took with
     another meaning, each with a note saying what it means now and which keyword took
@@ -241,23 +244,26 @@ def takes_muon_options(
         field_of = {pub: name for name, pub in public.items()}
         leading = [p.name for p in lead]
         n_positional = len([p for p in full.parameters.values() if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)])
-        old = list(legacy_order)
+        orders = [(name, list(order)) for name, order in ({legacy_name: legacy_order} if legacy_order else {}).items()]
+        orders += [(name, list(order)) for name, order in (other_orders or {}).items()]
 
         @functools.wraps(fn)
         def with_options(*args: Any, **kwargs: Any) -> Any:
             try:
                 bound = full.bind(*args, **kwargs)
             except TypeError as e:
-                if old and len(args) > n_positional:
+                extra = args[n_positional:]
+                fits = [(name, order) for name, order in orders if len(extra) <= len(order)]
+                if extra and fits:
                     names = [p.name for p in full.parameters.values()][:n_positional]
                     names = names[1:] if names and names[0] == "self" else names
-                    extra = args[n_positional:]
-                    if len(extra) <= len(old):
-                        fix = ", ".join(f"{k}={v!r}" for k, v in zip(old, extra))
-                        raise TypeError(
-                            f"{fn.__qualname__}() takes only {', '.join(names)} by position. {legacy_name} took "
-                            f"{', '.join(old[:len(extra)])} next; here they are keyword-only, so that no "
-                            f"argument silently changes meaning. Pass them by keyword: {fix}") from None
+                    took = "; ".join(f"{name} took {', '.join(order[:len(extra)])} next" for name, order in fits)
+                    fix = " or ".join(", ".join(f"{k}={v!r}" for k, v in zip(order, extra)) +
+                                      (f" ({name}'s order)" if len(fits) > 1 else "") for name, order in fits)
+                    raise TypeError(
+                        f"{fn.__qualname__}() takes only {', '.join(names)} by position. {took}; "
+                        "here they are keyword-only, so that no argument silently changes meaning. Pass them by "
+                        f"keyword: {fix}") from None
                 raise TypeError(f"{fn.__qualname__}() {e}") from None
             for name, note in changed.items():
                 if name in kwargs and kwargs[name] != full.parameters[name].default:

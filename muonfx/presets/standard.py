@@ -13,7 +13,7 @@ import torch
 
 from ..combine import named_chain, partition
 from ..core import GradientTransformation
-from ..hyperparams import check_args
+from ..hyperparams import check_args, check_betas
 from ..schedules import ScalarOrSchedule
 from ..transforms import decoupled_decay, scale_by_adam, scale_by_learning_rate
 from .options import MuonOptions, takes_muon_options
@@ -62,23 +62,30 @@ def adamw(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.01,
+    amsgrad: bool = False,
+    *,
+    maximize: bool = False,
 ) -> GradientTransformation:
-    """AdamW, as torch.optim.AdamW computes it (same defaults).
+    """AdamW, as torch.optim.AdamW computes it (same arguments, same defaults).
 
-    The chain: ``scale_by_adam(b1, b2, eps) -> decoupled_decay(wd) -> scale_by_learning_rate(lr)``,
-    so ``W <- W - lr * (m_hat / (sqrt(v_hat) + eps) + wd * W)``.
+    The chain: ``scale_by_adam(b1, b2, eps, amsgrad=, maximize=) -> decoupled_decay(wd)
+    -> scale_by_learning_rate(lr)``, so ``W <- W - lr * (m_hat / (sqrt(v_hat) + eps) + wd * W)``;
+    with ``amsgrad=True`` ``v_hat`` is the bias-corrected largest second moment so far
+    (state ``adam.nu_max``), with ``maximize=True`` the moments are those of ``-g``
+    (torch's arithmetic for both). ``betas`` are two numbers, or two one-element
+    tensors (not one of each, as in torch).
 
     Example::
 
         >>> import muonfx as mfx
         >>> tx = mfx.adamw(lr=3e-4, betas=(0.9, 0.95))
+        >>> tx = mfx.adamw(lr=3e-4, amsgrad=True, maximize=True)    # torch.optim.AdamW's options
     """
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise TypeError(f"hyperparameter 'betas' must be a pair (beta1, beta2), got {betas!r}")
+    check_betas("betas", betas)
     check_args(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     b1, b2 = betas
     return named_chain(
-        ("adam", scale_by_adam(b1, b2, eps)),
+        ("adam", scale_by_adam(b1, b2, eps, amsgrad=amsgrad, maximize=maximize)),
         ("weight_decay", decoupled_decay(weight_decay)),
         ("lr", scale_by_learning_rate(lr)),
     )
@@ -128,8 +135,7 @@ def muon_adamw(
         >>> import muonfx as mfx
         >>> tx = mfx.muon_adamw(lr=0.02, adamw_lr=3e-3)
     """
-    if not isinstance(adamw_betas, (tuple, list)) or len(adamw_betas) != 2:
-        raise TypeError(f"hyperparameter 'adamw_betas' must be a pair (beta1, beta2), got {adamw_betas!r}")
+    check_betas("adamw_betas", adamw_betas)
     check_args(adamw_lr=adamw_lr, adamw_betas=adamw_betas, adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay)
     return partition(
         {

@@ -26,6 +26,7 @@ import torch
 
 from ..._compat.dtensor import local
 from ...presets import adamw
+from ...transforms.adam import AMSGRAD_WITHOUT_STATE
 from ...counts import Counts, advance, by_count
 from ...wrappers import hyperparam_values
 
@@ -96,8 +97,6 @@ class FusedAdamW:
             if not (lg.dtype == lm.dtype == lv.dtype == lp.dtype and lg.device == lm.device == lv.device == lp.device
                     and lg.layout == torch.strided and lg.shape == lp.shape == lm.shape == lv.shape):
                 return "gradients or moments differ from their parameters in dtype, device or shape"
-        if "amsgrad" in hyper and hyper["amsgrad"] and getattr(adam, "nu_max", None) is None:
-            return "amsgrad without its state"
         return None
 
     @staticmethod
@@ -109,6 +108,9 @@ class FusedAdamW:
         counts = [t for t, _ in by_count(count, list(count.keys))] if isinstance(count, Counts) else [0]
         vals = {**hp, **hyperparam_values(state.hyperparams, counts[0] if counts else 0)}
         factory(**vals)  # the preset's own argument checks (betas in range, ...)
+        kept = getattr(state.inner_state["adam"], "nu_max", None)
+        if vals.get("amsgrad") and (kept is None or not kept.keys()):
+            raise ValueError(AMSGRAD_WITHOUT_STATE)  # the chain's error, before anything is written
         return vals
 
     @staticmethod
