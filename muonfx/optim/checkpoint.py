@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from ..core import build, key_str
-from ..linalg import precision
 from ..counts import Counts, values_of
 from ..wrappers import hyperparam_values, signature
 from .checkpoint_names import flatten_per_param, unflatten_per_param
@@ -115,7 +114,7 @@ def _template(rec: GroupRecord, group: dict[str, Any], saved: dict[str, Any]) ->
         return rec.state
     try:
         with torch.no_grad():
-            return rec.transform(then, precision.pinned_ns_dtype()).init(build(rec.keys, list(group["params"])))
+            return rec.transform(then).init(build(rec.keys, list(group["params"])))
     except Exception:  # noqa: BLE001 (refused by name in _check_hyperparams)
         return rec.state
 
