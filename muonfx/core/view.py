@@ -73,10 +73,11 @@ class MatrixView(NamedTuple):
         return batch + rows + cols
 
     def stack(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` as its ``[k, m, n]`` stack (a view where the layout allows)."""
+        """``t`` as its ``[k, m, n]`` stack, contiguous (a permuted view is copied: the
+        matrices are then laid out as if they had been made by hand)."""
         kmn = self.shape(tuple(t.shape))
         perm = self._perm(t.ndim)
-        return (t if perm == tuple(range(t.ndim)) else t.permute(perm)).reshape(kmn)
+        return (t if perm == tuple(range(t.ndim)) else t.permute(perm)).reshape(kmn).contiguous()
 
     def unstack(self, out: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         """The inverse of :meth:`stack`: a ``[k, m, n]`` result back in ``shape``."""
