@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
 from tensordict import TensorDictBase
@@ -72,3 +75,45 @@ def resumed(model, opt, fresh, make_opt):
     new = make_opt(fresh)
     new.load_state_dict(saved["opt"])
     return new
+
+
+# -- refusals: an error that names the culprit, and nothing changed --------
+
+
+def _snapshot(*objs):
+    return [[(p, v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for p, v in flatten_state(o)]
+            for o in objs]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+                and (a.is_meta or torch.equal(a, b)
+                     or bool(torch.isnan(a).any() and torch.allclose(a, b, equal_nan=True))))
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def refused(exc, match, fn, *inputs):
+    """``fn()`` raises ``exc`` whose message matches ``match``; ``inputs`` are unchanged."""
+    snap = _snapshot(*inputs)
+    with pytest.raises(exc, match=match):
+        fn()
+    now = _snapshot(*inputs)
+    for before, after in zip(snap, now):
+        assert [p for p, _ in before] == [p for p, _ in after]
+        for (path, b), (_, a) in zip(before, after):
+            assert _same(b, a), f"{path} changed"
+
+
+def small_model(seed=0):
+    """A two-layer ``nn.Sequential`` (4 -> 8 -> 3), seeded."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+
+
+def backward(model, seed):
+    """Gradients of a seeded batch on ``model`` (``small_model``), set afresh."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 4, generator=gen)
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
