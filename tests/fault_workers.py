@@ -1,5 +1,5 @@
 """Rank functions for the distributed cases of ``test_faults_cli.py`` and
-``test_faults.py`` and ``test_bad_input.py`` (run with ``dist_harness.run_world``; gloo on the CPU)."""
+``test_faults.py`` (run with ``dist_harness.run_world``; gloo on the CPU)."""
 
 from __future__ import annotations
 
