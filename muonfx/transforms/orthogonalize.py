@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import seam
+from .._compat.dtensor import unstack_like
 from ..core import Dims, EmptyState, GradientTransformation, LeafwiseTransformation, build, leaves
 from ..hyperparams import check, check_float_dtype
 from ..linalg import CoefficientSpec, NewtonSchulz, resolve
@@ -147,8 +148,8 @@ def newton_schulz(
         run = NewtonSchulz(schedule, eps, one, method, accuracy=accuracy)
         if one is None:  # leaves on several devices or of several dtypes: per batch
             run = _PerBatch(run, pinned)
-        views = leaf_views(dims, keys, gs, "newton_schulz")
+        views = None if dims is None else leaf_views(dims, keys, gs, "newton_schulz")
         outs = seam.map_matrices(run, as_stacks(keys, gs, "newton_schulz", views))
-        return build(keys, from_stacks(outs, gs, views)), state
+        return build(keys, unstack_like(outs, gs) if views is None else from_stacks(outs, gs, views)), state
 
     return LeafwiseTransformation(init_fn, update_fn)

@@ -92,7 +92,7 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows",
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
-        over = leaf_views(dims, keys, ps, "row_normalize") or [None] * len(keys)
+        over = (None if dims is None else leaf_views(dims, keys, ps, "row_normalize")) or [None] * len(keys)
         views = [_rows_view(k, p, w) for k, p, w in zip(keys, ps, over)]
         return RowNormalizeState(build(keys, [torch.zeros_like(v.select(_reduce_dim(axis, v), 0), dtype=mu_dtype)
                                               for v in views]))
@@ -101,7 +101,7 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows",
         keys, us = leaves(updates)
         vs = aligned(state.v, keys, "row_normalize state (v)")
         # axis="larger" on a wide matrix: statistics per column, i.e. per row of its transpose
-        over = leaf_views(dims, keys, us, "row_normalize") or [None] * len(keys)
+        over = (None if dims is None else leaf_views(dims, keys, us, "row_normalize")) or [None] * len(keys)
         flips = [_reduce_dim(axis, _rows_view(k, u, w)) == -2 for k, u, w in zip(keys, us, over)]
         os_ = [_rows_view(k, u, w).mT if f else _rows_view(k, u, w) for k, u, f, w in zip(keys, us, flips, over)]
         # per-row sums of squares, then per-matrix [||O||^2, ||P||^2]: two seam reductions

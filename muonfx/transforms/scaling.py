@@ -141,7 +141,8 @@ def scale_by_shape(mode: str = "original", *, dims: Dims = None) -> GradientTran
         keys, us = leaves(updates)
         known: dict[tuple[int, int], float] = {}
         factors = []
-        for ab in matrix_shapes(keys, us, "scale_by_shape", leaf_views(dims, keys, us, "scale_by_shape")):
+        views = None if dims is None else leaf_views(dims, keys, us, "scale_by_shape")
+        for ab in matrix_shapes(keys, us, "scale_by_shape", views):
             f = known.get(ab)
             if f is None:
                 # an empty matrix (a zero side) has nothing to scale; s(A, 0) would divide by zero
