@@ -15,6 +15,8 @@ takes (``ANY`` or ``MATRIX``: 2-D and more), and which shared laws run over it (
 ``DECLARED``       declared leafwise or not, as ``leafwise`` says (``test_leafwise.py``)
 ``SPLIT``          a split of the tree computes what the whole tree computes (``test_leafwise.py``)
 ``STATEFUL``       state of several kinds: compiled by inductor, trains as eager (``test_compile.py``)
+``ADAPTER``        the adapter's step equals the functional loop, alone and in random chains
+                   (``test_step_plan.py``)
 =================  ==========================================================================
 
 A new public transform or preset is one line here (``DEFAULT`` laws: conformance, purity,
@@ -41,7 +43,7 @@ from muonfx.testing import params_and_grads
 
 ANY, MATRIX = "any", "matrix"
 CONFORMANCE, PURITY, ELEMENTWISE, ZERO, EMPTY = "conformance", "purity", "elementwise", "zero", "empty"
-DECLARED, SPLIT, STATEFUL = "declared", "split", "stateful"
+DECLARED, SPLIT, STATEFUL, ADAPTER = "declared", "split", "stateful", "adapter"
 DEFAULT = frozenset({CONFORMANCE, PURITY, DECLARED})
 
 MATRIX_DIMS = {2, 3, 4}
@@ -74,7 +76,7 @@ CATALOGUE: dict[str, Entry] = {
     # core and transforms
     "identity": E(mfx.identity, ANY, CONFORMANCE, PURITY, DECLARED, leafwise=True, check=ZGE),
     "leafwise": E(lambda: mfx.leafwise(mfx.chain(mom(), mfx.scale(-0.1))), ANY, DECLARED, leafwise=True),
-    "momentum": E(mom, ANY, CONFORMANCE, PURITY, ELEMENTWISE, ZERO, DECLARED, leafwise=True, check=ZGE),
+    "momentum": E(mom, ANY, ADAPTER, CONFORMANCE, PURITY, ELEMENTWISE, ZERO, DECLARED, leafwise=True, check=ZGE),
     "momentum_nesterov": E(lambda: mfx.momentum(0.9, nesterov=True), ANY, PURITY),
     "momentum_mu_bf16": E(lambda: mfx.momentum(0.9, mu_dtype=torch.bfloat16), ANY, PURITY),
     "momentum_nesterov_bf16_mu": E(lambda: mfx.momentum(0.9, nesterov=True, mu_dtype=torch.bfloat16), ANY,
@@ -82,6 +84,7 @@ CATALOGUE: dict[str, Entry] = {
     "nesterov": E(lambda: mfx.nesterov(0.95), ANY, CONFORMANCE, PURITY, DECLARED, leafwise=True, check=ZGE),
     "nesterov_0.8": E(lambda: mfx.nesterov(0.8), ANY, ELEMENTWISE),
     "nesterov_0.9": E(lambda: mfx.nesterov(0.9), ANY, ZERO),
+    "momentum_nesterov_0.8": E(lambda: mfx.momentum(0.8, nesterov=True), ANY, ADAPTER),
     "bias_corrected_momentum": E(mfx.bias_corrected_momentum, ANY, DECLARED, leafwise=True),
     "newton_schulz": E(mfx.newton_schulz, MATRIX, CONFORMANCE, PURITY, ZERO, EMPTY, DECLARED, leafwise=True,
                        check=ZGE),
@@ -90,34 +93,38 @@ CATALOGUE: dict[str, Entry] = {
                                           MATRIX, CONFORMANCE),
     "newton_schulz_transposed_conv": E(lambda: mfx.newton_schulz(dims=lambda k, t: mfx.MatrixView(
         tuple(range(1, t.ndim)), 0) if t.ndim == 4 else None), MATRIX, CONFORMANCE),
+    "newton_schulz_float32": E(lambda: mfx.newton_schulz(dtype=torch.float32), MATRIX, ADAPTER),
+    "ns_float32_masked_2_3": E(lambda: mfx.mask_by_ndim(mfx.newton_schulz(dtype=torch.float32), {2, 3}), ANY,
+                               ADAPTER),
     "ns_masked": E(lambda: mfx.mask_by_ndim(mfx.newton_schulz(), MATRIX_DIMS), ANY, PURITY, ELEMENTWISE),
     "row_normalize": E(lambda: mfx.chain(mfx.newton_schulz(), mfx.row_normalize(0.95)), MATRIX, CONFORMANCE),
-    "row_normalize_alone": E(mfx.row_normalize, MATRIX, DECLARED, leafwise=True),
+    "row_normalize_alone": E(mfx.row_normalize, MATRIX, ADAPTER, DECLARED, leafwise=True),
     "scale_by_shape": E(lambda: mfx.scale_by_shape("spectral"), MATRIX, CONFORMANCE, PURITY, EMPTY, check=ZGE),
     "scale_by_shape_default": E(mfx.scale_by_shape, MATRIX, DECLARED, leafwise=True),
-    "scale_by_shape_original": E(lambda: mfx.scale_by_shape("original"), MATRIX, PURITY, EMPTY),
+    "scale_by_shape_original": E(lambda: mfx.scale_by_shape("original"), MATRIX, ADAPTER, PURITY, EMPTY),
     "scale_by_shape_rms": E(lambda: mfx.scale_by_shape("match_rms_adamw"), MATRIX, PURITY),
-    "decoupled_decay": E(lambda: mfx.decoupled_decay(0.1), ANY, CONFORMANCE, PURITY, ELEMENTWISE, DECLARED,
+    "decoupled_decay": E(lambda: mfx.decoupled_decay(0.1), ANY, ADAPTER, CONFORMANCE, PURITY, ELEMENTWISE, DECLARED,
                          leafwise=True),
     "decoupled_decay_mask": E(lambda: mfx.decoupled_decay(0.1, mask=lambda k, t: t.ndim >= 2), ANY, PURITY,
                               DECLARED, leafwise=True),
-    "scale": E(lambda: mfx.scale(-0.5), ANY, CONFORMANCE, check=ZGE),
+    "scale": E(lambda: mfx.scale(-0.5), ANY, ADAPTER, CONFORMANCE, check=ZGE),
     "scale_0.5": E(lambda: mfx.scale(0.5), ANY, PURITY),
     "scale_-2": E(lambda: mfx.scale(-2.0), ANY, ELEMENTWISE),
     "scale_2": E(lambda: mfx.scale(2.0), ANY, DECLARED, leafwise=True),
-    "scale_by_learning_rate": E(lambda: mfx.scale_by_learning_rate(0.1), ANY, CONFORMANCE, PURITY, DECLARED,
+    "scale_by_learning_rate": E(lambda: mfx.scale_by_learning_rate(0.1), ANY, ADAPTER, CONFORMANCE, PURITY, DECLARED,
                                 leafwise=True),
     "scale_by_learning_rate_schedule": E(lambda: mfx.scale_by_learning_rate(
         schedules.warmup_cosine_decay(0.0, 1.0, 1, 4)), ANY, CONFORMANCE, PURITY),
     "scale_by_learning_rate_linear": E(lambda: mfx.scale_by_learning_rate(schedules.linear(1.0, 0.0, 3)), ANY,
                                        DECLARED, leafwise=True),
+    "scheduled_lr": E(lambda: mfx.scale_by_learning_rate(schedules.linear(0.1, 0.01, 5)), ANY, ADAPTER),
     "lr_schedule": E(lambda: mfx.scale_by_learning_rate(schedules.linear(1.0, 0.25, 2)), ANY, ELEMENTWISE),
-    "scale_by_adam": E(mfx.scale_by_adam, ANY, CONFORMANCE, PURITY, ELEMENTWISE, ZERO, DECLARED, STATEFUL,
+    "scale_by_adam": E(mfx.scale_by_adam, ANY, ADAPTER, CONFORMANCE, PURITY, ELEMENTWISE, ZERO, DECLARED, STATEFUL,
                        leafwise=True, check=ZGE),
     "scale_by_adam_mu_f32": E(lambda: mfx.scale_by_adam(mu_dtype=torch.float32), ANY, PURITY),
     "clip_by_global_norm": E(lambda: mfx.clip_by_global_norm(0.5), ANY, CONFORMANCE, PURITY, ELEMENTWISE, EMPTY,
                              check=ZGE, covers=("global_norm",)),
-    "clip_by_global_norm_1": E(clip, ANY, ZERO, DECLARED, leafwise=False),  # one norm over every leaf
+    "clip_by_global_norm_1": E(clip, ANY, ADAPTER, ZERO, DECLARED, leafwise=False),  # one norm over every leaf
     # combinators
     "chain": E(lambda: mfx.chain(mfx.momentum(0.9), mfx.decoupled_decay(0.1), mfx.scale_by_learning_rate(0.1)),
                ANY, CONFORMANCE, PURITY, DECLARED, leafwise=True),
@@ -151,13 +158,14 @@ CATALOGUE: dict[str, Entry] = {
     "blockwise_clip": E(lambda: mfx.blockwise(clip(), 2), MATRIX, DECLARED, leafwise=False),
     # wrappers
     "apply_if_finite": E(lambda: mfx.apply_if_finite(mfx.adamw()), ANY, CONFORMANCE),
+    "apply_if_finite_adam": E(lambda: mfx.apply_if_finite(mfx.scale_by_adam()), ANY, ADAPTER),
     "apply_if_finite_momentum": E(lambda: mfx.apply_if_finite(mom()), ANY, PURITY, DECLARED,
                                   leafwise=False),  # one finite check over every leaf
     # inner updates are all inf: step 0 takes the skip branch, step 1 (2 > 1 consecutive) lets it through
     "apply_if_finite_skip": E(lambda: mfx.apply_if_finite(mfx.chain(mfx.momentum(0.9), mfx.scale(math.inf)),
                                                           max_consecutive_errors=1), ANY, PURITY),
     "accumulate_1": E(lambda: mfx.accumulate(mfx.scale_by_adam(), 1), ANY, PURITY),
-    "accumulate_2": E(lambda: mfx.accumulate(mfx.momentum(0.9), 2), ANY, CONFORMANCE, PURITY, EMPTY, DECLARED,
+    "accumulate_2": E(lambda: mfx.accumulate(mfx.momentum(0.9), 2), ANY, ADAPTER, CONFORMANCE, PURITY, EMPTY, DECLARED,
                       STATEFUL, leafwise=True, covers=("accumulate",)),
     "accumulate_clip": E(lambda: mfx.accumulate(clip(), 2), ANY, DECLARED, leafwise=False),
     "inject_hyperparams": E(lambda: mfx.inject_hyperparams(mfx.adamw)(lr=schedules.linear(1e-3, 1e-4, 3),
@@ -173,17 +181,18 @@ CATALOGUE: dict[str, Entry] = {
     "muon": E(lambda: mfx.muon(weight_decay=0.1), MATRIX, CONFORMANCE, PURITY, EMPTY, DECLARED, leafwise=True),
     "muon_no_decay": E(mfx.muon, MATRIX, ZERO),
     "muon_float32": E(lambda: mfx.muon(weight_decay=0.1, ns_dtype=torch.float32), MATRIX, SPLIT),
+    "muon_float32_no_decay": E(lambda: mfx.muon(ns_dtype=torch.float32), MATRIX, ADAPTER),
     "muon_masked": E(lambda: mfx.mask_by_ndim(mfx.muon(), MATRIX_DIMS), ANY, PURITY),
     "muon_polar_express": E(lambda: mfx.muon(ns_coefficients="polar_express", adjust_lr="spectral"), MATRIX, ZERO),
     "muon_polar_express_rms": E(lambda: mfx.muon(ns_coefficients="polar_express", adjust_lr="match_rms_adamw",
                                                  nesterov=False), MATRIX, PURITY),
     "adamw": E(mfx.adamw, ANY, CONFORMANCE, PURITY, EMPTY, DECLARED, STATEFUL, leafwise=True),
     "adamw_no_decay": E(lambda: mfx.adamw(weight_decay=0.0), ANY, ZERO),
-    "adamw_decay": E(lambda: mfx.adamw(weight_decay=0.1), ANY, SPLIT),
+    "adamw_decay": E(lambda: mfx.adamw(weight_decay=0.1), ANY, ADAPTER, SPLIT),
     "muon_adamw": E(lambda: mfx.muon_adamw(weight_decay=0.1), ANY, CONFORMANCE, PURITY, EMPTY, DECLARED, STATEFUL,
                     leafwise=True),
     "muon_adamw_no_decay": E(lambda: mfx.muon_adamw(adamw_weight_decay=0.0), ANY, ZERO),
-    "muon_adamw_float32": E(lambda: mfx.muon_adamw(weight_decay=0.1, ns_dtype=torch.float32), ANY, SPLIT),
+    "muon_adamw_float32": E(lambda: mfx.muon_adamw(weight_decay=0.1, ns_dtype=torch.float32), ANY, ADAPTER, SPLIT),
     "moonlight": E(mfx.moonlight, ANY, CONFORMANCE, DECLARED, leafwise=True),
     "moonlight_eps_before_bias_correction": E(lambda: mfx.moonlight(adamw_eps_before_bias_correction=True), ANY,
                                               DECLARED, leafwise=True),

@@ -67,7 +67,7 @@ def test_sparse_gradient_is_rejected(name):
     grads["embed", "weight"] = torch.randn(10, 4).to_sparse()
     assert grads["embed", "weight"].layout == torch.sparse_coo
     refused(TypeError, r"'embed\.weight'.*sparse", lambda: tx.update(grads, state, params),
-                     grads, state, params)
+              grads, state, params)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -78,7 +78,7 @@ def test_complex_gradient_is_rejected(name):
     grads = grads_like(params)
     grads["layers", "0", "weight"] = torch.randn(8, 4, dtype=torch.complex64)
     refused(TypeError, r"'layers\.0\.weight' is complex", lambda: tx.update(grads, state, params),
-                     grads, state, params)
+              grads, state, params)
 
 
 def test_complex_or_sparse_params_rejected_at_init():
@@ -192,7 +192,7 @@ def test_nan_schedule_in_scale_by_learning_rate():
     for _ in range(2):
         _, state = tx.update(grads, state, params)
     refused(ValueError, r"'lr' is nan at step 2", lambda: tx.update(grads, state, params),
-                     grads, state, params)
+              grads, state, params)
     # a NaN / inf constant lr is refused when the transform is built
     with pytest.raises(ValueError, match="'lr' is nan"):
         mfx.scale_by_learning_rate(float("nan"))
@@ -207,7 +207,7 @@ def test_nan_schedule_in_muon_chain_keeps_state():
     grads = grads_like(params)
     _, state = tx.update(grads, state, params)
     refused(ValueError, r"'lr' is nan at step 1", lambda: tx.update(grads, state, params),
-                     grads, state, params)
+              grads, state, params)
 
 
 def test_nan_schedule_through_inject_hyperparams():
@@ -217,7 +217,7 @@ def test_nan_schedule_through_inject_hyperparams():
     grads = grads_like(params)
     _, state = tx.update(grads, state, params)
     refused(ValueError, r"'weight_decay' is nan at step 1", lambda: tx.update(grads, state, params),
-                     grads, state, params)
+              grads, state, params)
     # a schedule that is NaN from the start fails at init, naming the hyperparameter
     tx = mfx.inject_hyperparams(mfx.muon)(momentum=nan_after(0))
     with pytest.raises(ValueError, match="'momentum' is nan at step 0"):
@@ -234,10 +234,10 @@ def test_bad_value_written_into_injected_state():
     state.hyperparams["lr"] = 1e-3
     state.hyperparams["weight_decay"] = -1.0
     refused(ValueError, "weight_decay must be >= 0", lambda: tx.update(grads, state, params),
-                     grads, state, params)
+              grads, state, params)
     del state.hyperparams["weight_decay"]
     refused(ValueError, r"lacks hyperparameters \['weight_decay'\]",
-                     lambda: tx.update(grads, state, params), grads, state, params)
+              lambda: tx.update(grads, state, params), grads, state, params)
 
 
 # ---------------------------------------------------------------------------
@@ -301,7 +301,7 @@ def test_partition_label_without_transform_at_update():
     grads = grads_like(params)
     grads["layers", "0", "bias"] = torch.full((8,), 1e4)
     refused(ValueError, r"label 'z' for \['layers\.0\.bias'\]", lambda: tx.update(grads, state),
-                     grads, state)
+              grads, state)
 
 
 def test_labels_or_mask_missing_a_key():
@@ -426,7 +426,7 @@ def test_named_chain_and_chain_state_mismatch():
     tx = mfx.chain(mfx.momentum(), mfx.scale(1.0))
     state = tx.init(params)
     refused(ValueError, "state has 1 entries for 2 transforms",
-                     lambda: tx.update(grads, state[:1], params), grads, state)
+              lambda: tx.update(grads, state[:1], params), grads, state)
 
 
 # ===========================================================================

@@ -12,7 +12,7 @@ import muonfx as mfx
 import catalogue
 
 LAWS = {catalogue.CONFORMANCE, catalogue.PURITY, catalogue.ELEMENTWISE, catalogue.ZERO, catalogue.EMPTY,
-        catalogue.DECLARED, catalogue.SPLIT, catalogue.STATEFUL}
+        catalogue.DECLARED, catalogue.SPLIT, catalogue.STATEFUL, catalogue.ADAPTER}
 
 
 def public_builders() -> set[str]:
