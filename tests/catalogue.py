@@ -17,6 +17,8 @@ takes (``ANY`` or ``MATRIX``: 2-D and more), and which shared laws run over it (
 ``STATEFUL``       state of several kinds: compiled by inductor, trains as eager (``test_compile.py``)
 ``ADAPTER``        the adapter's step equals the functional loop, alone and in random chains
                    (``test_step_plan.py``)
+``REFUSES``        a gradient of another shape, dtype or device is refused (``test_bad_input.py``)
+``LAYOUTS``        sparse and complex gradients are refused (``test_bad_input.py``)
 =================  ==========================================================================
 
 A new public transform or preset is one line here (``DEFAULT`` laws: conformance, purity,
@@ -44,6 +46,7 @@ from muonfx.testing import params_and_grads
 ANY, MATRIX = "any", "matrix"
 CONFORMANCE, PURITY, ELEMENTWISE, ZERO, EMPTY = "conformance", "purity", "elementwise", "zero", "empty"
 DECLARED, SPLIT, STATEFUL, ADAPTER = "declared", "split", "stateful", "adapter"
+REFUSES, LAYOUTS = "refuses", "layouts"
 DEFAULT = frozenset({CONFORMANCE, PURITY, DECLARED})
 
 MATRIX_DIMS = {2, 3, 4}
@@ -76,7 +79,7 @@ CATALOGUE: dict[str, Entry] = {
     # core and transforms
     "identity": E(mfx.identity, ANY, CONFORMANCE, PURITY, DECLARED, leafwise=True, check=ZGE),
     "leafwise": E(lambda: mfx.leafwise(mfx.chain(mom(), mfx.scale(-0.1))), ANY, DECLARED, leafwise=True),
-    "momentum": E(mom, ANY, ADAPTER, CONFORMANCE, PURITY, ELEMENTWISE, ZERO, DECLARED, leafwise=True, check=ZGE),
+    "momentum": E(mom, ANY, LAYOUTS, REFUSES, ADAPTER, CONFORMANCE, PURITY, ELEMENTWISE, ZERO, DECLARED, leafwise=True, check=ZGE),
     "momentum_nesterov": E(lambda: mfx.momentum(0.9, nesterov=True), ANY, PURITY),
     "momentum_mu_bf16": E(lambda: mfx.momentum(0.9, mu_dtype=torch.bfloat16), ANY, PURITY),
     "momentum_nesterov_bf16_mu": E(lambda: mfx.momentum(0.9, nesterov=True, mu_dtype=torch.bfloat16), ANY,
@@ -103,7 +106,7 @@ CATALOGUE: dict[str, Entry] = {
     "scale_by_shape_default": E(mfx.scale_by_shape, MATRIX, DECLARED, leafwise=True),
     "scale_by_shape_original": E(lambda: mfx.scale_by_shape("original"), MATRIX, ADAPTER, PURITY, EMPTY),
     "scale_by_shape_rms": E(lambda: mfx.scale_by_shape("match_rms_adamw"), MATRIX, PURITY),
-    "decoupled_decay": E(lambda: mfx.decoupled_decay(0.1), ANY, ADAPTER, CONFORMANCE, PURITY, ELEMENTWISE, DECLARED,
+    "decoupled_decay": E(lambda: mfx.decoupled_decay(0.1), ANY, REFUSES, ADAPTER, CONFORMANCE, PURITY, ELEMENTWISE, DECLARED,
                          leafwise=True),
     "decoupled_decay_mask": E(lambda: mfx.decoupled_decay(0.1, mask=lambda k, t: t.ndim >= 2), ANY, PURITY,
                               DECLARED, leafwise=True),
@@ -128,6 +131,7 @@ CATALOGUE: dict[str, Entry] = {
     # combinators
     "chain": E(lambda: mfx.chain(mfx.momentum(0.9), mfx.decoupled_decay(0.1), mfx.scale_by_learning_rate(0.1)),
                ANY, CONFORMANCE, PURITY, DECLARED, leafwise=True),
+    "chain_clip_adam": E(lambda: mfx.chain(mfx.clip_by_global_norm(1.0), mfx.scale_by_adam()), ANY, LAYOUTS),
     "chain_empty": E(mfx.chain, ANY, DECLARED, leafwise=True),
     "chain_with_clip": E(lambda: mfx.chain(clip(), mom()), ANY, DECLARED, leafwise=False),
     "named_chain": E(lambda: mfx.named_chain(("adam", mfx.scale_by_adam()), ("clip", mfx.clip_by_global_norm(1.0))),
@@ -157,7 +161,7 @@ CATALOGUE: dict[str, Entry] = {
     "blockwise_momentum": E(lambda: mfx.blockwise(mom(), 2), MATRIX, DECLARED, leafwise=True),
     "blockwise_clip": E(lambda: mfx.blockwise(clip(), 2), MATRIX, DECLARED, leafwise=False),
     # wrappers
-    "apply_if_finite": E(lambda: mfx.apply_if_finite(mfx.adamw()), ANY, CONFORMANCE),
+    "apply_if_finite": E(lambda: mfx.apply_if_finite(mfx.adamw()), ANY, CONFORMANCE, LAYOUTS),
     "apply_if_finite_adam": E(lambda: mfx.apply_if_finite(mfx.scale_by_adam()), ANY, ADAPTER),
     "apply_if_finite_momentum": E(lambda: mfx.apply_if_finite(mom()), ANY, PURITY, DECLARED,
                                   leafwise=False),  # one finite check over every leaf
@@ -167,10 +171,12 @@ CATALOGUE: dict[str, Entry] = {
     "accumulate_1": E(lambda: mfx.accumulate(mfx.scale_by_adam(), 1), ANY, PURITY),
     "accumulate_2": E(lambda: mfx.accumulate(mfx.momentum(0.9), 2), ANY, ADAPTER, CONFORMANCE, PURITY, EMPTY, DECLARED,
                       STATEFUL, leafwise=True, covers=("accumulate",)),
+    "accumulate_adamw": E(lambda: mfx.accumulate(mfx.adamw(), 2), ANY, REFUSES, LAYOUTS),
     "accumulate_clip": E(lambda: mfx.accumulate(clip(), 2), ANY, DECLARED, leafwise=False),
     "inject_hyperparams": E(lambda: mfx.inject_hyperparams(mfx.adamw)(lr=schedules.linear(1e-3, 1e-4, 3),
                                                                       weight_decay=0.1),
                             ANY, CONFORMANCE, PURITY, DECLARED, STATEFUL, leafwise=True),
+    "inject_adamw_constant": E(lambda: mfx.inject_hyperparams(mfx.adamw)(lr=1e-3), ANY, LAYOUTS),
     "inject_momentum": E(lambda: mfx.inject_hyperparams(mfx.momentum)(beta=0.9), ANY, PURITY),
     "inject_muon": E(lambda: mfx.inject_hyperparams(mfx.muon)(lr=0.02, momentum=0.9), MATRIX, PURITY),
     "inject_hyperparams_clip": E(lambda: mfx.inject_hyperparams(mfx.clip_by_global_norm)(max_norm=1.0), ANY,
@@ -182,15 +188,17 @@ CATALOGUE: dict[str, Entry] = {
     "muon_no_decay": E(mfx.muon, MATRIX, ZERO),
     "muon_float32": E(lambda: mfx.muon(weight_decay=0.1, ns_dtype=torch.float32), MATRIX, SPLIT),
     "muon_float32_no_decay": E(lambda: mfx.muon(ns_dtype=torch.float32), MATRIX, ADAPTER),
+    "muon_masked_2": E(lambda: mfx.mask_by_ndim(mfx.muon(), 2), ANY, REFUSES),
     "muon_masked": E(lambda: mfx.mask_by_ndim(mfx.muon(), MATRIX_DIMS), ANY, PURITY),
     "muon_polar_express": E(lambda: mfx.muon(ns_coefficients="polar_express", adjust_lr="spectral"), MATRIX, ZERO),
     "muon_polar_express_rms": E(lambda: mfx.muon(ns_coefficients="polar_express", adjust_lr="match_rms_adamw",
                                                  nesterov=False), MATRIX, PURITY),
-    "adamw": E(mfx.adamw, ANY, CONFORMANCE, PURITY, EMPTY, DECLARED, STATEFUL, leafwise=True),
+    "adamw": E(mfx.adamw, ANY, LAYOUTS, REFUSES, CONFORMANCE, PURITY, EMPTY, DECLARED, STATEFUL, leafwise=True),
     "adamw_no_decay": E(lambda: mfx.adamw(weight_decay=0.0), ANY, ZERO),
     "adamw_decay": E(lambda: mfx.adamw(weight_decay=0.1), ANY, ADAPTER, SPLIT),
     "muon_adamw": E(lambda: mfx.muon_adamw(weight_decay=0.1), ANY, CONFORMANCE, PURITY, EMPTY, DECLARED, STATEFUL,
                     leafwise=True),
+    "muon_adamw_default": E(mfx.muon_adamw, ANY, REFUSES, LAYOUTS),
     "muon_adamw_no_decay": E(lambda: mfx.muon_adamw(adamw_weight_decay=0.0), ANY, ZERO),
     "muon_adamw_float32": E(lambda: mfx.muon_adamw(weight_decay=0.1, ns_dtype=torch.float32), ANY, ADAPTER, SPLIT),
     "moonlight": E(mfx.moonlight, ANY, CONFORMANCE, DECLARED, leafwise=True),
@@ -204,7 +212,7 @@ CATALOGUE: dict[str, Entry] = {
                     leafwise=True),
     "modded_nanogpt_normuon": E(lambda: mfx.modded_nanogpt_normuon(weight_decay=0.1), MATRIX, CONFORMANCE,
                                 DECLARED, STATEFUL, leafwise=True),
-    "cautious_decay": E(lambda: mfx.cautious_decay(0.1), ANY, CONFORMANCE, DECLARED, leafwise=True),
+    "cautious_decay": E(lambda: mfx.cautious_decay(0.1), ANY, REFUSES, CONFORMANCE, DECLARED, leafwise=True),
     "cautious_decay_mask": E(lambda: mfx.cautious_decay(0.1, mask=lambda k, t: t.ndim >= 2), ANY, DECLARED,
                              leafwise=True),
     "muon_cautious": E(mfx.muon_cautious, MATRIX, CONFORMANCE, DECLARED, leafwise=True),

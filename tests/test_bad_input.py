@@ -20,6 +20,7 @@ from torch import nn
 
 import muonfx as mfx
 from helpers import backward as _backward, refused, small_model as _model  # noqa: E402
+import catalogue  # noqa: E402
 from muonfx import schedules
 
 # ---------------------------------------------------------------------------
@@ -43,19 +44,8 @@ def grads_like(params, seed=0):
     return params.apply(lambda p: torch.randn(p.shape, generator=gen))
 
 
-OPTIMIZERS = {
-    "muon_adamw": lambda: mfx.muon_adamw(),
-    "adamw": lambda: mfx.adamw(),
-    "momentum": lambda: mfx.momentum(0.9),
-    "clip_then_adam": lambda: mfx.chain(mfx.clip_by_global_norm(1.0), mfx.scale_by_adam()),
-    "accumulate": lambda: mfx.accumulate(mfx.adamw(), 2),
-    "apply_if_finite": lambda: mfx.apply_if_finite(mfx.adamw()),
-    "inject": lambda: mfx.inject_hyperparams(mfx.adamw)(lr=1e-3),
-}
-
-# ---------------------------------------------------------------------------
-# sparse and complex gradients
-# ---------------------------------------------------------------------------
+#: the transforms the sparse and complex refusals run over (tests/catalogue.py)
+OPTIMIZERS = {name: e.build for name, e in catalogue.select(catalogue.LAYOUTS).items()}
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -511,15 +501,8 @@ def test_load_state_dict_checks_every_group_before_changing_any():
 # wrong 2: the functional API refuses other shapes, dtypes and devices
 # ---------------------------------------------------------------------------
 
-FUNCTIONAL = {
-    "momentum": lambda: mfx.momentum(0.9),
-    "adamw": lambda: mfx.adamw(),
-    "muon": lambda: mfx.mask_by_ndim(mfx.muon(), 2),
-    "muon_adamw": lambda: mfx.muon_adamw(),
-    "decoupled_decay": lambda: mfx.decoupled_decay(0.1),
-    "accumulate": lambda: mfx.accumulate(mfx.adamw(), 2),
-    "cautious": lambda: mfx.cautious_decay(0.1),
-}
+#: the transforms the shape, dtype and device refusals run over (tests/catalogue.py)
+FUNCTIONAL = {name: e.build for name, e in catalogue.select(catalogue.REFUSES).items()}
 
 
 @pytest.mark.parametrize("name", list(FUNCTIONAL))
@@ -550,7 +533,7 @@ def test_apply_updates_does_not_broadcast():
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
-@pytest.mark.parametrize("name", ["momentum", "adamw", "muon", "muon_adamw"])
+@pytest.mark.parametrize("name", ["momentum", "adamw", "muon_masked_2", "muon_adamw_default"])
 def test_integer_and_bool_gradients_are_refused(name, dtype):
     params = _params()
     tx = FUNCTIONAL[name]()
@@ -570,7 +553,7 @@ def test_integer_and_complex_updates_are_refused_by_apply_updates():
         refused(TypeError, rf"updates leaf 'w' {match}", lambda: mfx.apply_updates(params, updates), params, updates)
 
 
-@pytest.mark.parametrize("name", ["momentum", "adamw", "muon", "muon_adamw"])
+@pytest.mark.parametrize("name", ["momentum", "adamw", "muon_masked_2", "muon_adamw_default"])
 def test_meta_gradients_are_refused(name):
     params = _params()
     tx = FUNCTIONAL[name]()

@@ -12,7 +12,8 @@ import muonfx as mfx
 import catalogue
 
 LAWS = {catalogue.CONFORMANCE, catalogue.PURITY, catalogue.ELEMENTWISE, catalogue.ZERO, catalogue.EMPTY,
-        catalogue.DECLARED, catalogue.SPLIT, catalogue.STATEFUL, catalogue.ADAPTER}
+        catalogue.DECLARED, catalogue.SPLIT, catalogue.STATEFUL, catalogue.ADAPTER,
+        catalogue.REFUSES, catalogue.LAYOUTS}
 
 
 def public_builders() -> set[str]:
