@@ -18,8 +18,8 @@ __version__ = "0.1.0"
 
 #: public name -> the module that defines it
 _EXPORTS = {
-    **dict.fromkeys(["EmptyState", "GradientTransformation", "apply_updates", "identity", "is_leafwise", "leafwise"],
-                    ".core"),
+    **dict.fromkeys(["EmptyState", "GradientTransformation", "MatrixView", "apply_updates", "identity", "is_leafwise",
+                     "leafwise"], ".core"),
     **dict.fromkeys(["MaskedState", "PartitionState", "blockwise", "chain", "mask_by_ndim", "masked", "named_chain",
                      "partition"], ".combine"),
         "FSDPMuonOptimizer": ".optim.fsdp_optimizer",
@@ -69,7 +69,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from . import linalg, schedules, seam
     from .combine import (MaskedState, PartitionState, blockwise, chain, mask_by_ndim, masked, named_chain,
                           partition)
-    from .core import EmptyState, GradientTransformation, apply_updates, identity, is_leafwise, leafwise
+    from .core import EmptyState, GradientTransformation, MatrixView, apply_updates, identity, is_leafwise, leafwise
     from .optim import TransformOptimizer, lr_multiplier
     from .optim.fsdp_optimizer import FSDPMuonOptimizer
     from .optim.muon_optimizer import MuonOptimizer, create_hybrid_optimizer

@@ -362,6 +362,7 @@ def blockwise(inner: GradientTransformation, split_sizes: SplitSizes, dim: int =
         >>> torch.allclose(out["qkv"], 0.4 * g["qkv"])
         True
     """
+    from .core.view import batched_matrix
     from .transforms._matrix import matrix_dims  # (muonfx.transforms imports this module)
 
     _check_split(split_sizes, "blockwise")
@@ -373,7 +374,7 @@ def blockwise(inner: GradientTransformation, split_sizes: SplitSizes, dim: int =
         block_keys, blocks, counts = [], [], []
         for k, t in zip(keys, tensors):
             matrix_dims(k, t, "blockwise")  # validates ndim >= 2
-            view = t if t.ndim <= 3 else t.flatten(1)
+            view = batched_matrix(t)  # the default matrix view (muonfx.core.view)
             axis = view.ndim - 2 + row_or_col
             sizes = _block_sizes(k, view.shape[axis], split_sizes, ("rows", "columns")[row_or_col],
                                  "blockwise")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
 from tensordict import TensorDictBase
@@ -83,3 +86,55 @@ def resumed(model, opt, fresh, make_opt):
     new = make_opt(fresh)
     new.load_state_dict(saved["opt"])
     return new
+
+
+# -- refusals: an error that names the culprit, and nothing changed --------
+
+
+def snapshot(*objs):
+    """A copy of every tensor and number of each state tree in ``objs`` (see :func:`flatten_state`)."""
+    return [[(p, v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for p, v in flatten_state(o)]
+            for o in objs]
+
+
+def assert_unchanged(snap, *objs):
+    """``objs`` hold what :func:`snapshot` saw, bit for bit (NaNs where NaNs were; meta
+    tensors by shape and dtype)."""
+    now = snapshot(*objs)
+    assert len(now) == len(snap)
+    for before, after in zip(snap, now):
+        assert [p for p, _ in before] == [p for p, _ in after]
+        for (path, b), (_, a) in zip(before, after):
+            if isinstance(b, torch.Tensor):
+                assert isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, f"{path} changed"
+                if b.is_meta:
+                    continue
+                if b.layout != torch.strided:
+                    a, b = a.to_dense(), b.to_dense()
+                a, b = (torch.view_as_real(t) if t.is_complex() else t for t in (a, b))
+                assert torch.equal(a, b) or bool(torch.isnan(a).any() and torch.allclose(
+                    a, b, equal_nan=True, rtol=0, atol=0)), f"{path} changed"
+            else:
+                assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)), f"{path} changed"
+
+
+def refused(exc, match, fn, *inputs):
+    """``fn()`` raises ``exc`` whose message matches ``match``; ``inputs`` are unchanged."""
+    snap = snapshot(*inputs)
+    with pytest.raises(exc, match=match):
+        fn()
+    assert_unchanged(snap, *inputs)
+
+
+def small_model(seed=0):
+    """A two-layer ``nn.Sequential`` (4 -> 8 -> 3), seeded."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 3))
+
+
+def backward(model, seed):
+    """Gradients of a seeded batch on ``model`` (``small_model``), set afresh."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 4, generator=gen)
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()

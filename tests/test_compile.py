@@ -12,6 +12,7 @@ from tensordict import TensorDict
 
 import muonfx as mfx
 from helpers import sweep  # noqa: E402
+import catalogue  # noqa: E402
 
 CASES = {
     "adamw": (mfx.adamw, dict(lr=1e-3, weight_decay=0.01)),
@@ -506,8 +507,7 @@ def _train_public(build, backend, steps):
 
 #: public transforms with state of more than one kind (or per-block, per-group, injected):
 #: where a write-back or fusion bug of the compiler shows
-STATEFUL = ["accumulate_2", "adamw", "blockwise_stateful", "inject_hyperparams", "modded_nanogpt_normuon",
-            "momentum_nesterov_bf16_mu", "muon_adamw", "normuon", "partition", "scale_by_adam"]
+STATEFUL = sorted(catalogue.select(catalogue.STATEFUL))
 
 
 @pytest.mark.parametrize("name", sweep(STATEFUL, keep={"scale_by_adam"}))
@@ -624,9 +624,7 @@ def test_only_errors_raised_while_compiling_count_as_the_compilers():
 
 
 def _public_transforms():
-    from test_conformance import PUBLIC
-
-    return PUBLIC
+    return {name: (e.kind, e.build, e.check) for name, e in catalogue.select(catalogue.CONFORMANCE).items()}
 
 
 @pytest.mark.parametrize("name", sweep(sorted(_public_transforms()), keep={"muon"}))

@@ -19,6 +19,8 @@ from muonfx.testing import LAWS, OPT_IN_LAWS, ConformanceError, check_transform,
 
 FAST = dict(max_examples=5, derandomize=True)
 
+import catalogue  # noqa: E402
+
 
 from helpers import one_intra_op_thread  # noqa: E402,F401  (autouse: one thread in this module)
 
@@ -27,68 +29,12 @@ from helpers import one_intra_op_thread  # noqa: E402,F401  (autouse: one thread
 # (a) every public transform, combinator, wrapper, preset and recipe conforms
 # ---------------------------------------------------------------------------
 
-ANY, MATRIX = "any", "matrix"
+ANY, MATRIX = catalogue.ANY, catalogue.MATRIX
 
-MATRICES_2D_3D = dict(params=params_and_grads(min_ndim=2, max_ndim=3))
-
-# name -> (leaves it takes, builder, extra check_transform options)
+# name -> (leaves it takes, builder, extra check_transform options): the catalogue's
+# conformance entries (tests/catalogue.py)
 PUBLIC: dict[str, tuple[str, Callable[[], mfx.GradientTransformation], dict[str, Any]]] = {
-    # core and transforms
-    "identity": (ANY, mfx.identity, dict(zero_grad_exact=True)),
-    "momentum": (ANY, lambda: mfx.momentum(0.9), dict(zero_grad_exact=True)),
-    "momentum_nesterov_bf16_mu": (ANY, lambda: mfx.momentum(0.9, nesterov=True, mu_dtype=torch.bfloat16), {}),
-    "nesterov": (ANY, lambda: mfx.nesterov(0.95), dict(zero_grad_exact=True)),
-    "newton_schulz": (MATRIX, mfx.newton_schulz, dict(zero_grad_exact=True)),
-    "newton_schulz_polar_express_gram": (
-        MATRIX, lambda: mfx.newton_schulz(coefficients="polar_express", method="auto"), {}),
-    "row_normalize": (MATRIX, lambda: mfx.chain(mfx.newton_schulz(), mfx.row_normalize(0.95)), {}),
-    "scale_by_shape": (MATRIX, lambda: mfx.scale_by_shape("spectral"), dict(zero_grad_exact=True)),
-    "decoupled_decay": (ANY, lambda: mfx.decoupled_decay(0.1), {}),
-    "scale": (ANY, lambda: mfx.scale(-0.5), dict(zero_grad_exact=True)),
-    "scale_by_learning_rate": (ANY, lambda: mfx.scale_by_learning_rate(0.1), {}),
-    "scale_by_learning_rate_schedule": (
-        ANY, lambda: mfx.scale_by_learning_rate(schedules.warmup_cosine_decay(0.0, 1.0, 1, 4)), {}),
-    "scale_by_adam": (ANY, mfx.scale_by_adam, dict(zero_grad_exact=True)),
-    "scale_by_adam_amsgrad": (ANY, lambda: mfx.scale_by_adam(amsgrad=True, maximize=True), dict(zero_grad_exact=True)),
-    "clip_by_global_norm": (ANY, lambda: mfx.clip_by_global_norm(0.5), dict(zero_grad_exact=True)),
-    # combinators
-    "chain": (ANY, lambda: mfx.chain(mfx.momentum(0.9), mfx.decoupled_decay(0.1),
-                                     mfx.scale_by_learning_rate(0.1)), {}),
-    "named_chain": (ANY, lambda: mfx.named_chain(("adam", mfx.scale_by_adam()),
-                                                 ("clip", mfx.clip_by_global_norm(1.0))), {}),
-    "masked": (ANY, lambda: mfx.masked(mfx.scale_by_adam(), lambda k, t: t.ndim % 2 == 0), {}),
-    "mask_by_ndim": (ANY, lambda: mfx.mask_by_ndim(mfx.muon(), {2, 3, 4}), {}),
-    "partition": (ANY, lambda: mfx.partition(
-        {"m": mfx.momentum(0.9), "a": mfx.scale_by_adam(), "c": mfx.clip_by_global_norm(1.0)},
-        lambda k, t: "mac"[t.ndim % 3]), {}),
-    # wrappers
-    "apply_if_finite": (ANY, lambda: mfx.apply_if_finite(mfx.adamw()), {}),
-    "accumulate_2": (ANY, lambda: mfx.accumulate(mfx.momentum(0.9), 2), {}),
-    "inject_hyperparams": (ANY, lambda: mfx.inject_hyperparams(mfx.adamw)(
-        lr=schedules.linear(1e-3, 1e-4, 3), weight_decay=0.1), {}),
-    # presets
-    "muon": (MATRIX, lambda: mfx.muon(weight_decay=0.1), {}),
-    "adamw": (ANY, mfx.adamw, {}),
-    "muon_adamw": (ANY, lambda: mfx.muon_adamw(weight_decay=0.1), {}),
-    # recipes
-    "moonlight": (ANY, mfx.moonlight, {}),
-    "normuon": (MATRIX, mfx.normuon, {}),
-    # bias_corrected_momentum and scale_by_adam(nesterov=True) run inside optax_muon,
-    # row_normalize(axis="larger") inside modded_nanogpt_normuon
-    "optax_muon": (ANY, lambda: mfx.optax_muon(weight_decay=0.1, adam_weight_decay=0.1), {}),
-    "modded_nanogpt_normuon": (MATRIX, lambda: mfx.modded_nanogpt_normuon(weight_decay=0.1), {}),
-    "cautious_decay": (ANY, lambda: mfx.cautious_decay(0.1), {}),
-    "muon_cautious": (MATRIX, mfx.muon_cautious, {}),
-    "momentum_warmup": (ANY, lambda: mfx.scale_by_learning_rate(mfx.momentum_warmup(steps=3)), {}),
-    "muon_with_momentum_warmup": (MATRIX, lambda: mfx.muon_with_momentum_warmup(warmup_steps=3), {}),
-    # 2-D and 3-D only: see test_blockwise_on_4d_leaves below
-    "blockwise": (MATRIX, lambda: mfx.blockwise(mfx.scale_by_shape("match_rms_adamw"), 1), MATRICES_2D_3D),
-    # state kept per block (keyed under the parameter's key): the checkpoint law saves it
-    "blockwise_stateful": (MATRIX, lambda: mfx.blockwise(mfx.chain(mfx.scale_by_adam(), mfx.momentum(0.9)), 1),
-                           MATRICES_2D_3D),
-    "split_newton_schulz": (MATRIX, lambda: mfx.split_newton_schulz(1, dim=1), MATRICES_2D_3D),
-    "muon_per_head": (MATRIX, lambda: mfx.muon_per_head(1, qkv_pattern=r"^[a-m]"), MATRICES_2D_3D),
-}
+    name: (e.kind, e.build, e.check) for name, e in catalogue.select(catalogue.CONFORMANCE).items()}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLIC))

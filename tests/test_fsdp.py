@@ -472,9 +472,9 @@ def test_describe_shows_batch_and_matrix_dims():
                   ("fused.w", torch.zeros(16, 256)), ("ln.weight", torch.zeros(16)),
                   ("lm_head.weight", torch.zeros(11, 16))])
     rows = {r["parameter"]: r for r in d.rows}
-    assert rows["moe.experts"]["matrix view"] == "batch dim 0 (8) of 16x32 matrices (dims 1, 2)"
-    assert rows["conv.weight"]["matrix view"] == "one 4x12 matrix (dim 0 x dims 1-3 flattened)"
-    assert rows["fused.w"]["matrix view"] == "one 16x256 matrix (dims 0, 1)"
+    assert rows["moe.experts"]["matrix view"] == "batch dim 0 (8) of 16x32 matrices (dims 1 x 2)"
+    assert rows["conv.weight"]["matrix view"] == "4x12 matrix (dims 0 x 1*2*3)"
+    assert rows["fused.w"]["matrix view"] == "16x256 matrix (dims 0 x 1)"
     assert rows["ln.weight"]["route"] == rows["lm_head.weight"]["route"] == "adamw"
     text = str(d)
     assert "moe.experts" in text and "batch dim 0 (8)" in text

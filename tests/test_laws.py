@@ -10,7 +10,6 @@ Strategies come from the public :mod:`muonfx.testing` module.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import pytest
@@ -24,6 +23,8 @@ from muonfx import schedules
 from muonfx.core import key_str
 from muonfx.linalg import resolve
 from muonfx.testing import matrices, param_tensordicts, params_and_grads, shapes
+
+import catalogue
 
 STEPS = 3
 
@@ -136,74 +137,20 @@ def assert_same_outputs(tx1, tx2, params, grads):
         assert_tree_equal(o1, o2, f"step {i}")
 
 
-MATRIX_DIMS = {2, 3, 4}
+MATRIX_DIMS = catalogue.MATRIX_DIMS
 
 # transforms usable on any leaf (0-D .. 4-D); all elementwise or global reductions
 ELEMENTWISE: dict[str, Callable[[], mfx.GradientTransformation]] = {
-    "momentum": lambda: mfx.momentum(0.9),
-    "nesterov": lambda: mfx.nesterov(0.8),
-    "adam": lambda: mfx.scale_by_adam(),
-    "clip": lambda: mfx.clip_by_global_norm(0.5),
-    "scale": lambda: mfx.scale(-2.0),
-    "decay": lambda: mfx.decoupled_decay(0.1),
-    "lr_schedule": lambda: mfx.scale_by_learning_rate(schedules.linear(1.0, 0.25, 2)),
-    "ns_masked": lambda: mfx.mask_by_ndim(mfx.newton_schulz(), MATRIX_DIMS),
-}
+    name: e.build for name, e in catalogue.select(catalogue.ELEMENTWISE).items()}
 
 # ---------------------------------------------------------------------------
 # purity: update never mutates updates, state or params, and is deterministic
 # ---------------------------------------------------------------------------
 
-ANY, MATRIX = "any", "matrix"
+ANY, MATRIX = catalogue.ANY, catalogue.MATRIX
 
 PURITY_CASES: dict[str, tuple[str, Callable[[], mfx.GradientTransformation]]] = {
-    "identity": (ANY, lambda: mfx.identity()),
-    "momentum": (ANY, lambda: mfx.momentum(0.9)),
-    "momentum_nesterov": (ANY, lambda: mfx.momentum(0.9, nesterov=True)),
-    "momentum_mu_bf16": (ANY, lambda: mfx.momentum(0.9, mu_dtype=torch.bfloat16)),
-    "nesterov": (ANY, lambda: mfx.nesterov(0.95)),
-    "newton_schulz": (MATRIX, lambda: mfx.newton_schulz()),
-    "newton_schulz_polar_express": (MATRIX, lambda: mfx.newton_schulz(coefficients="polar_express")),
-    "scale_by_shape_original": (MATRIX, lambda: mfx.scale_by_shape("original")),
-    "scale_by_shape_rms": (MATRIX, lambda: mfx.scale_by_shape("match_rms_adamw")),
-    "scale_by_shape_spectral": (MATRIX, lambda: mfx.scale_by_shape("spectral")),
-    "decoupled_decay": (ANY, lambda: mfx.decoupled_decay(0.1)),
-    "decoupled_decay_masked": (ANY, lambda: mfx.decoupled_decay(0.1, mask=lambda k, t: t.ndim >= 2)),
-    "scale": (ANY, lambda: mfx.scale(0.5)),
-    "scale_by_learning_rate": (ANY, lambda: mfx.scale_by_learning_rate(0.1)),
-    "scale_by_learning_rate_schedule": (
-        ANY, lambda: mfx.scale_by_learning_rate(schedules.warmup_cosine_decay(0.0, 1.0, 1, 4))),
-    "scale_by_adam": (ANY, lambda: mfx.scale_by_adam()),
-    "scale_by_adam_mu_f32": (ANY, lambda: mfx.scale_by_adam(mu_dtype=torch.float32)),
-    "scale_by_adam_amsgrad_maximize": (ANY, lambda: mfx.scale_by_adam(amsgrad=True, maximize=True)),
-    "scale_by_adam_amsgrad_mu_f32": (ANY, lambda: mfx.scale_by_adam(mu_dtype=torch.float32, amsgrad=True)),
-    "clip_by_global_norm": (ANY, lambda: mfx.clip_by_global_norm(0.5)),
-    "masked": (ANY, lambda: mfx.masked(mfx.scale_by_adam(), lambda k, t: t.ndim % 2 == 0)),
-    "mask_by_ndim": (ANY, lambda: mfx.mask_by_ndim(mfx.newton_schulz(), MATRIX_DIMS)),
-    "partition": (ANY, lambda: mfx.partition(
-        {"m": mfx.momentum(0.9), "a": mfx.scale_by_adam(), "c": mfx.clip_by_global_norm(1.0)},
-        lambda k, t: "mac"[t.ndim % 3])),
-    "apply_if_finite": (ANY, lambda: mfx.apply_if_finite(mfx.momentum(0.9))),
-    # inner updates are all inf: step 0 takes the skip branch, step 1 (2 > 1 consecutive) lets it through
-    "apply_if_finite_skip": (ANY, lambda: mfx.apply_if_finite(
-        mfx.chain(mfx.momentum(0.9), mfx.scale(math.inf)), max_consecutive_errors=1)),
-    "accumulate_1": (ANY, lambda: mfx.accumulate(mfx.scale_by_adam(), 1)),
-    "accumulate_2": (ANY, lambda: mfx.accumulate(mfx.momentum(0.9), 2)),
-    "inject_momentum": (ANY, lambda: mfx.inject_hyperparams(mfx.momentum)(beta=0.9)),
-    "inject_adamw": (ANY, lambda: mfx.inject_hyperparams(mfx.adamw)(
-        lr=schedules.linear(1e-3, 1e-4, 3), weight_decay=0.1)),
-    "inject_muon": (MATRIX, lambda: mfx.inject_hyperparams(mfx.muon)(lr=0.02, momentum=0.9)),
-    "chain": (ANY, lambda: mfx.chain(mfx.momentum(0.9), mfx.decoupled_decay(0.1),
-                                     mfx.scale_by_learning_rate(0.1))),
-    "named_chain": (ANY, lambda: mfx.named_chain(("adam", mfx.scale_by_adam()),
-                                                 ("clip", mfx.clip_by_global_norm(1.0)))),
-    "muon": (MATRIX, lambda: mfx.muon(weight_decay=0.1)),
-    "muon_polar_express_rms": (MATRIX, lambda: mfx.muon(
-        ns_coefficients="polar_express", adjust_lr="match_rms_adamw", nesterov=False)),
-    "muon_masked": (ANY, lambda: mfx.mask_by_ndim(mfx.muon(), MATRIX_DIMS)),
-    "adamw": (ANY, lambda: mfx.adamw()),
-    "muon_adamw": (ANY, lambda: mfx.muon_adamw(weight_decay=0.1)),
-}
+    name: (e.kind, e.build) for name, e in catalogue.select(catalogue.PURITY).items()}
 
 
 @pytest.mark.parametrize("name", sorted(PURITY_CASES))
@@ -488,17 +435,7 @@ def test_newton_schulz_matrices_are_independent(n, data):
 # ---------------------------------------------------------------------------
 
 ZERO_CASES: dict[str, tuple[str, Callable[[], mfx.GradientTransformation]]] = {
-    "muon": (MATRIX, lambda: mfx.muon()),
-    "muon_polar_express": (MATRIX, lambda: mfx.muon(ns_coefficients="polar_express", adjust_lr="spectral")),
-    "adamw": (ANY, lambda: mfx.adamw(weight_decay=0.0)),
-    "muon_adamw": (ANY, lambda: mfx.muon_adamw(adamw_weight_decay=0.0)),
-    "newton_schulz": (MATRIX, lambda: mfx.newton_schulz()),
-    "clip_by_global_norm": (ANY, lambda: mfx.clip_by_global_norm(1.0)),
-    "scale_by_adam": (ANY, lambda: mfx.scale_by_adam()),
-    "adamw_amsgrad_maximize": (ANY, lambda: mfx.adamw(weight_decay=0.0, amsgrad=True, maximize=True)),
-    "momentum": (ANY, lambda: mfx.momentum(0.9)),
-    "nesterov": (ANY, lambda: mfx.nesterov(0.9)),
-}
+    name: (e.kind, e.build) for name, e in catalogue.select(catalogue.ZERO).items()}
 
 
 @pytest.mark.parametrize("name", sorted(ZERO_CASES))
@@ -516,17 +453,17 @@ def test_zero_gradient_gives_zero_update(name, data):
             assert (v == 0).all(), f"step {i} [{k}]: nonzero update for a zero gradient"
 
 
-EMPTY_CASES = ["muon", "muon_adamw", "adamw", "newton_schulz", "scale_by_shape_original",
-               "scale_by_shape_spectral", "clip_by_global_norm", "partition", "accumulate_2"]
+EMPTY_CASES: dict[str, tuple[str, Callable[[], mfx.GradientTransformation]]] = {
+    name: (e.kind, e.build) for name, e in catalogue.select(catalogue.EMPTY).items()}
 
 
-@pytest.mark.parametrize("name", EMPTY_CASES)
+@pytest.mark.parametrize("name", sorted(EMPTY_CASES))
 @settings(max_examples=max(5, settings.default.max_examples // 2))
 @given(data=st.data())
 def test_empty_leaves_pass_through(name, data):
     """Leaves with a zero-sized side (e.g. ``nn.Linear(0, n)``) are legal: every transform
     keeps their shape and dtype, and the other leaves stay finite."""
-    kind, factory = PURITY_CASES[name]
+    kind, factory = EMPTY_CASES[name]
     shape_st = shapes(2 if kind == MATRIX else 0, 4, max_side=3, min_side=0)
     params, grads = data.draw(params_and_grads(shapes=shape_st))
     tx = factory()

@@ -17,10 +17,8 @@ import torch
 from tensordict import TensorDict
 
 import muonfx as mfx
-from muonfx import schedules
 from muonfx.core import Key, build
 from muonfx.testing.compare import tree_diff as _tree_diff
-from muonfx.optim.groups import lr_multiplier
 from muonfx.tree import merge, restrict
 from muonfx.testing import ConformanceError, check_transform, params_and_grads
 
@@ -28,72 +26,16 @@ FAST = dict(max_examples=5, derandomize=True)
 
 
 from helpers import one_intra_op_thread  # noqa: E402,F401  (autouse: one thread in this module)
+import catalogue  # noqa: E402
 
 
 # ---------------------------------------------------------------------------
 # who is declared
 # ---------------------------------------------------------------------------
 
-clip = lambda: mfx.clip_by_global_norm(1.0)  # noqa: E731  the one global transform
-mom = lambda: mfx.momentum(0.9)  # noqa: E731
-
-# name -> (builder, declared leafwise?)
+# name -> (builder, declared leafwise?): the catalogue's entries with a declaration
 DECLARED: dict[str, tuple[Callable[[], mfx.GradientTransformation], bool]] = {
-    # transforms
-    "identity": (mfx.identity, True),
-    "momentum": (mom, True),
-    "nesterov": (mfx.nesterov, True),
-    "bias_corrected_momentum": (mfx.bias_corrected_momentum, True),
-    "newton_schulz": (mfx.newton_schulz, True),
-    "row_normalize": (mfx.row_normalize, True),
-    "scale": (lambda: mfx.scale(2.0), True),
-    "scale_by_learning_rate": (lambda: mfx.scale_by_learning_rate(0.1), True),
-    "scale_by_learning_rate_schedule": (lambda: mfx.scale_by_learning_rate(schedules.linear(1.0, 0.0, 3)), True),
-    "scale_by_shape": (mfx.scale_by_shape, True),
-    "decoupled_decay": (lambda: mfx.decoupled_decay(0.1), True),
-    "decoupled_decay_mask": (lambda: mfx.decoupled_decay(0.1, mask=lambda k, t: t.ndim >= 2), True),
-    "scale_by_adam": (mfx.scale_by_adam, True),
-    "clip_by_global_norm": (clip, False),  # one norm over every leaf
-    # combinators
-    "chain": (lambda: mfx.chain(mom(), mfx.scale(-0.1)), True),
-    "chain_empty": (mfx.chain, True),
-    "chain_with_clip": (lambda: mfx.chain(clip(), mom()), False),
-    "named_chain": (lambda: mfx.named_chain(("m", mom()), ("lr", mfx.scale(-0.1))), True),
-    "named_chain_with_clip": (lambda: mfx.named_chain(("m", mom()), ("clip", clip())), False),
-    "masked": (lambda: mfx.masked(mom(), lambda k, t: t.ndim == 2), True),
-    "masked_clip": (lambda: mfx.masked(clip(), lambda k, t: t.ndim == 2), False),
-    "mask_by_ndim": (lambda: mfx.mask_by_ndim(mfx.newton_schulz(), {2, 3}), True),
-    "mask_by_ndim_clip": (lambda: mfx.mask_by_ndim(clip(), 2), False),
-    "partition": (lambda: mfx.partition({"a": mom(), "b": mfx.scale_by_adam()}, lambda k, t: "a"), True),
-    "partition_with_clip": (lambda: mfx.partition({"a": mom(), "b": clip()}, lambda k, t: "a"), False),
-    # wrappers
-    "accumulate": (lambda: mfx.accumulate(mom(), 2), True),
-    "accumulate_clip": (lambda: mfx.accumulate(clip(), 2), False),
-    "inject_hyperparams": (lambda: mfx.inject_hyperparams(mfx.adamw)(lr=schedules.linear(1e-3, 0.0, 5)), True),
-    "inject_hyperparams_clip": (lambda: mfx.inject_hyperparams(mfx.clip_by_global_norm)(max_norm=1.0), False),
-    "apply_if_finite": (lambda: mfx.apply_if_finite(mom()), False),  # one finite check over every leaf
-    "lr_multiplier": (lambda: lr_multiplier(mfx.muon())(lr=0.5), True),
-    "lr_multiplier_clip": (lambda: lr_multiplier(clip())(lr=0.5), False),
-    # presets
-    "muon": (mfx.muon, True),
-    "adamw": (mfx.adamw, True),
-    "muon_adamw": (mfx.muon_adamw, True),
-    # recipes
-    "moonlight": (mfx.moonlight, True),
-    "moonlight_eps_before_bias_correction": (lambda: mfx.moonlight(adamw_eps_before_bias_correction=True), True),
-    "normuon": (mfx.normuon, True),
-    "cautious_decay": (lambda: mfx.cautious_decay(0.1), True),
-    "cautious_decay_mask": (lambda: mfx.cautious_decay(0.1, mask=lambda k, t: t.ndim >= 2), True),
-    "muon_cautious": (mfx.muon_cautious, True),
-    "muon_with_momentum_warmup": (mfx.muon_with_momentum_warmup, True),
-    "blockwise": (lambda: mfx.blockwise(mom(), 2), True),
-    "blockwise_clip": (lambda: mfx.blockwise(clip(), 2), False),
-    "split_newton_schulz": (lambda: mfx.split_newton_schulz(2), True),
-    "muon_per_head": (lambda: mfx.muon_per_head(2), True),
-    "optax_muon": (mfx.optax_muon, True),
-    "modded_nanogpt_normuon": (mfx.modded_nanogpt_normuon, True),
-    "fsdp_muon": (lambda: mfx.presets.fsdp_muon(gradient_accumulation_steps=2), True),
-}
+    name: (e.build, e.leafwise) for name, e in catalogue.select(catalogue.DECLARED).items()}
 
 
 @pytest.mark.parametrize("name", sorted(DECLARED))
@@ -129,11 +71,7 @@ def _sub(td: TensorDict, ks: list[Key]) -> TensorDict:
 
 PRESETS: dict[str, tuple[Callable[[], mfx.GradientTransformation], bool]] = {
     # name -> (builder, matrices only)
-    "muon": (lambda: mfx.muon(weight_decay=0.1, ns_dtype=torch.float32), True),
-    "adamw": (lambda: mfx.adamw(weight_decay=0.1), False),
-    "muon_adamw": (lambda: mfx.muon_adamw(weight_decay=0.1, ns_dtype=torch.float32), False),
-    "normuon": (lambda: mfx.normuon(weight_decay=0.1, ns_dtype=torch.float32), True),
-}
+    name: (e.build, e.kind == catalogue.MATRIX) for name, e in catalogue.select(catalogue.SPLIT).items()}
 
 
 def _split_vs_whole(tx: mfx.GradientTransformation, params: TensorDict, steps: int = 3) -> float:

@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..core import Dims, MatrixView, view_of
 from ..linalg.batching import batch_bytes
 from .layout import largest, lifted, stack_layout
 from .plan import ExchangePlan, plan_exchange
@@ -33,35 +34,23 @@ class Description:
         return "\n".join(out + self.notes)
 
 
-def matrix_view(shape: tuple[int, ...]) -> tuple[str, tuple[int, int, int]]:
-    """How matrix transforms read a tensor of ``shape`` (:mod:`muonfx.transforms._matrix`):
-    a description and the ``[k, m, n]`` stack shape."""
-    if len(shape) == 2:
-        return f"one {shape[0]}x{shape[1]} matrix (dims 0, 1)", (1, shape[0], shape[1])
-    if len(shape) == 3:
-        return f"batch dim 0 ({shape[0]}) of {shape[1]}x{shape[2]} matrices (dims 1, 2)", tuple(shape)  # type: ignore
-    rest = 1
-    for s in shape[1:]:
-        rest *= s
-    return (f"one {shape[0]}x{rest} matrix (dim 0 x dims 1-{len(shape) - 1} flattened)", (1, shape[0], rest))
-
-
-def _stack_placements(t: torch.Tensor, ndim: int) -> list:
-    """``t``'s placements on its ``[k, m, n]`` view (dims shift by one for 2-D; a 4-D+
-    tensor's cut of dim 0 becomes the rows')."""
+def _stack_placements(t: torch.Tensor, view: MatrixView) -> list:
+    """``t``'s placements on its ``[k, m, n]`` stack by ``view``: a cut of a dim that is
+    the batch, the rows or the columns alone becomes a cut of stack dim 0, 1 or 2; a cut of
+    a dim flattened with others is ``None`` (the view needs a redistribution)."""
     from .layout import placement_key
 
+    batch, rows, cols = view.split(t.ndim)
+    where = {side[0]: i for i, side in enumerate((batch, rows, cols)) if len(side) == 1}
     out = []
     for pl in t.placements:
         key = placement_key(pl)
         if key[0] == "R":
             out.append(key)
-        elif ndim == 3:
-            out.append(key)
-        elif ndim == 2 or key[1] == 0:
-            out.append((key[0], key[1] + 1, *key[2:]))
+        elif key[1] in where:
+            out.append((key[0], where[key[1]], *key[2:]))
         else:
-            out.append(None)  # a cut of a flattened dim: the view needs a redistribution
+            out.append(None)
     return out
 
 
@@ -83,7 +72,7 @@ def _named(source: Any) -> list[tuple[str, torch.Tensor]]:
 
 def describe(source: torch.optim.Optimizer | torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
              labels: Callable[[str, torch.Tensor], str] | None = None,
-             dtype: torch.dtype = torch.bfloat16) -> Description:
+             dtype: torch.dtype = torch.bfloat16, dims: Dims = None) -> Description:
     """Per parameter: its placements, its route, how matrix transforms read it (which dims
     are the batch, which the matrix) and where its Newton-Schulz runs, with the bytes the
     exchange sends for it per step over all ranks. Pure: no communication, so it can run
@@ -95,7 +84,9 @@ def describe(source: torch.optim.Optimizer | torch.nn.Module | Iterable[tuple[st
     ``dtype`` is the exchange's (Newton-Schulz's compute dtype where it is narrower than
     the gradients': bf16 by default on GPUs); bytes scale with its size.
     The owners are those of one exchange over every matrix routed to Muon (the step's
-    own plan when one group holds them all). Print the result for a table.
+    own plan when one group holds them all). ``dims`` overrides the matrix views as
+    :func:`muonfx.newton_schulz`'s does (:class:`muonfx.MatrixView`). Print the result
+    for a table.
 
     Example::
 
@@ -104,7 +95,7 @@ def describe(source: torch.optim.Optimizer | torch.nn.Module | Iterable[tuple[st
         >>> experts = torch.nn.Parameter(torch.zeros(8, 16, 32))      # [E, m, n]
         >>> d = describe([("moe.experts", experts), ("moe.router", torch.zeros(8, 16))])
         >>> d.rows[0]["matrix view"]
-        'batch dim 0 (8) of 16x32 matrices (dims 1, 2)'
+        'batch dim 0 (8) of 16x32 matrices (dims 1 x 2)'
     """
     from ..presets import default_muon_labels
 
@@ -138,13 +129,14 @@ def describe(source: torch.optim.Optimizer | torch.nn.Module | Iterable[tuple[st
             row["Newton-Schulz"] = "none (elementwise on local shards)" if is_dt else "none"
             rows.append(row)
             continue
-        view, stack_shape = matrix_view(tuple(p.shape))
-        row["matrix view"] = view
+        view = view_of(dims, name, p)
+        row["matrix view"] = view.describe(tuple(p.shape))
+        stack_shape = view.shape(tuple(p.shape))
         if not is_dt:
             row["Newton-Schulz"] = "on every rank that holds it" if world > 1 else "here"
             rows.append(row)
             continue
-        keys = _stack_placements(p, p.ndim)
+        keys = _stack_placements(p, view)
         if any(k is None for k in keys):
             row["Newton-Schulz"] = "its matrix view cuts a flattened dim: redistributed by DTensor first"
             rows.append(row)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import torch
 
-from ..core import GradientTransformation
+from ..core import Dims, GradientTransformation
 from ..hyperparams import check_args, check_float_dtype
 from ..linalg import CoefficientSpec
 from ..schedules import ScalarOrSchedule
@@ -71,6 +71,10 @@ class MuonOptions:
             device that keeps about bf16's accuracy, :func:`muonfx.linalg.auto_method`;
             see :func:`~muonfx.newton_schulz` and ``docs/evidence.md``).
         mu_dtype: dtype of the momentum buffer (``None``: the parameter's).
+        dims: per-parameter matrix views (:class:`~muonfx.MatrixView`) for Newton-Schulz
+            and the shape scale: a mapping dotted name -> view or a callable
+            ``(name, tensor) -> view | None``; ``None``: the default view
+            (:func:`muonfx.core.default_view`).
 
     :meth:`steps` is Muon's named chain built from them; ``muon(**opts)`` is
     ``named_chain(*MuonOptions(**opts).steps().items())``.
@@ -95,6 +99,7 @@ class MuonOptions:
     ns_dtype: torch.dtype | None = None
     ns_method: str = "standard"
     mu_dtype: torch.dtype | None = None
+    dims: Dims = None
 
     def __post_init__(self) -> None:
         # the shared rules (muonfx.hyperparams), under the options' own names
@@ -111,11 +116,11 @@ class MuonOptions:
     def orthogonalize(self) -> GradientTransformation:
         """``newton_schulz(ns_steps, ns_coefficients, eps, ns_dtype, method=ns_method)``."""
         return newton_schulz(self.ns_steps, self.ns_coefficients, eps=self.eps, dtype=self.ns_dtype,
-                             method=self.ns_method)
+                             method=self.ns_method, dims=self.dims)
 
     def shape_scale(self) -> GradientTransformation:
         """``scale_by_shape(adjust_lr)`` (``None`` is ``"original"``)."""
-        return scale_by_shape("original" if self.adjust_lr is None else self.adjust_lr)
+        return scale_by_shape("original" if self.adjust_lr is None else self.adjust_lr, dims=self.dims)
 
     def steps(self) -> Steps:
         """Muon's named chain, step name -> transform, in order::

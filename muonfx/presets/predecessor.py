@@ -34,8 +34,9 @@ def fsdp_muon(
     ``eps`` is the Newton-Schulz floor (as in ``muon``); ``row_eps`` the row
     normaliser's (used when ``beta2`` is given).
     """
-    steps = MuonOptions(**muon_options).steps()
+    opts = MuonOptions(**muon_options)
+    steps = opts.steps()
     if beta2 is not None:
-        steps = insert_step(steps, "orthogonalize", "row_normalize", row_normalize(beta2, row_eps))
+        steps = insert_step(steps, "orthogonalize", "row_normalize", row_normalize(beta2, row_eps, dims=opts.dims))
     tx = named_chain(*insert_step(steps, "scale_by_shape", "ns_stepsize", scale(ns_stepsize)).items())
     return accumulate(tx, gradient_accumulation_steps) if gradient_accumulation_steps > 1 else tx

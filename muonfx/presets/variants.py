@@ -154,7 +154,7 @@ def normuon(*, beta2: float = 0.95, row_eps: float = 1e-10, **muon_options: Any)
         ['momentum', 'orthogonalize', 'row_normalize', 'scale_by_shape', 'weight_decay', 'lr']
     """
     opts = MuonOptions(**muon_options)
-    rows = row_normalize(beta2, row_eps, mu_dtype=opts.mu_dtype)
+    rows = row_normalize(beta2, row_eps, mu_dtype=opts.mu_dtype, dims=opts.dims)
     return named_chain(*insert_step(opts.steps(), "orthogonalize", "row_normalize", rows).items())
 
 
@@ -375,7 +375,8 @@ def modded_nanogpt_normuon(*, beta2: float = 0.95, row_eps: float = 1e-10, **muo
         raise ValueError("modded_nanogpt_normuon: lr must be a number (the weight decay is scaled by lr^2); "
                          "drive it with an lr scheduler on TransformOptimizer instead of a schedule")
     steps = insert_step(opts.steps(), "orthogonalize", "row_normalize", row_normalize(beta2, row_eps, axis="larger",
-                                                                                    mu_dtype=opts.mu_dtype))
+                                                                                    mu_dtype=opts.mu_dtype,
+                                                                                    dims=opts.dims))
     order = ("momentum", "orthogonalize", "row_normalize", "weight_decay", "scale_by_shape", "lr")
     steps["weight_decay"] = cautious_decay(opts.weight_decay * opts.lr)
     return named_chain(*((name, steps[name]) for name in order))

@@ -1,20 +1,24 @@
-"""The matrix view shared by every matrix transform (Newton-Schulz, shape scales).
+"""The matrix view shared by every matrix transform (Newton-Schulz, shape scales), read
+through :class:`muonfx.core.MatrixView` (:func:`muonfx.core.default_view`):
 
 * 2-D ``[A, B]``: one matrix;
 * 3-D ``[E, A, B]``: a batch of ``E`` matrices (MoE expert stacks);
 * 4-D and more (conv weights ``[out, in, kh, kw]``): one matrix ``[out, in*kh*kw]``.
 
+A transform's ``dims=`` overrides it per leaf (:func:`leaf_views`); the default path
+keeps its inline spelling of the 2-D and 3-D cases (the per-step hot path).
 0-D and 1-D leaves are not matrices: an error names the key and the way out.
 """
 
 from __future__ import annotations
 
-import math
+from typing import Sequence
 
 import torch
 
-from .._compat.dtensor import dtensor_class, dtensor_stack_views
-from ..core import Key, key_str
+from .._compat.dtensor import dtensor_class, dtensor_stack_views, unstack_like
+from ..core import Dims, Key, MatrixView, default_view, key_str, views_for
+from ..core.view import labelled
 
 
 def _require_matrix(key: Key, t: torch.Tensor, who: str) -> None:
@@ -30,11 +34,12 @@ def _require_matrix(key: Key, t: torch.Tensor, who: str) -> None:
 def matrix_dims(key: Key, t: torch.Tensor, who: str) -> tuple[int, int]:
     """``(A, B)`` = (rows, cols) of the matrix view of ``t``."""
     _require_matrix(key, t, who)
-    if t.ndim == 2:
+    if t.ndim == 2:  # default_view's rule, inline for the hot path
         return int(t.shape[0]), int(t.shape[1])
     if t.ndim == 3:
         return int(t.shape[1]), int(t.shape[2])
-    return int(t.shape[0]), int(math.prod(t.shape[1:]))
+    _, a, b = default_view(t.ndim).shape(t.shape)  # type: ignore[union-attr]
+    return int(a), int(b)
 
 
 def as_stack(key: Key, t: torch.Tensor, who: str) -> torch.Tensor:
@@ -46,8 +51,22 @@ def as_stack(key: Key, t: torch.Tensor, who: str) -> torch.Tensor:
     return t.reshape(1, a, b)
 
 
-def matrix_shapes(keys: list[Key], ts: list[torch.Tensor], who: str) -> list[tuple[int, int]]:
-    """``(A, B)`` of every leaf's matrix view, in one call (the per-leaf work inline)."""
+def leaf_views(dims: Dims, keys: list[Key], ts: list[torch.Tensor], who: str) -> list[MatrixView | None] | None:
+    """Each leaf's view under ``dims`` (``None`` at a leaf that keeps its default; ``None``
+    when no leaf is overridden). Checks that every leaf is a matrix."""
+    if dims is None:
+        return None
+    for k, t in zip(keys, ts):
+        _require_matrix(k, t, who)
+    return views_for(dims, [key_str(k) for k in keys], ts)
+
+
+def matrix_shapes(keys: list[Key], ts: list[torch.Tensor], who: str,
+                  views: Sequence[MatrixView | None] | None = None) -> list[tuple[int, int]]:
+    """``(A, B)`` of every leaf's matrix view, in one call (the per-leaf work inline);
+    ``views`` (:func:`leaf_views`) overrides some."""
+    if views is not None:
+        return [matrix_dims(k, t, who) if v is None else v.shape(t.shape)[1:] for k, t, v in zip(keys, ts, views)]
     out = []
     for k, t in zip(keys, ts):
         nd = t.ndim
@@ -60,8 +79,12 @@ def matrix_shapes(keys: list[Key], ts: list[torch.Tensor], who: str) -> list[tup
     return out
 
 
-def as_stacks(keys: list[Key], ts: list[torch.Tensor], who: str) -> list[torch.Tensor]:
-    """Every leaf viewed as a ``[k, A, B]`` stack (see :func:`as_stack`), in one call."""
+def as_stacks(keys: list[Key], ts: list[torch.Tensor], who: str,
+              views: Sequence[MatrixView | None] | None = None) -> list[torch.Tensor]:
+    """Every leaf viewed as a ``[k, A, B]`` stack (see :func:`as_stack`), in one call;
+    ``views`` (:func:`leaf_views`) overrides some."""
+    if views is not None:
+        return [as_stack(k, t, who) if v is None else labelled(v.stack(t), v, t.shape) for k, t, v in zip(keys, ts, views)]
     out: list = []
     cls = dtensor_class()
     fast = cls is not None and not torch.is_grad_enabled()  # 2-D DTensors: dtensor_stack_views
@@ -78,3 +101,11 @@ def as_stacks(keys: list[Key], ts: list[torch.Tensor], who: str) -> list[torch.T
         for (i, _, _), v in zip(views, dtensor_stack_views([v[1] for v in views], [v[2] for v in views])):
             out[i] = v
     return out
+
+
+def from_stacks(outs: list[torch.Tensor], ts: list[torch.Tensor],
+                views: Sequence[MatrixView | None] | None = None) -> list[torch.Tensor]:
+    """The inverse of :func:`as_stacks`: each ``[k, A, B]`` result in its leaf's shape."""
+    if views is None:
+        return unstack_like(outs, ts)
+    return [unstack_like([o], [t])[0] if v is None else v.unstack(o, t.shape) for o, t, v in zip(outs, ts, views)]

@@ -6,13 +6,13 @@ import torch
 
 from .. import seam
 from .._compat.dtensor import unstack_like
-from ..core import EmptyState, GradientTransformation, LeafwiseTransformation, build, leaves
+from ..core import Dims, EmptyState, GradientTransformation, LeafwiseTransformation, build, leaves
 from ..hyperparams import check, check_float_dtype
 from ..linalg import CoefficientSpec, NewtonSchulz, resolve
 from ..linalg.newton_schulz import METHODS
 from ..linalg.precision import device_ns_dtype, pinned_ns_dtype
 from ..linalg.settings import EXTRA_ARG
-from ._matrix import as_stacks
+from ._matrix import as_stacks, from_stacks, leaf_views
 
 
 class _PerBatch:
@@ -41,6 +41,8 @@ def newton_schulz(
     dtype: torch.dtype | None = None,
     safety: float | None = None,
     method: str = "standard",
+    *,
+    dims: Dims = None,
 ) -> GradientTransformation:
     """Replace each matrix by an approximate polar factor (``U V^T`` of its SVD).
 
@@ -96,6 +98,10 @@ def newton_schulz(
 
             See :func:`muonfx.linalg.newton_schulz_batched` and
             :func:`muonfx.linalg.auto_method`.
+        dims: per-leaf matrix views (:class:`muonfx.MatrixView`) overriding the default
+            one below: a mapping dotted key -> view, or a callable ``(key, tensor) ->
+            view | None`` (optax's ``muon_weight_dimension_numbers``). Give
+            :func:`scale_by_shape` the same ``dims`` (``muon(dims=...)`` does).
 
     A matrix whose float32 (or bfloat16) norm overflows (entries of ~1e19 and more) is
     scaled by ``2**-100`` before it is normalised, so it gets the update of the same
@@ -103,7 +109,8 @@ def newton_schulz(
     norm is finite).
 
     Leaves: 2-D are matrices, 3-D are batches of matrices (MoE experts), 4-D+ are
-    viewed as ``[out, in*kh*kw]``. 0-D/1-D leaves raise ``ValueError`` naming the key;
+    viewed as ``[out, in*kh*kw]`` (:func:`muonfx.core.default_view`), unless ``dims``
+    says otherwise. 0-D/1-D leaves raise ``ValueError`` naming the key;
     route them with :func:`mask_by_ndim` or :func:`partition`. Same-shape matrices are
     orthogonalised in batches (bounded in bytes) through :func:`muonfx.seam.map_matrices`.
 
@@ -151,7 +158,8 @@ def newton_schulz(
                            triton=None if settings is None else settings.triton)
         if one is None:  # leaves on several devices or of several dtypes: per batch
             run = _PerBatch(run, pinned)
-        outs = seam.map_matrices(run, as_stacks(keys, gs, "newton_schulz"), settings)
-        return build(keys, unstack_like(outs, gs)), state
+        views = None if dims is None else leaf_views(dims, keys, gs, "newton_schulz")
+        outs = seam.map_matrices(run, as_stacks(keys, gs, "newton_schulz", views), settings)
+        return build(keys, unstack_like(outs, gs) if views is None else from_stacks(outs, gs, views)), state
 
     return LeafwiseTransformation(init_fn, update_fn)

@@ -8,11 +8,12 @@ import torch
 from tensordict import TensorDict
 
 from .. import seam
-from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves
+from ..core import Dims, GradientTransformation, LeafwiseTransformation, MatrixView, aligned, build, leaves
 from ..hyperparams import check, check_float_dtype
 from ..ops import foreach
+from ..core.view import batched_matrix
 from ._dtypes import widen
-from ._matrix import matrix_dims
+from ._matrix import leaf_views, matrix_dims
 
 
 class RowNormalizeState(NamedTuple):
@@ -28,9 +29,13 @@ class RowNormalizeState(NamedTuple):
     v: TensorDict
 
 
-def _rows_view(key, t: torch.Tensor) -> torch.Tensor:
+def _rows_view(key, t: torch.Tensor, view: MatrixView | None = None) -> torch.Tensor:
+    """``t`` as ``[*batch, A, B]`` by its default view (the batch dim of a 3-D stack kept),
+    or as ``view``'s ``[k, A, B]`` stack."""
+    if view is not None:
+        return view.stack(t)
     matrix_dims(key, t, "row_normalize")  # validates ndim >= 2
-    return t if t.ndim <= 3 else t.flatten(1)
+    return batched_matrix(t)
 
 
 AXES = ("rows", "larger")
@@ -43,7 +48,7 @@ def _reduce_dim(axis: str, view: torch.Tensor) -> int:
 
 
 def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows",
-                  mu_dtype: torch.dtype | None = None) -> GradientTransformation:
+                  mu_dtype: torch.dtype | None = None, dims: Dims = None) -> GradientTransformation:
     """NorMuon-style neuron-wise normalisation of an orthogonalised update.
 
     Formula, per matrix ``O`` (rows ``i``)::
@@ -55,6 +60,8 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows",
     ``mu_dtype`` stores the statistics ``v`` in that dtype (``None``: the parameter's);
     they are computed in the wider of it and the update's dtype (float32 statistics of
     bf16 parameters accumulate in float32), the output has the update's dtype.
+    ``dims`` overrides the matrix view per leaf, as :func:`newton_schulz`'s (``v`` is then
+    ``[k, A]`` for the view's ``[k, A, B]`` stack).
 
     ``axis="larger"`` keeps one statistic per index of the larger dimension, as
     modded-nanogpt's NorMuon does: per row for tall and square matrices, per column
@@ -85,7 +92,8 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows",
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
-        views = [_rows_view(k, p) for k, p in zip(keys, ps)]
+        over = (None if dims is None else leaf_views(dims, keys, ps, "row_normalize")) or [None] * len(keys)
+        views = [_rows_view(k, p, w) for k, p, w in zip(keys, ps, over)]
         return RowNormalizeState(build(keys, [torch.zeros_like(v.select(_reduce_dim(axis, v), 0), dtype=mu_dtype)
                                               for v in views]))
 
@@ -93,8 +101,9 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows",
         keys, us = leaves(updates)
         vs = aligned(state.v, keys, "row_normalize state (v)")
         # axis="larger" on a wide matrix: statistics per column, i.e. per row of its transpose
-        flips = [_reduce_dim(axis, _rows_view(k, u)) == -2 for k, u in zip(keys, us)]
-        os_ = [_rows_view(k, u).mT if f else _rows_view(k, u) for k, u, f in zip(keys, us, flips)]
+        over = (None if dims is None else leaf_views(dims, keys, us, "row_normalize")) or [None] * len(keys)
+        flips = [_reduce_dim(axis, _rows_view(k, u, w)) == -2 for k, u, w in zip(keys, us, over)]
+        os_ = [_rows_view(k, u, w).mT if f else _rows_view(k, u, w) for k, u, f, w in zip(keys, us, flips, over)]
         # per-row sums of squares, then per-matrix [||O||^2, ||P||^2]: two seam reductions
         # for all leaves (on shards: one collective each at most, none for row shards' rows)
         # the statistics' arithmetic in the wider of their dtype and the update's
@@ -111,11 +120,12 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows",
             pairs.append(torch.cat([rs, rs / s.square()], dim=-1))
         totals = seam.sum_over(pairs, (-2,))
         outs = []
-        for k, u, o, s, tot, f in zip(keys, us, os_, scales, totals, flips):
+        for k, u, o, s, tot, f, w in zip(keys, us, os_, scales, totals, flips, over):
             ratio = tot[..., :1].sqrt() / tot[..., 1:].sqrt().clamp_min(torch.finfo(o.dtype).tiny)
             out = o / s * ratio
             out = out if out.dtype == u.dtype else out.to(u.dtype)
-            outs.append((out.mT if f else out).reshape(u.shape))
+            out = out.mT if f else out
+            outs.append(out.reshape(u.shape) if w is None else w.unstack(out, u.shape))
         return build(keys, outs), RowNormalizeState(build(keys, new_vs))
 
     return LeafwiseTransformation(init_fn, update_fn)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ..core import EmptyState, GradientTransformation, LeafwiseTransformation, build, leaves
+from ..core import Dims, EmptyState, GradientTransformation, LeafwiseTransformation, build, leaves
 from ..counts import Counts, advance, by_count, common, zeros
 from ..ops import foreach
 from ..schedules import ScalarOrSchedule, evaluate
-from ._matrix import matrix_shapes
+from ._matrix import leaf_views, matrix_shapes
 
 SHAPE_MODES = ("original", "match_rms_adamw", "spectral", "none")
 
@@ -111,7 +111,7 @@ def shape_factor(mode: str, a: int, b: int) -> float:
     raise ValueError(f"unknown scale_by_shape mode {mode!r}; choose one of {SHAPE_MODES}")
 
 
-def scale_by_shape(mode: str = "original") -> GradientTransformation:
+def scale_by_shape(mode: str = "original", *, dims: Dims = None) -> GradientTransformation:
     """Scale each matrix update by a factor of its shape ``A x B`` (rows x cols).
 
     Modes (``A``, ``B`` taken from the same matrix view Newton-Schulz uses: conv
@@ -121,6 +121,8 @@ def scale_by_shape(mode: str = "original") -> GradientTransformation:
     * ``"match_rms_adamw"``: ``0.2 * sqrt(max(A, B))`` (Moonlight: update RMS matches AdamW's);
     * ``"spectral"``: ``sqrt(A/B)``;
     * ``"none"``: ``1`` (no shape scale: dion's ``adjust_lr=None``).
+
+    ``dims`` overrides the view per leaf, as :func:`newton_schulz`'s (give both the same).
 
     Example::
 
@@ -139,7 +141,8 @@ def scale_by_shape(mode: str = "original") -> GradientTransformation:
         keys, us = leaves(updates)
         known: dict[tuple[int, int], float] = {}
         factors = []
-        for ab in matrix_shapes(keys, us, "scale_by_shape"):
+        views = None if dims is None else leaf_views(dims, keys, us, "scale_by_shape")
+        for ab in matrix_shapes(keys, us, "scale_by_shape", views):
             f = known.get(ab)
             if f is None:
                 # an empty matrix (a zero side) has nothing to scale; s(A, 0) would divide by zero

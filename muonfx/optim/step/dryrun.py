@@ -19,7 +19,8 @@ import torch
 from tensordict import TensorDictBase
 
 from ... import seam, tree
-from ...core import Key, build, td_items
+from ...core import Key, MatrixView, build, td_items
+from ...core.view import label_of
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 __all__ = ["MatrixWork", "DryRun", "dry_run", "fake_state"]
@@ -34,6 +35,7 @@ class MatrixWork:
     count: int
     dtype: torch.dtype
     fn: Any
+    view: tuple[MatrixView, tuple[int, ...]] | None = None  # an overridden view and its tensor's shape
 
     def compute(self, device: torch.device) -> tuple[str, str, str]:
         """``(dtype, method, products)`` the matrix function computes this batch with on
@@ -69,7 +71,8 @@ class _FakeBackend:
 
     def map_matrices(self, fn, stacks: Sequence[torch.Tensor], settings: Any = None) -> list[torch.Tensor]:
         for s in stacks:
-            self.record.matrices.append(MatrixWork(int(s.shape[-2]), int(s.shape[-1]), int(s.shape[0]), s.dtype, fn))
+            self.record.matrices.append(MatrixWork(int(s.shape[-2]), int(s.shape[-1]), int(s.shape[0]), s.dtype, fn,
+                                                   label_of(s)))
         return [torch.empty_like(s) for s in stacks]
 
     def global_sum(self, fn, tensors: Sequence[torch.Tensor]) -> torch.Tensor:

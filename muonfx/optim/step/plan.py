@@ -134,16 +134,16 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _view(p: torch.Tensor) -> str:
-    """The matrix view of a parameter: ``m x n``, ``E x (m x n)`` or ``m x (a*b*c)``."""
-    s = tuple(p.shape)
-    if len(s) < 2:
-        return "-"
-    if len(s) == 2:
-        return f"{s[0]} x {s[1]}"
-    if len(s) == 3:
-        return f"batch {s[0]} of {s[1]} x {s[2]}"
-    return f"{s[0]} x {'*'.join(str(d) for d in s[1:])}"
+def _view(p: torch.Tensor, seen: DryRun) -> str:
+    """The matrix view the transform read ``p`` by (:class:`muonfx.MatrixView`): an
+    overridden one as the dry run saw it, else the default."""
+    from ...core import default_view
+
+    given = next((m.view for m in seen.matrices if m.view is not None), None)
+    if given is not None:
+        return given[0].describe(given[1]) + ", given by dims="
+    view = default_view(p.ndim)
+    return "-" if view is None else view.describe(tuple(p.shape))
 
 
 def parameter_rows(plan: StepPlan, group: GroupPlan) -> list[list[str]]:
@@ -166,7 +166,7 @@ def parameter_rows(plan: StepPlan, group: GroupPlan) -> list[list[str]]:
                 seen, what = None, f"(not known without data: {type(e).__name__})"
             if seen is not None and seen.matrices:
                 routes = sorted({m.compute(p.device) for m in seen.matrices})
-                what = f"matrix {_view(p)}: " + "; ".join(f"{d} {m}, {pr} products" for d, m, pr in routes)
+                what = f"{_view(p, seen)}: " + "; ".join(f"{d} {m}, {pr} products" for d, m, pr in routes)
         piece = "-"
         if group.pieces is not None:
             piece = str(next(i for i, pc in enumerate(group.pieces) if j in pc))

@@ -17,6 +17,8 @@ from tensordict import TensorDict
 import muonfx as mfx
 from muonfx.tree import tensors as tree_tensors
 
+import catalogue
+
 # ---------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------
@@ -109,26 +111,9 @@ def test_user_transform_keeping_its_input_in_the_state_is_safe():
     adapter_vs_loop(plain_chain(keep_last(), mfx.scale(-0.1), keep_last()), SHAPES)
 
 
-#: every built-in transform, by name: (factory, matrices only)
-BUILTINS = {
-    "momentum": (lambda: mfx.momentum(0.9), False),
-    "nesterov": (lambda: mfx.momentum(0.8, nesterov=True), False),
-    "scale": (lambda: mfx.scale(-0.5), False),
-    "scale_by_learning_rate": (lambda: mfx.scale_by_learning_rate(0.1), False),
-    "scheduled_lr": (lambda: mfx.scale_by_learning_rate(mfx.schedules.linear(0.1, 0.01, 5)), False),
-    "row_normalize": (lambda: mfx.row_normalize(), True),
-    "decoupled_decay": (lambda: mfx.decoupled_decay(0.1), False),
-    "scale_by_adam": (lambda: mfx.scale_by_adam(), False),
-    "clip_by_global_norm": (lambda: mfx.clip_by_global_norm(1.0), False),
-    "newton_schulz": (lambda: mfx.newton_schulz(dtype=torch.float32), True),
-    "scale_by_shape": (lambda: mfx.scale_by_shape("original"), True),
-    "mask_by_ndim": (lambda: mfx.mask_by_ndim(mfx.newton_schulz(dtype=torch.float32), {2, 3}), False),
-    "accumulate": (lambda: mfx.accumulate(mfx.momentum(0.9), 2), False),
-    "apply_if_finite": (lambda: mfx.apply_if_finite(mfx.scale_by_adam()), False),
-    "muon": (lambda: mfx.muon(ns_dtype=torch.float32), True),
-    "adamw": (lambda: mfx.adamw(weight_decay=0.1), False),
-    "muon_adamw": (lambda: mfx.muon_adamw(ns_dtype=torch.float32, weight_decay=0.1), False),
-}
+#: every built-in transform the adapter law runs over (tests/catalogue.py), by name:
+#: (factory, matrices only)
+BUILTINS = {name: (e.build, e.kind == catalogue.MATRIX) for name, e in catalogue.select(catalogue.ADAPTER).items()}
 
 
 @pytest.mark.parametrize("name", sorted(BUILTINS))
