@@ -128,6 +128,8 @@ CATALOGUE: dict[str, Entry] = {
     "scale_by_adam_amsgrad": E(lambda: mfx.scale_by_adam(amsgrad=True, maximize=True), ANY, CONFORMANCE, PURITY,
                                check=ZGE),
     "scale_by_adam_amsgrad_mu_f32": E(lambda: mfx.scale_by_adam(mu_dtype=torch.float32, amsgrad=True), ANY, PURITY),
+    # its statistics arrive as an extra argument of the step: its own laws are muonfx.testing.check_qk_clip
+    "qk_clip": E(lambda: mfx.qk_clip(100.0, 0.5, {}), ANY, DECLARED, leafwise=True),
     "adamw_amsgrad_maximize": E(lambda: mfx.adamw(weight_decay=0.0, amsgrad=True, maximize=True), ANY, EMPTY),
     "clip_by_global_norm": E(lambda: mfx.clip_by_global_norm(0.5), ANY, CONFORMANCE, PURITY, ELEMENTWISE, EMPTY,
                              check=ZGE, covers=("global_norm",)),
