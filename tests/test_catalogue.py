@@ -1,0 +1,362 @@
+"""Lion, ADOPT, LaProp, C-AdamW, MARS-AdamW and MARS-Muon against their references.
+
+Each preset runs 20 steps through :class:`muonfx.TransformOptimizer` and through the
+functional ``tx.update`` loop, next to its reference on the same parameters and gradients:
+
+* Lion: ``lion_pytorch.Lion`` (the ``lion-pytorch`` package, pinned in the ``dev`` extra);
+* ADOPT, LaProp, C-AdamW and MARS have no package: their references are written below as
+  plain PyTorch loops from the authors' code, each naming the file (and commit) it follows.
+
+Tolerances come from measured floors (max |p - p_ref| / max |p_ref| over the run): see the
+constants. The shared laws run through :func:`muonfx.testing.check_transform`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import muonfx as mfx
+from muonfx.testing import check_transform, params_and_grads
+
+from helpers import one_intra_op_thread  # noqa: F401  (autouse: one thread in this module)
+
+lion_pytorch = pytest.importorskip("lion_pytorch")  # in the dev extra: CI runs this module
+
+STEPS = 20
+SHAPES = {"w": (6, 5), "b": (5,), "e": (2, 3, 4)}
+# float32 against the float32 reference: rounding of algebraically equal arithmetic in
+# another order (p * (1 - lr * wd) - lr * u against p - lr * (u + wd * p), a bias correction
+# folded into one factor or two). Measured below (AMD EPYC, torch 2.13 CPU), worst preset
+# 2.4e-7 over 20 steps; tolerance ~4x, within the 1e-6 asked of a port.
+F32_TOL = 1e-6
+# the same in float64: measured <= 4e-16
+F64_TOL = 1e-13
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def make_params(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for k, s in SHAPES.items()}
+
+
+def make_grads(dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [{k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for k, s in SHAPES.items()}
+            for _ in range(STEPS)]
+
+
+def run_torch_style(make_opt, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``STEPS`` steps of a torch.optim-style optimizer ``make_opt(named_params)``."""
+    params = {k: torch.nn.Parameter(v) for k, v in make_params(dtype).items()}
+    opt = make_opt(list(params.items()))
+    for grads in make_grads(dtype):
+        for k, p in params.items():
+            p.grad = grads[k].clone()
+        opt.step()
+    return {k: p.detach() for k, p in params.items()}
+
+
+def run_functional(tx: mfx.GradientTransformation, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    params = TensorDict(make_params(dtype), [])
+    state = tx.init(params)
+    for grads in make_grads(dtype):
+        updates, state = tx.update(TensorDict(grads, []), state, params)
+        params = mfx.apply_updates(params, updates)
+    return {k: params[k] for k in SHAPES}
+
+
+# ---------------------------------------------------------------------------
+# the references without a package, written from the authors' code
+# ---------------------------------------------------------------------------
+
+
+class RefADOPT(torch.optim.Optimizer):
+    """ADOPT as the authors' ``adopt.py`` (iShohei220/adopt, the ``clip_lambda`` form of
+    ``_single_tensor_adopt``; the form timm and optax.contrib port) computes it, with
+    ``decouple=False`` (an L2 term added to the gradient, the authors' default) or
+    ``decouple=True`` (``p -= lr * wd * p``, skipped on the first step)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.9999), eps=1e-6, weight_decay=0.0, decouple=False):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decouple=decouple))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                grad = p.grad
+                if wd != 0 and not group["decouple"]:
+                    grad = grad.add(p, alpha=wd)
+                if st["step"] == 0:
+                    st["exp_avg_sq"].addcmul_(grad, grad)
+                    st["step"] += 1
+                    continue
+                if wd != 0 and group["decouple"]:
+                    p.add_(p, alpha=-lr * wd)
+                denom = torch.clamp(st["exp_avg_sq"].sqrt(), eps)
+                normed = grad.div(denom)
+                clip = st["step"] ** 0.25
+                normed.clamp_(-clip, clip)
+                st["exp_avg"].lerp_(normed, 1 - b1)
+                p.add_(st["exp_avg"], alpha=-lr)
+                st["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                st["step"] += 1
+
+
+class RefLaProp(torch.optim.Optimizer):
+    """LaProp as the authors' ``laprop.py`` (Z-T-WANG/LaProp-Optimizer, commit ff5efc0;
+    ``amsgrad=False, centered=False``) computes it: the lr folded into the momentum, its
+    bias correction an EMA of the lr."""
+
+    def __init__(self, params, lr=4e-4, betas=(0.9, 0.999), eps=1e-15):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            lr = group["lr"]
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), lr1=0.0, lr2=0.0)
+                grad = p.grad
+                st["step"] += 1
+                st["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+                st["lr1"] = st["lr1"] * b1 + (1 - b1) * lr
+                st["lr2"] = st["lr2"] * b2 + (1 - b2)
+                step_size = 1 / (st["lr1"] / lr)
+                denom = st["exp_avg_sq"].div(st["lr2"]).sqrt_().add_(group["eps"])
+                st["exp_avg"].mul_(b1).add_(grad / denom, alpha=(1 - b1) * lr)
+                p.add_(st["exp_avg"], alpha=-step_size)
+
+
+class RefCAdamW(torch.optim.Optimizer):
+    """C-AdamW as the authors' C-Optim ``AdamW`` (kyleliang919/C-Optim, ``c_adamw.py``,
+    ``correct_bias=True``) computes it: decay first, epsilon on the uncorrected ``sqrt(v)``,
+    ``mask * numel / (sum(mask) + 1)`` on the first moment."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                grad, m, v = p.grad, st["exp_avg"], st["exp_avg_sq"]
+                st["step"] += 1
+                if group["weight_decay"] > 0.0:
+                    p.add_(p, alpha=-group["lr"] * group["weight_decay"])
+                m.mul_(b1).add_(grad, alpha=1.0 - b1)
+                v.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
+                denom = v.sqrt().add_(group["eps"])
+                step_size = group["lr"] * math.sqrt(1.0 - b2 ** st["step"]) / (1.0 - b1 ** st["step"])
+                mask = (m * grad > 0).to(grad.dtype)
+                mask = mask * (mask.numel() / (mask.sum() + 1))
+                p.add_((m * mask) / denom, alpha=-step_size)
+
+
+class RefMARS(torch.optim.Optimizer):
+    """MARS-AdamW as AGI-Arena/MARS's ``MARS/optimizers/mars.py`` (commit 20c60c1;
+    ``mars_type="mars-adamw"``, ``is_approx=True``, ``amsgrad=False``,
+    ``optimize_1d=True``) computes it."""
+
+    def __init__(self, params, lr=3e-3, betas=(0.95, 0.99), eps=1e-8, weight_decay=0.0, gamma=0.025):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gamma=gamma))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            lr, wd, gamma = group["lr"], group["weight_decay"], group["gamma"]
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                              last_grad=torch.zeros_like(p))
+                grad = p.grad
+                st["step"] += 1
+                c = (grad - st["last_grad"]).mul(gamma * (b1 / (1.0 - b1))).add(grad)
+                c_norm = torch.norm(c)
+                if c_norm > 1.0:
+                    c = c / c_norm
+                st["exp_avg"].mul_(b1).add_(c, alpha=1.0 - b1)
+                st["exp_avg_sq"].mul_(b2).addcmul_(c, c, value=1.0 - b2)
+                bc1, bc2 = 1.0 - b1 ** st["step"], 1.0 - b2 ** st["step"]
+                denom = st["exp_avg_sq"].sqrt().mul(1 / math.sqrt(bc2)).add(group["eps"]).mul(bc1)
+                p.add_(-lr * torch.mul(p, wd).add(st["exp_avg"].div(denom)))
+                st["last_grad"] = grad
+
+
+# name -> (preset, its hyperparameters, the reference optimizer built on named params)
+CASES = {
+    "lion": (mfx.lion, dict(lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1),
+             lambda ps, **hp: lion_pytorch.Lion([p for _, p in ps], **hp)),
+    "adopt": (mfx.adopt, dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01),
+              lambda ps, **hp: RefADOPT([p for _, p in ps], **hp)),
+    "adopt_decoupled_no_decay": (mfx.adopt, dict(lr=1e-2, decouple=True),
+                                 lambda ps, **hp: RefADOPT([p for _, p in ps], **hp)),
+    "laprop": (mfx.laprop, dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-15),
+               lambda ps, **hp: RefLaProp([p for _, p in ps], **hp)),
+    "cautious_adamw": (mfx.cautious_adamw, dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1),
+                       lambda ps, **hp: RefCAdamW([p for _, p in ps], **hp)),
+    "mars_adamw": (mfx.mars_adamw, dict(lr=1e-2, betas=(0.95, 0.99), eps=1e-8, weight_decay=0.1, gamma=0.025),
+                   lambda ps, **hp: RefMARS([p for _, p in ps], **hp)),
+    # gamma large enough that the norm clip acts on some steps
+    "mars_adamw_clipped": (mfx.mars_adamw, dict(lr=1e-2, gamma=0.5),
+                           lambda ps, **hp: RefMARS([p for _, p in ps], **hp)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_parity_with_reference(name: str, dtype: torch.dtype) -> None:
+    preset, hp, make_ref = CASES[name]
+    ref = run_torch_style(lambda ps: make_ref(ps, **hp), dtype)
+    via_adapter = run_torch_style(lambda ps: mfx.TransformOptimizer(ps, preset, **hp), dtype)
+    via_functional = run_functional(preset(**hp), dtype)
+    tol = F32_TOL if dtype == torch.float32 else F64_TOL
+    start = make_params(dtype)
+    for k in SHAPES:
+        assert rel_err(ref[k], start[k]) > 1e-3, f"{name}: {k} did not move"
+        for how, got in (("TransformOptimizer", via_adapter), ("tx.update", via_functional)):
+            err = rel_err(got[k], ref[k])
+            assert err <= tol, f"{name} ({how}, {k}, {dtype}): {err:.2e} from the reference"
+
+
+def test_mars_clip_acts() -> None:
+    """The clipped case above exercises the norm clip (else it would test nothing more)."""
+    tx = mfx.mars_correction(gamma=0.5, beta=0.95, max_norm=1.0)
+    g = TensorDict(make_grads(torch.float32)[0], [])
+    out, _ = tx.update(g, tx.init(g))
+    assert max(out[k].norm().item() for k in SHAPES) == pytest.approx(1.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_mars_gamma_zero_is_the_base_optimizer_bit_for_bit(dtype: torch.dtype) -> None:
+    hp = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    base = run_functional(mfx.adamw(**hp), dtype)
+    mars = run_functional(mfx.mars_adamw(**hp, gamma=0.0, max_norm=None), dtype)
+    adapted = run_torch_style(lambda ps: mfx.TransformOptimizer(ps, mfx.mars_adamw, **hp, gamma=0.0,
+                                                                max_norm=None), dtype)
+    # (the adapter runs groups built with mfx.adamw through torch's fused AdamW kernel, a
+    # different rounding: the functional adamw is the base the chain is equal to)
+    for k in SHAPES:
+        assert torch.equal(mars[k], base[k]), k
+        assert torch.equal(adapted[k], base[k]), k
+
+
+def test_mars_muon_gamma_zero_is_muon_bit_for_bit() -> None:
+    gen = torch.Generator().manual_seed(3)
+    params = TensorDict({"w": torch.randn(8, 6, generator=gen), "x": torch.randn(2, 4, 5, generator=gen)}, [])
+    outs = []
+    for tx in (mfx.muon(lr=0.02, weight_decay=0.1), mfx.mars_muon(lr=0.02, weight_decay=0.1, gamma=0.0)):
+        p, s = params.clone(), tx.init(params)
+        for i in range(5):
+            g = p.apply(lambda t: torch.sin(t * (i + 1)))
+            u, s = tx.update(g, s, p)
+            p = mfx.apply_updates(p, u)
+        outs.append(p)
+    assert all(torch.equal(outs[0][k], outs[1][k]) for k in ("w", "x"))
+    # and gamma > 0 changes the direction
+    tx = mfx.mars_muon(lr=0.02, gamma=0.1)
+    s = tx.init(params)
+    u1, s = tx.update(params, s, params)
+    u2, _ = tx.update(params.apply(torch.cos), s, params)
+    ref = mfx.muon(lr=0.02)
+    rs = ref.init(params)
+    _, rs = ref.update(params, rs, params)
+    r2, _ = ref.update(params.apply(torch.cos), rs, params)
+    assert not torch.allclose(u2["w"], r2["w"])
+
+
+def test_cautious_masks_and_rescales() -> None:
+    g = TensorDict({"w": torch.tensor([[1.0, -2.0], [3.0, 4.0]])}, [])
+    inner = mfx.scale(1.0)  # the update is the gradient: every element agrees
+    out, _ = mfx.cautious(inner).update(g, mfx.cautious(inner).init(g))
+    torch.testing.assert_close(out["w"], g["w"] * 4 / 5)
+    flip = TensorDict({"w": torch.tensor([[1.0, 2.0], [-3.0, 4.0]])}, [])  # 2 of 4 agree with g
+    tx = mfx.cautious(mfx.identity())
+    out, _ = tx.update(g, tx.init(g))
+    # identity's update is g itself: all agree; a transform whose output is ``flip``:
+    flip_tx = mfx.GradientTransformation(lambda p: mfx.EmptyState(), lambda u, s, p=None: (flip.clone(), s))
+    out, _ = mfx.cautious(flip_tx).update(g, mfx.EmptyState())
+    torch.testing.assert_close(out["w"], torch.tensor([[1.0, 0.0], [0.0, 4.0]]) * 4 / 3)
+    assert mfx.is_leafwise(mfx.cautious(mfx.scale_by_adam()))
+    assert not mfx.is_leafwise(mfx.cautious(mfx.clip_by_global_norm(1.0)))
+
+
+def test_adopt_first_step_leaves_parameters() -> None:
+    tx = mfx.adopt(lr=1.0, weight_decay=0.1)
+    p = TensorDict({"w": torch.randn(3, 3)}, [])
+    u, s = tx.update(p.apply(torch.sin), tx.init(p), p)
+    assert torch.equal(u["w"], torch.zeros(3, 3))
+    assert s["adopt"].count == 1
+    torch.testing.assert_close(s["adopt"].nu["w"], (torch.sin(p["w"]) + 0.1 * p["w"]) ** 2)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda: mfx.lion(betas=(0.9,)), "betas"),
+    (lambda: mfx.scale_by_lion(b1=1.5), "b1"),
+    (lambda: mfx.adopt(eps=-1.0), "eps"),
+    (lambda: mfx.scale_by_adopt(clip=3), "clip"),
+    (lambda: mfx.laprop(lr=float("nan")), "lr"),
+    (lambda: mfx.mars_correction(gamma=float("inf")), "gamma"),
+    (lambda: mfx.mars_adamw(max_norm=-1.0), "max_norm"),
+])
+def test_bad_hyperparameters_are_refused_by_name(bad, match) -> None:
+    with pytest.raises((TypeError, ValueError), match=match):
+        bad()
+
+
+def test_mismatched_state_is_refused_naming_the_parameter() -> None:
+    tx = mfx.scale_by_lion()
+    s = tx.init(TensorDict({"w": torch.zeros(2)}, []))
+    with pytest.raises(ValueError, match="v"):
+        tx.update(TensorDict({"v": torch.zeros(2)}, []), s)
+
+
+FAST = dict(max_examples=4, derandomize=True)
+MATRICES = dict(params=params_and_grads(min_ndim=2, max_ndim=3))
+
+LAWS = {
+    "scale_by_lion": (mfx.scale_by_lion, dict(zero_grad_exact=True)),
+    "scale_by_adopt": (mfx.scale_by_adopt, dict(zero_grad_exact=True)),
+    "scale_by_laprop": (mfx.scale_by_laprop, dict(zero_grad_exact=True)),
+    "cautious": (lambda: mfx.cautious(mfx.scale_by_adam()), dict(zero_grad_exact=True)),
+    "mars_correction": (lambda: mfx.mars_correction(0.1, 0.9, max_norm=1.0), dict(zero_grad_exact=True)),
+    "lion": (lambda: mfx.lion(weight_decay=0.1), {}),
+    "adopt": (lambda: mfx.adopt(weight_decay=0.1, decouple=True), {}),
+    "laprop": (lambda: mfx.laprop(weight_decay=0.1), {}),
+    "cautious_adamw": (lambda: mfx.cautious_adamw(weight_decay=0.1), {}),
+    "mars_adamw": (lambda: mfx.mars_adamw(weight_decay=0.1), {}),
+    "mars_muon": (lambda: mfx.mars_muon(weight_decay=0.1), MATRICES),
+}
+
+
+@pytest.mark.parametrize("name", list(LAWS))
+def test_shared_laws(name: str) -> None:
+    build, opts = LAWS[name]
+    passed = check_transform(build(), **FAST, **opts)
+    assert "purity" in passed and "state_dict_roundtrip" in passed
+
+
+def test_cli_lists_the_presets() -> None:
+    from muonfx.cli.optimizers import optimizer_names
+
+    assert {"lion", "adopt", "laprop", "cautious_adamw", "mars_adamw", "mars_muon"} <= set(optimizer_names())
