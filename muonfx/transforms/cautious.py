@@ -49,9 +49,9 @@ def cautious(inner: GradientTransformation) -> GradientTransformation:
         >>> tx = mfx.cautious(mfx.scale(-1.0))          # every element disagrees
         >>> tx.update(g, tx.init(g))[0]["w"].tolist()
         [-0.0, 0.0, -0.0]
-        >>> tx = mfx.cautious(mfx.scale(2.0))           # all 3 agree: 2 * 3 / (3 + 1)
+        >>> tx = mfx.cautious(mfx.scale(2.0))           # all 3 agree: 2 * g * 3 / (3 + 1)
         >>> tx.update(g, tx.init(g))[0]["w"].tolist()
-        [3.0, -3.0, 3.0]
+        [1.5, -1.5, 1.5]
     """
 
     def update_fn(updates, state, params=None):
