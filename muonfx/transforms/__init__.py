@@ -11,6 +11,7 @@ from .mars import MarsCorrectionState, mars_correction
 from .momentum import BiasCorrectedMomentumState, MomentumState, bias_corrected_momentum, momentum, nesterov
 from .orthogonalize import newton_schulz
 from .rows import RowNormalizeState, row_normalize
+from .schedule_free import ScheduleFreeState, schedule_free
 from .scaling import ScaleByScheduleState, scale, scale_by_learning_rate, scale_by_shape, shape_factor
 
 __all__ = ["ScaleByAdamState", "scale_by_adam", "clip_by_global_norm", "global_norm",
@@ -18,4 +19,4 @@ __all__ = ["ScaleByAdamState", "scale_by_adam", "clip_by_global_norm", "global_n
            "bias_corrected_momentum", "newton_schulz", "row_normalize", "RowNormalizeState",
            "ScaleByScheduleState", "scale", "scale_by_learning_rate", "scale_by_shape", "shape_factor",
            "ScaleByAdoptState", "scale_by_adopt", "cautious", "ScaleByLapropState", "scale_by_laprop", "ScaleByLionState",
-           "scale_by_lion", "MarsCorrectionState", "mars_correction"]
+           "scale_by_lion", "MarsCorrectionState", "mars_correction", "ScheduleFreeState", "schedule_free"]
