@@ -11,7 +11,8 @@ functional ``tx.update`` loop, next to its reference on the same parameters and 
   plain PyTorch loops from the authors' code, each naming the file (and commit) it follows.
 
 Tolerances come from measured floors (max |p - p_ref| / max |p_ref| over the run): see the
-constants. The shared laws run through :func:`muonfx.testing.check_transform`.
+constants. The shared laws run in the test catalogues (``PUBLIC`` of tests/test_conformance.py,
+``DECLARED``/``PRESETS`` of tests/test_leafwise.py, ...).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import torch
 from tensordict import TensorDict
 
 import muonfx as mfx
-from muonfx.testing import check_transform, params_and_grads
 
 from helpers import one_intra_op_thread  # noqa: F401  (autouse: one thread in this module)
 
@@ -332,35 +332,6 @@ def test_mismatched_state_is_refused_naming_the_parameter() -> None:
     s = tx.init(TensorDict({"w": torch.zeros(2)}, []))
     with pytest.raises(ValueError, match="v"):
         tx.update(TensorDict({"v": torch.zeros(2)}, []), s)
-
-
-FAST = dict(max_examples=4, derandomize=True)
-MATRICES = dict(params=params_and_grads(min_ndim=2, max_ndim=3))
-
-LAWS = {
-    "scale_by_lion": (mfx.scale_by_lion, dict(zero_grad_exact=True)),
-    "scale_by_adopt": (mfx.scale_by_adopt, dict(zero_grad_exact=True)),
-    "scale_by_laprop": (mfx.scale_by_laprop, dict(zero_grad_exact=True)),
-    "cautious": (lambda: mfx.cautious(mfx.scale_by_adam()), dict(zero_grad_exact=True)),
-    "mars_correction": (lambda: mfx.mars_correction(0.1, 0.9, max_norm=1.0), dict(zero_grad_exact=True)),
-    "lion": (lambda: mfx.lion(weight_decay=0.1), {}),
-    "adopt": (lambda: mfx.adopt(weight_decay=0.1, decouple=True), {}),
-    "laprop": (lambda: mfx.laprop(weight_decay=0.1), {}),
-    "cautious_adamw": (lambda: mfx.cautious_adamw(weight_decay=0.1), {}),
-    "mars_adamw": (lambda: mfx.mars_adamw(weight_decay=0.1), {}),
-    "mars_muon": (lambda: mfx.mars_muon(weight_decay=0.1), MATRICES),
-    "schedule_free": (lambda: mfx.schedule_free(mfx.chain(mfx.scale_by_adam(0.0), mfx.scale_by_learning_rate(0.1))),
-                      {}),
-    "schedule_free_muon": (lambda: mfx.schedule_free(mfx.muon()), MATRICES),
-    "schedule_free_adamw": (lambda: mfx.schedule_free_adamw(weight_decay=0.1, warmup_steps=2), {}),
-}
-
-
-@pytest.mark.parametrize("name", list(LAWS))
-def test_shared_laws(name: str) -> None:
-    build, opts = LAWS[name]
-    passed = check_transform(build(), **FAST, **opts)
-    assert "purity" in passed and "state_dict_roundtrip" in passed
 
 
 def test_cli_lists_the_presets() -> None:

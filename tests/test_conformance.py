@@ -87,6 +87,22 @@ PUBLIC: dict[str, tuple[str, Callable[[], mfx.GradientTransformation], dict[str,
                            MATRICES_2D_3D),
     "split_newton_schulz": (MATRIX, lambda: mfx.split_newton_schulz(1, dim=1), MATRICES_2D_3D),
     "muon_per_head": (MATRIX, lambda: mfx.muon_per_head(1, qkv_pattern=r"^[a-m]"), MATRICES_2D_3D),
+    # the catalogue (tests/test_catalogue.py has their parity tests)
+    "scale_by_lion": (ANY, mfx.scale_by_lion, dict(zero_grad_exact=True)),
+    "scale_by_adopt": (ANY, mfx.scale_by_adopt, dict(zero_grad_exact=True)),
+    "scale_by_laprop": (ANY, mfx.scale_by_laprop, dict(zero_grad_exact=True)),
+    "cautious": (ANY, lambda: mfx.cautious(mfx.scale_by_adam()), dict(zero_grad_exact=True)),
+    "mars_correction": (ANY, lambda: mfx.mars_correction(0.1, 0.9, max_norm=1.0), dict(zero_grad_exact=True)),
+    "schedule_free": (ANY, lambda: mfx.schedule_free(mfx.chain(mfx.scale_by_adam(0.0), mfx.scale_by_learning_rate(0.1))),
+                      {}),
+    "schedule_free_muon": (MATRIX, lambda: mfx.schedule_free(mfx.muon()), MATRICES_2D_3D),
+    "lion": (ANY, lambda: mfx.lion(weight_decay=0.1), {}),
+    "adopt": (ANY, lambda: mfx.adopt(weight_decay=0.1, decouple=True), {}),
+    "laprop": (ANY, lambda: mfx.laprop(weight_decay=0.1), {}),
+    "cautious_adamw": (ANY, lambda: mfx.cautious_adamw(weight_decay=0.1), {}),
+    "mars_adamw": (ANY, lambda: mfx.mars_adamw(weight_decay=0.1), {}),
+    "mars_muon": (MATRIX, lambda: mfx.mars_muon(weight_decay=0.1), MATRICES_2D_3D),
+    "schedule_free_adamw": (ANY, lambda: mfx.schedule_free_adamw(weight_decay=0.1, warmup_steps=2), {}),
 }
 
 

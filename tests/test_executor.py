@@ -128,6 +128,12 @@ BUILTINS = {
     "muon": (lambda: mfx.muon(ns_dtype=torch.float32), True),
     "adamw": (lambda: mfx.adamw(weight_decay=0.1), False),
     "muon_adamw": (lambda: mfx.muon_adamw(ns_dtype=torch.float32, weight_decay=0.1), False),
+    "lion": (lambda: mfx.lion(weight_decay=0.1), False),
+    "adopt": (lambda: mfx.adopt(weight_decay=0.1), False),
+    "laprop": (lambda: mfx.laprop(weight_decay=0.1), False),
+    "cautious_adamw": (lambda: mfx.cautious_adamw(weight_decay=0.1), False),
+    "mars_adamw": (lambda: mfx.mars_adamw(weight_decay=0.1), False),
+    "schedule_free_adamw": (lambda: mfx.schedule_free_adamw(weight_decay=0.1), False),
 }
 
 

@@ -154,6 +154,12 @@ FUNCTIONAL = {
     "decoupled_decay": lambda: mfx.decoupled_decay(0.1),
     "accumulate": lambda: mfx.accumulate(mfx.adamw(), 2),
     "cautious": lambda: mfx.cautious_decay(0.1),
+    "lion": lambda: mfx.lion(),
+    "adopt": lambda: mfx.adopt(),
+    "laprop": lambda: mfx.laprop(),
+    "cautious_adamw": lambda: mfx.cautious_adamw(),
+    "mars_adamw": lambda: mfx.mars_adamw(),
+    "schedule_free_adamw": lambda: mfx.schedule_free_adamw(),
 }
 
 

@@ -148,6 +148,11 @@ ELEMENTWISE: dict[str, Callable[[], mfx.GradientTransformation]] = {
     "decay": lambda: mfx.decoupled_decay(0.1),
     "lr_schedule": lambda: mfx.scale_by_learning_rate(schedules.linear(1.0, 0.25, 2)),
     "ns_masked": lambda: mfx.mask_by_ndim(mfx.newton_schulz(), MATRIX_DIMS),
+    "lion": lambda: mfx.scale_by_lion(),
+    "adopt": lambda: mfx.scale_by_adopt(),
+    "laprop": lambda: mfx.scale_by_laprop(),
+    "cautious": lambda: mfx.cautious(mfx.scale_by_adam()),
+    "mars": lambda: mfx.mars_correction(0.1, 0.9, max_norm=1.0),
 }
 
 # ---------------------------------------------------------------------------
@@ -495,6 +500,12 @@ ZERO_CASES: dict[str, tuple[str, Callable[[], mfx.GradientTransformation]]] = {
     "scale_by_adam": (ANY, lambda: mfx.scale_by_adam()),
     "momentum": (ANY, lambda: mfx.momentum(0.9)),
     "nesterov": (ANY, lambda: mfx.nesterov(0.9)),
+    "lion": (ANY, lambda: mfx.lion()),
+    "adopt": (ANY, lambda: mfx.adopt()),
+    "laprop": (ANY, lambda: mfx.laprop()),
+    "cautious_adamw": (ANY, lambda: mfx.cautious_adamw()),
+    "mars_adamw": (ANY, lambda: mfx.mars_adamw()),
+    "schedule_free_adamw": (ANY, lambda: mfx.schedule_free_adamw()),
 }
 
 

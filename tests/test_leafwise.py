@@ -93,6 +93,13 @@ DECLARED: dict[str, tuple[Callable[[], mfx.GradientTransformation], bool]] = {
     "optax_muon": (mfx.optax_muon, True),
     "modded_nanogpt_normuon": (mfx.modded_nanogpt_normuon, True),
     "fsdp_muon": (lambda: mfx.presets.fsdp_muon(gradient_accumulation_steps=2), True),
+    # the catalogue
+    "scale_by_lion": (mfx.scale_by_lion, True),
+    "scale_by_adopt": (mfx.scale_by_adopt, True),
+    "scale_by_laprop": (mfx.scale_by_laprop, True),
+    "cautious": (lambda: mfx.cautious(mfx.scale_by_adam()), True),
+    "mars_correction": (lambda: mfx.mars_correction(0.1, 0.9, max_norm=1.0), True),
+    "schedule_free": (lambda: mfx.schedule_free(mfx.scale_by_learning_rate(0.1)), False),
 }
 
 
@@ -133,6 +140,12 @@ PRESETS: dict[str, tuple[Callable[[], mfx.GradientTransformation], bool]] = {
     "adamw": (lambda: mfx.adamw(weight_decay=0.1), False),
     "muon_adamw": (lambda: mfx.muon_adamw(weight_decay=0.1, ns_dtype=torch.float32), False),
     "normuon": (lambda: mfx.normuon(weight_decay=0.1, ns_dtype=torch.float32), True),
+    "lion": (lambda: mfx.lion(weight_decay=0.1), False),
+    "adopt": (lambda: mfx.adopt(weight_decay=0.1), False),
+    "laprop": (lambda: mfx.laprop(weight_decay=0.1), False),
+    "cautious_adamw": (lambda: mfx.cautious_adamw(weight_decay=0.1), False),
+    "mars_adamw": (lambda: mfx.mars_adamw(weight_decay=0.1), False),
+    "mars_muon": (lambda: mfx.mars_muon(weight_decay=0.1, ns_dtype=torch.float32), True),
 }
 
 

@@ -98,10 +98,10 @@ def schedule_free(inner: GradientTransformation, b1: float = 0.9,
         total = state.weight_sum + w
         c = w / total if total != 0 else 0.0
         new_z = foreach("add", zs, us)
-        new_x = foreach("mul", xs, 1.0 - c)
-        foreach("add_", new_x, new_z, alpha=c)
-        new_y = foreach("mul", new_x, b1)
-        foreach("add_", new_y, new_z, alpha=1.0 - b1)
+        # as lerps: where x == z (at the start, and while the gradients are zero) x and y
+        # stay exactly where they are, and the update is exactly zero
+        new_x = foreach("lerp", xs, new_z, c)
+        new_y = foreach("lerp", new_z, new_x, b1)
         out = foreach("sub_", new_y, ys)
         return build(keys, out), ScheduleFreeState(state.k + 1, total, True, build(keys, new_z),
                                                    build(keys, new_x), inner_state)
