@@ -41,3 +41,28 @@ def task_presets(rank: int, world: int, steps: int = 6, rows_per_rank: int = 4) 
             ref_opt.eval()
             out[name] = rel_errors(full_params(ref), got)
     return out
+
+
+def _dion2_groups(model):
+    """Dion2 on the hidden matrices, AdamW on the rest (as Dion2's own param groups)."""
+    named = list(model.named_parameters())
+    hidden = [(n, p) for n, p in named if p.ndim == 2 and not n.startswith(("embed", "lm_head"))]
+    rest = [(n, p) for n, p in named if (n, p) not in hidden]
+    return mfx.TransformOptimizer([dict(params=hidden, tx=mfx.dion2, lr=0.02, fraction=0.3, ns_dtype=torch.float32),
+                                   dict(params=rest, tx=mfx.adamw, lr=3e-3)], mfx.dion2)
+
+
+def task_dion2(rank: int, world: int, steps: int = 6, rows_per_rank: int = 4) -> dict:
+    """Dion2 on FSDP2: the top rows of each whole matrix, chosen on its owner rank."""
+    batches = lm_batches(steps, rows_per_rank * world)
+    torch.manual_seed(0)
+    model = shard_net(Net())
+    train_lm(model, _dion2_groups(model), batches, rank, world)
+    got = full_params(model)
+    out: dict = {}
+    if rank == 0:
+        torch.manual_seed(0)
+        ref = Net()
+        train_lm(ref, _dion2_groups(ref), batches)
+        out["dion2"] = rel_errors(full_params(ref), got)
+    return out

@@ -103,6 +103,8 @@ PUBLIC: dict[str, tuple[str, Callable[[], mfx.GradientTransformation], dict[str,
     "mars_adamw": (ANY, lambda: mfx.mars_adamw(weight_decay=0.1), {}),
     "mars_muon": (MATRIX, lambda: mfx.mars_muon(weight_decay=0.1), MATRICES_2D_3D),
     "schedule_free_adamw": (ANY, lambda: mfx.schedule_free_adamw(weight_decay=0.1, warmup_steps=2), {}),
+    "scale_by_dion2": (MATRIX, lambda: mfx.scale_by_dion2(0.5), MATRICES_2D_3D),
+    "dion2": (MATRIX, lambda: mfx.dion2(weight_decay=0.1), MATRICES_2D_3D),
 }
 
 

@@ -134,6 +134,7 @@ BUILTINS = {
     "cautious_adamw": (lambda: mfx.cautious_adamw(weight_decay=0.1), False),
     "mars_adamw": (lambda: mfx.mars_adamw(weight_decay=0.1), False),
     "schedule_free_adamw": (lambda: mfx.schedule_free_adamw(weight_decay=0.1), False),
+    "dion2": (lambda: mfx.dion2(ns_dtype=torch.float32), True),
 }
 
 

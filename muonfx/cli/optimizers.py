@@ -9,7 +9,7 @@
   ``lr=--lr, adamw_lr=--adamw-lr``; a matrix optimizer (``muon``) gets every
   parameter of 2 or more dimensions (embeddings and head included: the "Muon on
   everything it can take" ablation) and AdamW (``--adamw-lr``) the 0-D/1-D rest.
-* a preset of :mod:`muonfx.presets.catalogue`: ``mars_muon`` as ``muon`` above; the
+* a preset of :mod:`muonfx.presets.catalogue`: ``mars_muon`` and ``dion2`` as ``muon`` above; the
   elementwise ones (``lion``, ``adopt``, ``laprop``, ``cautious_adamw``, ``mars_adamw``)
   on every parameter, with ``--lr`` (else the preset's own default lr) and
   ``--weight-decay``.
@@ -46,9 +46,8 @@ def _factory(name: str):
 
 
 def _elementwise(name: str) -> bool:
-    """A catalogue preset that takes every parameter (no Muon options in its signature)."""
-    fn = _factory(name)
-    return fn is not None and name in catalogue.__all__ and "ns_steps" not in inspect.signature(fn).parameters
+    """A catalogue preset that takes every parameter (not a matrix optimizer)."""
+    return name in catalogue.ELEMENTWISE
 
 
 def optimizer_names() -> list[str]:

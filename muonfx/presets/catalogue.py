@@ -9,15 +9,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ..combine import chain, named_chain
 from ..core import GradientTransformation
 from ..hyperparams import check_args
 from ..schedules import ScalarOrSchedule
-from ..transforms import (cautious, decoupled_decay, mars_correction, scale_by_adam, scale_by_adopt, scale_by_laprop,
+from ..transforms import (cautious, decoupled_decay, scale_by_dion2, scale_by_shape, mars_correction, scale_by_adam, scale_by_adopt, scale_by_laprop,
                           scale_by_learning_rate, scale_by_lion, schedule_free)
 from .options import MuonOptions, takes_muon_options
 
-__all__ = ["lion", "adopt", "laprop", "cautious_adamw", "mars_adamw", "mars_muon", "schedule_free_adamw"]
+__all__ = ["lion", "adopt", "laprop", "cautious_adamw", "mars_adamw", "mars_muon", "schedule_free_adamw", "dion2"]
+
+#: the presets that take any parameter (0-D to 4-D); the others take matrices
+ELEMENTWISE = ("lion", "adopt", "laprop", "cautious_adamw", "mars_adamw", "schedule_free_adamw")
 
 
 def _betas(name: str, betas: Any) -> tuple[float, float]:
@@ -189,3 +194,35 @@ def schedule_free_adamw(lr: float = 0.0025, betas: tuple[float, float] = (0.9, 0
 
     inner = chain(scale_by_adam(0.0, b2, eps), decoupled_decay(weight_decay), scale_by_learning_rate(lr_at))
     return schedule_free(inner, b1, weight)
+
+
+_DION_SHAPES = {"spectral_norm": "spectral", "rms_norm": "match_rms_adamw", None: "none"}
+
+
+def dion2(lr: ScalarOrSchedule = 0.01, fraction: float = 0.25, ef_decay: float = 0.95, weight_decay: float = 0.01,
+          adjust_lr: str | None = "spectral_norm", eps: float = 1e-7,
+          ns_dtype: torch.dtype | None = None) -> GradientTransformation:
+    """Dion2 (Ahn et al., 2025) for matrices, as microsoft/dion's ``Dion2`` computes it
+    (same defaults; its shard-independent row selection, which one process shares).
+
+    The chain ``scale_by_dion2(fraction, ef_decay, eps=eps) -> scale_by_shape(adjust_lr) ->
+    decoupled_decay(wd) -> scale_by_learning_rate(lr)``::
+
+        W <- W - lr * (s(A, B) * U + wd * W),   U = NS(the top ceil(fraction * A) rows of M)
+
+    ``adjust_lr``: ``"spectral_norm"`` (``s = sqrt(A / B)``), ``"rms_norm"``
+    (``0.2 * sqrt(max(A, B))``) or ``None`` (1). Give it matrices (route 0-D/1-D
+    parameters to AdamW or Lion, as Dion2's own param groups do). State: one buffer per
+    matrix (4 bytes per float32 element).
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> tx = mfx.dion2(lr=0.01, fraction=0.25)
+    """
+    check_args(lr=lr, weight_decay=weight_decay)
+    if adjust_lr not in _DION_SHAPES:
+        raise ValueError(f"dion2: adjust_lr must be 'spectral_norm', 'rms_norm' or None, got {adjust_lr!r}")
+    return named_chain(("dion2", scale_by_dion2(fraction, ef_decay, eps=eps, ns_dtype=ns_dtype)),
+                       ("scale_by_shape", scale_by_shape(_DION_SHAPES[adjust_lr])),
+                       ("weight_decay", decoupled_decay(weight_decay)), ("lr", scale_by_learning_rate(lr)))

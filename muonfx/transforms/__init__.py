@@ -5,6 +5,7 @@ from .adopt import ScaleByAdoptState, scale_by_adopt
 from .cautious import cautious
 from .clipping import clip_by_global_norm, global_norm
 from .decay import cautious_decay, decoupled_decay
+from .dion2 import ScaleByDion2State, scale_by_dion2
 from .laprop import ScaleByLapropState, scale_by_laprop
 from .lion import ScaleByLionState, scale_by_lion
 from .mars import MarsCorrectionState, mars_correction
@@ -19,4 +20,5 @@ __all__ = ["ScaleByAdamState", "scale_by_adam", "clip_by_global_norm", "global_n
            "bias_corrected_momentum", "newton_schulz", "row_normalize", "RowNormalizeState",
            "ScaleByScheduleState", "scale", "scale_by_learning_rate", "scale_by_shape", "shape_factor",
            "ScaleByAdoptState", "scale_by_adopt", "cautious", "ScaleByLapropState", "scale_by_laprop", "ScaleByLionState",
-           "scale_by_lion", "MarsCorrectionState", "mars_correction", "ScheduleFreeState", "schedule_free"]
+           "scale_by_lion", "MarsCorrectionState", "mars_correction", "ScheduleFreeState", "schedule_free",
+           "ScaleByDion2State", "scale_by_dion2"]
