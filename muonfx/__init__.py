@@ -30,7 +30,7 @@ _EXPORTS = {
     **dict.fromkeys(["moonlight", "muon_cautious", "muon_per_head", "modded_nanogpt_normuon",
                      "muon_with_momentum_warmup", "normuon", "optax_muon", "split_newton_schulz"], ".presets.variants"),
     **dict.fromkeys(["adopt", "cautious_adamw", "laprop", "lion", "mars_adamw", "mars_muon", "schedule_free_adamw",
-                     "dion2"], ".presets.catalogue"),
+                     "dion2", "soap"], ".presets.catalogue"),
     "momentum_warmup": ".schedules",
     **dict.fromkeys(["BiasCorrectedMomentumState", "MomentumState", "RowNormalizeState", "bias_corrected_momentum",
                      "ScaleByAdamState", "ScaleByScheduleState", "cautious_decay", "clip_by_global_norm",
@@ -38,7 +38,8 @@ _EXPORTS = {
                      "scale", "scale_by_adam", "scale_by_learning_rate", "scale_by_shape"], ".transforms"),
     **dict.fromkeys(["MarsCorrectionState", "ScaleByAdoptState", "ScaleByLapropState", "ScaleByLionState", "cautious",
                      "mars_correction", "scale_by_adopt", "scale_by_laprop", "scale_by_lion", "ScheduleFreeState",
-                     "schedule_free", "ScaleByDion2State", "scale_by_dion2"], ".transforms"),
+                     "schedule_free", "ScaleByDion2State", "scale_by_dion2", "ScaleBySoapState",
+                     "scale_by_soap"], ".transforms"),
     **dict.fromkeys(["AccumulateState", "ApplyIfFiniteState", "InjectHyperparamsState", "accumulate",
                      "apply_if_finite", "inject_hyperparams"], ".wrappers"),
 }
@@ -75,7 +76,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from .optim.fsdp_optimizer import FSDPMuonOptimizer
     from .optim.muon_optimizer import MuonOptimizer, create_hybrid_optimizer
     from .presets.catalogue import (adopt, cautious_adamw, dion2, laprop, lion, mars_adamw, mars_muon,
-                                    schedule_free_adamw)
+                                    schedule_free_adamw, soap)
     from .presets.options import MeaningChangedWarning, MuonOptions
     from .presets.standard import adamw, default_muon_labels, muon, muon_adamw
     from .presets.variants import (moonlight, muon_cautious, muon_per_head, modded_nanogpt_normuon,
@@ -86,7 +87,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
                              decoupled_decay, global_norm, momentum, nesterov, newton_schulz, row_normalize, scale,
                              scale_by_adam, scale_by_learning_rate, scale_by_shape)
     from .transforms import (MarsCorrectionState, ScaleByAdoptState, ScaleByLapropState, ScaleByLionState,
-                             ScaleByDion2State, ScheduleFreeState, cautious, mars_correction, scale_by_adopt,
-                             scale_by_dion2, scale_by_laprop, scale_by_lion, schedule_free)
+                             ScaleByDion2State, ScaleBySoapState, ScheduleFreeState, cautious, mars_correction,
+                             scale_by_adopt, scale_by_dion2, scale_by_laprop, scale_by_lion, scale_by_soap,
+                             schedule_free)
     from .wrappers import (AccumulateState, ApplyIfFiniteState, InjectHyperparamsState, accumulate,
                            apply_if_finite, inject_hyperparams)

@@ -105,6 +105,8 @@ PUBLIC: dict[str, tuple[str, Callable[[], mfx.GradientTransformation], dict[str,
     "schedule_free_adamw": (ANY, lambda: mfx.schedule_free_adamw(weight_decay=0.1, warmup_steps=2), {}),
     "scale_by_dion2": (MATRIX, lambda: mfx.scale_by_dion2(0.5), MATRICES_2D_3D),
     "dion2": (MATRIX, lambda: mfx.dion2(weight_decay=0.1), MATRICES_2D_3D),
+    "scale_by_soap": (ANY, lambda: mfx.scale_by_soap(precondition_frequency=1), dict(zero_grad_exact=True)),
+    "soap": (ANY, lambda: mfx.soap(precondition_frequency=1, max_precond_dim=3, merge_dims=True), {}),
 }
 
 

@@ -135,6 +135,7 @@ BUILTINS = {
     "mars_adamw": (lambda: mfx.mars_adamw(weight_decay=0.1), False),
     "schedule_free_adamw": (lambda: mfx.schedule_free_adamw(weight_decay=0.1), False),
     "dion2": (lambda: mfx.dion2(ns_dtype=torch.float32), True),
+    "soap": (lambda: mfx.soap(precondition_frequency=2), False),
 }
 
 

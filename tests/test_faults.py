@@ -160,6 +160,7 @@ FUNCTIONAL = {
     "cautious_adamw": lambda: mfx.cautious_adamw(),
     "mars_adamw": lambda: mfx.mars_adamw(),
     "schedule_free_adamw": lambda: mfx.schedule_free_adamw(),
+    "soap": lambda: mfx.soap(),
 }
 
 

@@ -101,6 +101,7 @@ DECLARED: dict[str, tuple[Callable[[], mfx.GradientTransformation], bool]] = {
     "mars_correction": (lambda: mfx.mars_correction(0.1, 0.9, max_norm=1.0), True),
     "schedule_free": (lambda: mfx.schedule_free(mfx.scale_by_learning_rate(0.1)), False),
     "scale_by_dion2": (lambda: mfx.scale_by_dion2(0.5, ns_dtype=torch.float32), True),
+    "scale_by_soap": (lambda: mfx.scale_by_soap(precondition_frequency=1), True),
 }
 
 
@@ -148,6 +149,7 @@ PRESETS: dict[str, tuple[Callable[[], mfx.GradientTransformation], bool]] = {
     "mars_adamw": (lambda: mfx.mars_adamw(weight_decay=0.1), False),
     "mars_muon": (lambda: mfx.mars_muon(weight_decay=0.1, ns_dtype=torch.float32), True),
     "dion2": (lambda: mfx.dion2(ns_dtype=torch.float32), True),
+    "soap": (lambda: mfx.soap(precondition_frequency=2), False),
 }
 
 

@@ -15,14 +15,14 @@ from ..combine import chain, named_chain
 from ..core import GradientTransformation
 from ..hyperparams import check_args
 from ..schedules import ScalarOrSchedule
-from ..transforms import (cautious, decoupled_decay, scale_by_dion2, scale_by_shape, mars_correction, scale_by_adam, scale_by_adopt, scale_by_laprop,
+from ..transforms import (cautious, decoupled_decay, scale_by_dion2, scale_by_shape, scale_by_soap, mars_correction, scale_by_adam, scale_by_adopt, scale_by_laprop,
                           scale_by_learning_rate, scale_by_lion, schedule_free)
 from .options import MuonOptions, takes_muon_options
 
-__all__ = ["lion", "adopt", "laprop", "cautious_adamw", "mars_adamw", "mars_muon", "schedule_free_adamw", "dion2"]
+__all__ = ["lion", "adopt", "laprop", "cautious_adamw", "mars_adamw", "mars_muon", "schedule_free_adamw", "dion2", "soap"]
 
 #: the presets that take any parameter (0-D to 4-D); the others take matrices
-ELEMENTWISE = ("lion", "adopt", "laprop", "cautious_adamw", "mars_adamw", "schedule_free_adamw")
+ELEMENTWISE = ("lion", "adopt", "laprop", "cautious_adamw", "mars_adamw", "schedule_free_adamw", "soap")
 
 
 def _betas(name: str, betas: Any) -> tuple[float, float]:
@@ -225,4 +225,31 @@ def dion2(lr: ScalarOrSchedule = 0.01, fraction: float = 0.25, ef_decay: float =
         raise ValueError(f"dion2: adjust_lr must be 'spectral_norm', 'rms_norm' or None, got {adjust_lr!r}")
     return named_chain(("dion2", scale_by_dion2(fraction, ef_decay, eps=eps, ns_dtype=ns_dtype)),
                        ("scale_by_shape", scale_by_shape(_DION_SHAPES[adjust_lr])),
+                       ("weight_decay", decoupled_decay(weight_decay)), ("lr", scale_by_learning_rate(lr)))
+
+
+def soap(lr: ScalarOrSchedule = 3e-3, betas: tuple[float, float] = (0.95, 0.95), shampoo_beta: float = -1.0,
+         eps: float = 1e-8, weight_decay: float = 0.01, precondition_frequency: int = 10, max_precond_dim: int = 10000,
+         merge_dims: bool = False, precondition_1d: bool = False,
+         normalize_grads: bool = False) -> GradientTransformation:
+    """SOAP (Vyas et al., 2024), as the authors' ``soap.py`` (nikhilvyas/SOAP at f42d296)
+    computes it (same defaults).
+
+    The chain ``scale_by_soap(b1, b2, shampoo_beta, eps, ...) -> decoupled_decay(wd) ->
+    scale_by_learning_rate(lr)``: Adam in the eigenbasis of Shampoo's factors, the basis
+    refreshed by one QR power iteration every ``precondition_frequency`` steps. The
+    reference decays the weights after the update (``W <- (W - lr * u) (1 - lr * wd)``)
+    and not on the first step; this chain decays as AdamW (``W - lr * (u + wd * W)``,
+    a difference of ``lr^2 * wd * u``). State: two moments per element plus the factors
+    and bases (``2 * d^2`` per preconditioned dimension ``d``). Whole tensors only.
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> tx = mfx.soap(lr=3e-3, precondition_frequency=10)
+    """
+    check_args(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    b1, b2 = _betas("betas", betas)
+    return named_chain(("soap", scale_by_soap(b1, b2, shampoo_beta, eps, precondition_frequency, max_precond_dim,
+                                              merge_dims, precondition_1d, normalize_grads)),
                        ("weight_decay", decoupled_decay(weight_decay)), ("lr", scale_by_learning_rate(lr)))

@@ -13,6 +13,7 @@ from .momentum import BiasCorrectedMomentumState, MomentumState, bias_corrected_
 from .orthogonalize import newton_schulz
 from .rows import RowNormalizeState, row_normalize
 from .schedule_free import ScheduleFreeState, schedule_free
+from .soap import ScaleBySoapState, scale_by_soap
 from .scaling import ScaleByScheduleState, scale, scale_by_learning_rate, scale_by_shape, shape_factor
 
 __all__ = ["ScaleByAdamState", "scale_by_adam", "clip_by_global_norm", "global_norm",
@@ -21,4 +22,5 @@ __all__ = ["ScaleByAdamState", "scale_by_adam", "clip_by_global_norm", "global_n
            "ScaleByScheduleState", "scale", "scale_by_learning_rate", "scale_by_shape", "shape_factor",
            "ScaleByAdoptState", "scale_by_adopt", "cautious", "ScaleByLapropState", "scale_by_laprop", "ScaleByLionState",
            "scale_by_lion", "MarsCorrectionState", "mars_correction", "ScheduleFreeState", "schedule_free",
-           "ScaleByDion2State", "scale_by_dion2"]
+           "ScaleByDion2State", "scale_by_dion2",
+           "ScaleBySoapState", "scale_by_soap"]
