@@ -44,35 +44,58 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
+def random_problem(shapes: dict, dtype: torch.dtype, seed: int = 0):
+    """``(start, grads)``: parameters and ``STEPS`` gradients of ``shapes``, drawn in float64."""
+    gen = torch.Generator().manual_seed(seed)
+    start = {k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for k, s in shapes.items()}
+             for _ in range(STEPS)]
+    return start, grads
+
+
 def make_params(dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return {k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for k, s in SHAPES.items()}
+    return random_problem(SHAPES, dtype)[0]
 
 
 def make_grads(dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    return [{k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for k, s in SHAPES.items()}
-            for _ in range(STEPS)]
+    return random_problem(SHAPES, dtype, seed=1)[1]
 
 
-def run_torch_style(make_opt, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """``STEPS`` steps of a torch.optim-style optimizer ``make_opt(named_params)``."""
-    params = {k: torch.nn.Parameter(v) for k, v in make_params(dtype).items()}
+def run_torch_style(make_opt, dtype: torch.dtype, problem=None) -> dict[str, torch.Tensor]:
+    """``STEPS`` steps of a torch.optim-style optimizer ``make_opt(named_params)`` on
+    ``problem`` (``(start, grads)``; by default :data:`SHAPES`' at seeds 0 and 1)."""
+    start, all_grads = problem or (make_params(dtype), make_grads(dtype))
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}
     opt = make_opt(list(params.items()))
-    for grads in make_grads(dtype):
+    for grads in all_grads:
         for k, p in params.items():
             p.grad = grads[k].clone()
         opt.step()
     return {k: p.detach() for k, p in params.items()}
 
 
-def run_functional(tx: mfx.GradientTransformation, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    params = TensorDict(make_params(dtype), [])
+def run_functional(tx: mfx.GradientTransformation, dtype: torch.dtype, problem=None) -> dict[str, torch.Tensor]:
+    start, all_grads = problem or (make_params(dtype), make_grads(dtype))
+    params = TensorDict({k: v.clone() for k, v in start.items()}, [])
     state = tx.init(params)
-    for grads in make_grads(dtype):
+    for grads in all_grads:
         updates, state = tx.update(TensorDict(grads, []), state, params)
         params = mfx.apply_updates(params, updates)
-    return {k: params[k] for k in SHAPES}
+    return {k: params[k] for k in start}
+
+
+def assert_three_ways(name, make_ref, preset, hp, ours, problem, tol) -> None:
+    """The reference, ``TransformOptimizer(params, preset, **hp, **ours)`` and the
+    functional ``preset(**hp, **ours).update`` loop agree within ``tol``, and the
+    parameters moved."""
+    dtype = next(iter(problem[0].values())).dtype
+    ref = run_torch_style(lambda ps: make_ref([p for _, p in ps], **hp), dtype, problem)
+    got = run_torch_style(lambda ps: mfx.TransformOptimizer(ps, preset, **hp, **ours), dtype, problem)
+    functional = run_functional(preset(**hp, **ours), dtype, problem)
+    for k, start in problem[0].items():
+        assert rel_err(ref[k], start) > 1e-3, f"{name}: {k} did not move"
+        for how, a in (("TransformOptimizer", got[k]), ("tx.update", functional[k])):
+            assert rel_err(a, ref[k]) <= tol, f"{name} ({how}, {k}, {dtype}): {rel_err(a, ref[k]):.2e}"
 
 
 # ---------------------------------------------------------------------------
@@ -80,149 +103,140 @@ def run_functional(tx: mfx.GradientTransformation, dtype: torch.dtype) -> dict[s
 # ---------------------------------------------------------------------------
 
 
-class RefADOPT(torch.optim.Optimizer):
+class PerParameter(torch.optim.Optimizer):
+    """The frame of the references below: ``update(p, state, group)`` per parameter with a
+    gradient, ``state`` empty at first (their arithmetic is each one's own)."""
+
+    def __init__(self, params, **defaults):
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.update(p, self.state[p], group)
+
+
+class RefADOPT(PerParameter):
     """ADOPT as the authors' ``adopt.py`` (iShohei220/adopt, the ``clip_lambda`` form of
     ``_single_tensor_adopt``; the form timm and optax.contrib port) computes it, with
     ``decouple=False`` (an L2 term added to the gradient, the authors' default) or
     ``decouple=True`` (``p -= lr * wd * p``, skipped on the first step)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.9999), eps=1e-6, weight_decay=0.0, decouple=False):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decouple=decouple))
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decouple=decouple)
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            for p in group["params"]:
-                st = self.state[p]
-                if not st:
-                    st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-                grad = p.grad
-                if wd != 0 and not group["decouple"]:
-                    grad = grad.add(p, alpha=wd)
-                if st["step"] == 0:
-                    st["exp_avg_sq"].addcmul_(grad, grad)
-                    st["step"] += 1
-                    continue
-                if wd != 0 and group["decouple"]:
-                    p.add_(p, alpha=-lr * wd)
-                denom = torch.clamp(st["exp_avg_sq"].sqrt(), eps)
-                normed = grad.div(denom)
-                clip = st["step"] ** 0.25
-                normed.clamp_(-clip, clip)
-                st["exp_avg"].lerp_(normed, 1 - b1)
-                p.add_(st["exp_avg"], alpha=-lr)
-                st["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
-                st["step"] += 1
+    def update(self, p, st, group):
+        (b1, b2), lr, wd, eps = group["betas"], group["lr"], group["weight_decay"], group["eps"]
+        if not st:
+            st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        grad = p.grad
+        if wd != 0 and not group["decouple"]:
+            grad = grad.add(p, alpha=wd)
+        if st["step"] == 0:
+            st["exp_avg_sq"].addcmul_(grad, grad)
+            st["step"] += 1
+            return
+        if wd != 0 and group["decouple"]:
+            p.add_(p, alpha=-lr * wd)
+        normed = grad.div(torch.clamp(st["exp_avg_sq"].sqrt(), eps))
+        clip = st["step"] ** 0.25
+        normed.clamp_(-clip, clip)
+        st["exp_avg"].lerp_(normed, 1 - b1)
+        p.add_(st["exp_avg"], alpha=-lr)
+        st["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        st["step"] += 1
 
 
-class RefLaProp(torch.optim.Optimizer):
+class RefLaProp(PerParameter):
     """LaProp as the authors' ``laprop.py`` (Z-T-WANG/LaProp-Optimizer, commit ff5efc0;
     ``amsgrad=False, centered=False``) computes it: the lr folded into the momentum, its
     bias correction an EMA of the lr."""
 
     def __init__(self, params, lr=4e-4, betas=(0.9, 0.999), eps=1e-15):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+        super().__init__(params, lr=lr, betas=betas, eps=eps)
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            lr = group["lr"]
-            for p in group["params"]:
-                st = self.state[p]
-                if not st:
-                    st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), lr1=0.0, lr2=0.0)
-                grad = p.grad
-                st["step"] += 1
-                st["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
-                st["lr1"] = st["lr1"] * b1 + (1 - b1) * lr
-                st["lr2"] = st["lr2"] * b2 + (1 - b2)
-                step_size = 1 / (st["lr1"] / lr)
-                denom = st["exp_avg_sq"].div(st["lr2"]).sqrt_().add_(group["eps"])
-                st["exp_avg"].mul_(b1).add_(grad / denom, alpha=(1 - b1) * lr)
-                p.add_(st["exp_avg"], alpha=-step_size)
+    def update(self, p, st, group):
+        (b1, b2), lr, grad = group["betas"], group["lr"], p.grad
+        if not st:
+            st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), lr1=0.0, lr2=0.0)
+        st["step"] += 1
+        st["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        st["lr1"] = st["lr1"] * b1 + (1 - b1) * lr
+        st["lr2"] = st["lr2"] * b2 + (1 - b2)
+        denom = st["exp_avg_sq"].div(st["lr2"]).sqrt_().add_(group["eps"])
+        st["exp_avg"].mul_(b1).add_(grad / denom, alpha=(1 - b1) * lr)
+        p.add_(st["exp_avg"], alpha=-1 / (st["lr1"] / lr))
 
 
-class RefCAdamW(torch.optim.Optimizer):
+class RefCAdamW(PerParameter):
     """C-AdamW as the authors' C-Optim ``AdamW`` (kyleliang919/C-Optim, ``c_adamw.py``,
     ``correct_bias=True``) computes it: decay first, epsilon on the uncorrected ``sqrt(v)``,
     ``mask * numel / (sum(mask) + 1)`` on the first moment."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                st = self.state[p]
-                if not st:
-                    st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-                grad, m, v = p.grad, st["exp_avg"], st["exp_avg_sq"]
-                st["step"] += 1
-                if group["weight_decay"] > 0.0:
-                    p.add_(p, alpha=-group["lr"] * group["weight_decay"])
-                m.mul_(b1).add_(grad, alpha=1.0 - b1)
-                v.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
-                denom = v.sqrt().add_(group["eps"])
-                step_size = group["lr"] * math.sqrt(1.0 - b2 ** st["step"]) / (1.0 - b1 ** st["step"])
-                mask = (m * grad > 0).to(grad.dtype)
-                mask = mask * (mask.numel() / (mask.sum() + 1))
-                p.add_((m * mask) / denom, alpha=-step_size)
+    def update(self, p, st, group):
+        b1, b2 = group["betas"]
+        if not st:
+            st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+        grad, m, v = p.grad, st["exp_avg"], st["exp_avg_sq"]
+        st["step"] += 1
+        if group["weight_decay"] > 0.0:
+            p.add_(p, alpha=-group["lr"] * group["weight_decay"])
+        m.mul_(b1).add_(grad, alpha=1.0 - b1)
+        v.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
+        denom = v.sqrt().add_(group["eps"])
+        step_size = group["lr"] * math.sqrt(1.0 - b2 ** st["step"]) / (1.0 - b1 ** st["step"])
+        mask = (m * grad > 0).to(grad.dtype)
+        mask = mask * (mask.numel() / (mask.sum() + 1))
+        p.add_((m * mask) / denom, alpha=-step_size)
 
 
-class RefMARS(torch.optim.Optimizer):
+class RefMARS(PerParameter):
     """MARS-AdamW as AGI-Arena/MARS's ``MARS/optimizers/mars.py`` (commit 20c60c1;
     ``mars_type="mars-adamw"``, ``is_approx=True``, ``amsgrad=False``,
     ``optimize_1d=True``) computes it."""
 
     def __init__(self, params, lr=3e-3, betas=(0.95, 0.99), eps=1e-8, weight_decay=0.0, gamma=0.025):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gamma=gamma))
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, gamma=gamma)
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            lr, wd, gamma = group["lr"], group["weight_decay"], group["gamma"]
-            for p in group["params"]:
-                st = self.state[p]
-                if not st:
-                    st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
-                              last_grad=torch.zeros_like(p))
-                grad = p.grad
-                st["step"] += 1
-                c = (grad - st["last_grad"]).mul(gamma * (b1 / (1.0 - b1))).add(grad)
-                c_norm = torch.norm(c)
-                if c_norm > 1.0:
-                    c = c / c_norm
-                st["exp_avg"].mul_(b1).add_(c, alpha=1.0 - b1)
-                st["exp_avg_sq"].mul_(b2).addcmul_(c, c, value=1.0 - b2)
-                bc1, bc2 = 1.0 - b1 ** st["step"], 1.0 - b2 ** st["step"]
-                denom = st["exp_avg_sq"].sqrt().mul(1 / math.sqrt(bc2)).add(group["eps"]).mul(bc1)
-                p.add_(-lr * torch.mul(p, wd).add(st["exp_avg"].div(denom)))
-                st["last_grad"] = grad
+    def update(self, p, st, group):
+        (b1, b2), lr, wd, gamma, grad = group["betas"], group["lr"], group["weight_decay"], group["gamma"], p.grad
+        if not st:
+            st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p), last_grad=torch.zeros_like(p))
+        st["step"] += 1
+        c = (grad - st["last_grad"]).mul(gamma * (b1 / (1.0 - b1))).add(grad)
+        c_norm = torch.norm(c)
+        if c_norm > 1.0:
+            c = c / c_norm
+        st["exp_avg"].mul_(b1).add_(c, alpha=1.0 - b1)
+        st["exp_avg_sq"].mul_(b2).addcmul_(c, c, value=1.0 - b2)
+        bc1, bc2 = 1.0 - b1 ** st["step"], 1.0 - b2 ** st["step"]
+        denom = st["exp_avg_sq"].sqrt().mul(1 / math.sqrt(bc2)).add(group["eps"]).mul(bc1)
+        p.add_(-lr * torch.mul(p, wd).add(st["exp_avg"].div(denom)))
+        st["last_grad"] = grad
 
 
 # name -> (preset, its hyperparameters, the reference optimizer built on named params)
 CASES = {
     "lion": (mfx.lion, dict(lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1),
-             lambda ps, **hp: lion_pytorch.Lion([p for _, p in ps], **hp)),
+             lion_pytorch.Lion),
     "adopt": (mfx.adopt, dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01),
-              lambda ps, **hp: RefADOPT([p for _, p in ps], **hp)),
+              RefADOPT),
     "adopt_decoupled_no_decay": (mfx.adopt, dict(lr=1e-2, decouple=True),
-                                 lambda ps, **hp: RefADOPT([p for _, p in ps], **hp)),
+                                 RefADOPT),
     "laprop": (mfx.laprop, dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-15),
-               lambda ps, **hp: RefLaProp([p for _, p in ps], **hp)),
+               RefLaProp),
     "cautious_adamw": (mfx.cautious_adamw, dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1),
-                       lambda ps, **hp: RefCAdamW([p for _, p in ps], **hp)),
+                       RefCAdamW),
     "mars_adamw": (mfx.mars_adamw, dict(lr=1e-2, betas=(0.95, 0.99), eps=1e-8, weight_decay=0.1, gamma=0.025),
-                   lambda ps, **hp: RefMARS([p for _, p in ps], **hp)),
+                   RefMARS),
     # gamma large enough that the norm clip acts on some steps
     "mars_adamw_clipped": (mfx.mars_adamw, dict(lr=1e-2, gamma=0.5),
-                           lambda ps, **hp: RefMARS([p for _, p in ps], **hp)),
+                           RefMARS),
 }
 
 
@@ -230,16 +244,8 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_parity_with_reference(name: str, dtype: torch.dtype) -> None:
     preset, hp, make_ref = CASES[name]
-    ref = run_torch_style(lambda ps: make_ref(ps, **hp), dtype)
-    via_adapter = run_torch_style(lambda ps: mfx.TransformOptimizer(ps, preset, **hp), dtype)
-    via_functional = run_functional(preset(**hp), dtype)
-    tol = F32_TOL if dtype == torch.float32 else F64_TOL
-    start = make_params(dtype)
-    for k in SHAPES:
-        assert rel_err(ref[k], start[k]) > 1e-3, f"{name}: {k} did not move"
-        for how, got in (("TransformOptimizer", via_adapter), ("tx.update", via_functional)):
-            err = rel_err(got[k], ref[k])
-            assert err <= tol, f"{name} ({how}, {k}, {dtype}): {err:.2e} from the reference"
+    problem = (make_params(dtype), make_grads(dtype))
+    assert_three_ways(name, make_ref, preset, hp, {}, problem, F32_TOL if dtype == torch.float32 else F64_TOL)
 
 
 def test_mars_clip_acts() -> None:
@@ -456,7 +462,7 @@ def dion_ns(g: torch.Tensor, eps: float) -> torch.Tensor:
     return x.mT if g.size(-2) > g.size(-1) else x
 
 
-class RefDion2(torch.optim.Optimizer):
+class RefDion2(PerParameter):
     """Dion2 as microsoft/dion's ``dion/dion2.py`` (commit 429d309; one process, where its
     two row selections agree) computes it for 2-D matrices: ``M += G``; the
     ``ceil(fraction * rows)`` rows of largest L1 norm orthogonalised (Newton-Schulz in the
@@ -464,24 +470,18 @@ class RefDion2(torch.optim.Optimizer):
     ``X *= 1 - lr * wd``; ``X[rows] -= lr * sqrt(rows / cols) * U``."""
 
     def __init__(self, params, lr=0.01, fraction=0.25, ef_decay=0.95, weight_decay=0.01, eps=1e-7):
-        super().__init__(params, dict(lr=lr, fraction=fraction, ef_decay=ef_decay, weight_decay=weight_decay, eps=eps))
+        super().__init__(params, lr=lr, fraction=fraction, ef_decay=ef_decay, weight_decay=weight_decay, eps=eps)
 
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            lr = group["lr"]
-            for p in group["params"]:
-                st = self.state[p]
-                if not st:
-                    st["momentum"] = torch.zeros_like(p)
-                m = st["momentum"]
-                m.add_(p.grad)
-                k = max(1, math.ceil(group["fraction"] * m.size(-2)))
-                _, idx = torch.topk(m.norm(p=1, dim=-1), k, dim=-1, sorted=False)
-                u = dion_ns(m.index_select(-2, idx), group["eps"])
-                m.index_copy_(-2, idx, m.index_select(-2, idx) * group["ef_decay"])
-                p.mul_(1 - lr * group["weight_decay"])
-                p.index_add_(-2, idx, -lr * math.sqrt(p.size(-2) / p.size(-1)) * u)
+    def update(self, p, st, group):
+        lr = group["lr"]
+        m = st.setdefault("momentum", torch.zeros_like(p))
+        m.add_(p.grad)
+        k = max(1, math.ceil(group["fraction"] * m.size(-2)))
+        _, idx = torch.topk(m.norm(p=1, dim=-1), k, dim=-1, sorted=False)
+        u = dion_ns(m.index_select(-2, idx), group["eps"])
+        m.index_copy_(-2, idx, m.index_select(-2, idx) * group["ef_decay"])
+        p.mul_(1 - lr * group["weight_decay"])
+        p.index_add_(-2, idx, -lr * math.sqrt(p.size(-2) / p.size(-1)) * u)
 
 
 DION_SHAPES = {"tall": (16, 8), "wide": (6, 20), "square": (9, 9)}
@@ -496,35 +496,11 @@ def test_dion2_parity_with_the_reference(dtype: torch.dtype) -> None:
     in float64: Newton-Schulz on the submatrix there, on the zero-padded matrix here (the
     same polynomial, its float32 products rounded in another order and amplified by the
     iteration, as for Muon in tests/test_parity.py); float32 tolerance DION2_F32_TOL."""
-    gen = torch.Generator().manual_seed(7)
-    start = {k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for k, s in DION_SHAPES.items()}
-    grads = [{k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for k, s in DION_SHAPES.items()}
-             for _ in range(STEPS)]
+    problem = random_problem(DION_SHAPES, dtype, seed=7)
     eps = 1e-7 if dtype == torch.float32 else 0.0  # Dion adds eps to the norm, muonfx floors it at eps
     hp = dict(lr=0.02, fraction=0.3, ef_decay=0.9, weight_decay=0.05, eps=eps)
-
-    def run(make_opt):
-        params = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}
-        opt = make_opt(list(params.items()))
-        for g in grads:
-            for k, p in params.items():
-                p.grad = g[k].clone()
-            opt.step()
-        return {k: p.detach() for k, p in params.items()}
-
-    ref = run(lambda ps: RefDion2([p for _, p in ps], **hp))
-    got = run(lambda ps: mfx.TransformOptimizer(ps, mfx.dion2, **hp, ns_dtype=dtype))
-    tx = mfx.dion2(**hp, ns_dtype=dtype)
-    params = TensorDict({k: v.clone() for k, v in start.items()}, [])
-    state = tx.init(params)
-    for g in grads:
-        u, state = tx.update(TensorDict(g, []), state, params)
-        params = mfx.apply_updates(params, u)
-    tol = DION2_F32_TOL if dtype == torch.float32 else F64_TOL
-    for k in DION_SHAPES:
-        assert rel_err(ref[k], start[k]) > 1e-3
-        for how, a in (("TransformOptimizer", got[k]), ("tx.update", params[k])):
-            assert rel_err(a, ref[k]) <= tol, f"{how} {k}: {rel_err(a, ref[k]):.2e}"
+    assert_three_ways("dion2", RefDion2, mfx.dion2, hp, dict(ns_dtype=dtype), problem,
+                      DION2_F32_TOL if dtype == torch.float32 else F64_TOL)
 
 
 @pytest.mark.parametrize("fraction", [0.01, 0.25, 0.3, 1.0])
@@ -683,30 +659,5 @@ def test_soap_parity_with_the_reference(case: str, dtype: torch.dtype) -> None:
     difference is the rounding of the Adam arithmetic: measured 5.3e-8 (float32) and
     1.4e-16 (float64)."""
     hp, shapes = SOAP_CASES[case]
-    gen = torch.Generator().manual_seed(11)
-    start = {k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for k, s in shapes.items()}
-    grads = [{k: torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for k, s in shapes.items()}
-             for _ in range(STEPS)]
-
-    def run(make_opt):
-        params = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}
-        opt = make_opt(list(params.items()))
-        for g in grads:
-            for k, p in params.items():
-                p.grad = g[k].clone()
-            opt.step()
-        return {k: p.detach() for k, p in params.items()}
-
-    ref = run(lambda ps: RefSOAP([p for _, p in ps], **hp))
-    got = run(lambda ps: mfx.TransformOptimizer(ps, mfx.soap, **hp, weight_decay=0.0))
-    tx = mfx.soap(**hp, weight_decay=0.0)
-    params = TensorDict({k: v.clone() for k, v in start.items()}, [])
-    state = tx.init(params)
-    for g in grads:
-        u, state = tx.update(TensorDict(g, []), state, params)
-        params = mfx.apply_updates(params, u)
-    tol = F32_TOL if dtype == torch.float32 else F64_TOL
-    for k in shapes:
-        assert rel_err(ref[k], start[k]) > 1e-3
-        for how, a in (("TransformOptimizer", got[k]), ("tx.update", params[k])):
-            assert rel_err(a, ref[k]) <= tol, f"{case} {how} {k}: {rel_err(a, ref[k]):.2e}"
+    assert_three_ways(f"soap {case}", RefSOAP, mfx.soap, hp, dict(weight_decay=0.0),
+                      random_problem(shapes, dtype, seed=11), F32_TOL if dtype == torch.float32 else F64_TOL)

@@ -3,25 +3,32 @@
 
 from __future__ import annotations
 
-from ..core import GradientTransformation, build, leafwise_if, leaves
+from typing import Callable
+
+import torch
+
 from .. import seam
+from ..core import GradientTransformation, build, leafwise_if, leaves
 from ..ops import foreach
 
 
-def _totals(masks: list) -> list:
-    """Each mask summed over all its elements (through the seam: a DTensor's whole sum)."""
-    out: list = [None] * len(masks)
-    by_ndim: dict[int, list[int]] = {}
-    for i, m in enumerate(masks):
-        by_ndim.setdefault(m.ndim, []).append(i)
-    for nd, idx in by_ndim.items():
-        if nd == 0:
-            sums = [masks[i] for i in idx]
-        else:
-            sums = seam.sum_over([masks[i] for i in idx], tuple(range(-nd, 0)))
-        for i, s in zip(idx, sums):
-            out[i] = s
+def sums_over(tensors: list, dims_of: Callable[[torch.Tensor], tuple[int, ...]]) -> list:
+    """Each tensor summed over ``dims_of(tensor)`` (``keepdim=True``) through
+    :func:`muonfx.seam.sum_over`, one call per distinct set of dims (a DTensor's
+    sharded dims reduced across its shards)."""
+    out: list = [None] * len(tensors)
+    by_dims: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dims.setdefault(dims_of(t), []).append(i)
+    for dims, idx in by_dims.items():
+        for i, r in zip(idx, seam.sum_over([tensors[i] for i in idx], dims)):
+            out[i] = r
     return out
+
+
+def _totals(tensors: list) -> list:
+    """Each tensor summed over all its elements."""
+    return sums_over(tensors, lambda t: tuple(range(-t.ndim, 0)))
 
 
 def cautious(inner: GradientTransformation) -> GradientTransformation:

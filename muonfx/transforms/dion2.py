@@ -17,6 +17,7 @@ from ..linalg import CoefficientSpec, NewtonSchulz, resolve
 from ..linalg.precision import pinned_ns_dtype
 from ..ops import foreach
 from ._matrix import as_stacks
+from .cautious import sums_over
 from .orthogonalize import _PerBatch
 
 #: the Newton-Schulz coefficients of microsoft/dion's ``zeropower_via_newtonschulz5``
@@ -54,14 +55,7 @@ class _TopRows:
 def _row_sums(outs: list) -> list:
     """Per matrix row, the sum of ``|out|`` (the matrix view's rows: a conv weight's are
     its output channels), through the seam (rows split over shards are reduced)."""
-    res: list = [None] * len(outs)
-    by_dims: dict[tuple, list[int]] = {}
-    for i, o in enumerate(outs):
-        by_dims.setdefault((-1,) if o.ndim <= 3 else tuple(range(1, o.ndim)), []).append(i)
-    for dims, idx in by_dims.items():
-        for i, r in zip(idx, seam.sum_over([outs[i].abs() for i in idx], dims)):
-            res[i] = r
-    return res
+    return sums_over([o.abs() for o in outs], lambda o: (-1,) if o.ndim <= 3 else tuple(range(1, o.ndim)))
 
 
 def scale_by_dion2(fraction: float = 0.25, ef_decay: float = 0.95, ns_steps: int = 5,
