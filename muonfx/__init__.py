@@ -29,6 +29,8 @@ _EXPORTS = {
     **dict.fromkeys(["adamw", "default_muon_labels", "muon", "muon_adamw"], ".presets.standard"),
     **dict.fromkeys(["moonlight", "muon_cautious", "muon_per_head", "modded_nanogpt_normuon",
                      "muon_with_momentum_warmup", "normuon", "optax_muon", "split_newton_schulz"], ".presets.variants"),
+    **dict.fromkeys(["adopt", "cautious_adamw", "laprop", "lion", "mars_adamw", "mars_muon", "schedule_free_adamw",
+                     "dion2", "soap"], ".presets.catalogue"),
     "momentum_warmup": ".schedules",
     **dict.fromkeys(["QKLogitRecorder", "max_logits"], ".attention"),
     "QKClip": ".optim.qk_clip",
@@ -38,6 +40,10 @@ _EXPORTS = {
                      "ScaleByAdamState", "ScaleByScheduleState", "cautious_decay", "clip_by_global_norm",
                      "decoupled_decay", "global_norm", "momentum", "nesterov", "newton_schulz", "row_normalize",
                      "scale", "scale_by_adam", "scale_by_learning_rate", "scale_by_shape"], ".transforms"),
+    **dict.fromkeys(["MarsCorrectionState", "ScaleByAdoptState", "ScaleByLapropState", "ScaleByLionState", "cautious",
+                     "mars_correction", "scale_by_adopt", "scale_by_laprop", "scale_by_lion", "ScheduleFreeState",
+                     "schedule_free", "ScaleByDion2State", "scale_by_dion2", "ScaleBySoapState",
+                     "scale_by_soap"], ".transforms"),
     **dict.fromkeys(["AccumulateState", "ApplyIfFiniteState", "InjectHyperparamsState", "accumulate",
                      "apply_if_finite", "inject_hyperparams"], ".wrappers"),
 }
@@ -73,6 +79,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
     from .optim import TransformOptimizer, lr_multiplier
     from .optim.fsdp_optimizer import FSDPMuonOptimizer
     from .optim.muon_optimizer import MuonOptimizer, create_hybrid_optimizer
+    from .presets.catalogue import (adopt, cautious_adamw, dion2, laprop, lion, mars_adamw, mars_muon,
+                                    schedule_free_adamw, soap)
     from .presets.options import MeaningChangedWarning, MuonOptions
     from .presets.standard import adamw, default_muon_labels, muon, muon_adamw
     from .presets.variants import (moonlight, muon_cautious, muon_per_head, modded_nanogpt_normuon,
@@ -86,5 +94,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
                              ScaleByScheduleState, bias_corrected_momentum, cautious_decay, clip_by_global_norm,
                              decoupled_decay, global_norm, momentum, nesterov, newton_schulz, row_normalize, scale,
                              scale_by_adam, scale_by_learning_rate, scale_by_shape)
+    from .transforms import (MarsCorrectionState, ScaleByAdoptState, ScaleByLapropState, ScaleByLionState,
+                             ScaleByDion2State, ScaleBySoapState, ScheduleFreeState, cautious, mars_correction,
+                             scale_by_adopt, scale_by_dion2, scale_by_laprop, scale_by_lion, scale_by_soap,
+                             schedule_free)
     from .wrappers import (AccumulateState, ApplyIfFiniteState, InjectHyperparamsState, accumulate,
                            apply_if_finite, inject_hyperparams)

@@ -9,6 +9,10 @@
   ``lr=--lr, adamw_lr=--adamw-lr``; a matrix optimizer (``muon``) gets every
   parameter of 2 or more dimensions (embeddings and head included: the "Muon on
   everything it can take" ablation) and AdamW (``--adamw-lr``) the 0-D/1-D rest.
+* a preset of :mod:`muonfx.presets.catalogue`: ``mars_muon`` and ``dion2`` as ``muon`` above; the
+  elementwise ones (``lion``, ``adopt``, ``laprop``, ``cautious_adamw``, ``mars_adamw``)
+  on every parameter, with ``--lr`` (else the preset's own default lr) and
+  ``--weight-decay``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from ..optim import TransformOptimizer
 from ..optim.muon_optimizer import create_hybrid_optimizer
 from ..optim.qk_clip import QKClip
 from ..optim.routing import check_muon_reached, routes
-from ..presets import standard as presets
+from ..presets import catalogue, standard as presets
 from ..presets.options import MuonOptions
 
 __all__ = ["optimizer_names", "check_optimizer", "build_optimizer", "MUON_LR", "ADAMW_BETAS"]
@@ -35,8 +39,22 @@ ADAMW_LR = 1e-2
 ADAMW_BETAS = (0.9, 0.95)
 
 
+def _factory(name: str):
+    """The preset called ``name`` (of :mod:`muonfx.presets.standard` or ``catalogue``), or None."""
+    for module in (presets, catalogue):
+        if name in getattr(module, "__all__", ()):
+            return getattr(module, name)
+    return None
+
+
+def _elementwise(name: str) -> bool:
+    """A catalogue preset that takes every parameter (not a matrix optimizer)."""
+    return name in catalogue.ELEMENTWISE
+
+
 def optimizer_names() -> list[str]:
-    """Every preset of :mod:`muonfx.presets.standard` that builds a transform, sorted.
+    """Every preset of :mod:`muonfx.presets.standard` and :mod:`muonfx.presets.catalogue`
+    that builds a transform, sorted.
 
     Example::
 
@@ -45,8 +63,8 @@ def optimizer_names() -> list[str]:
         True
     """
     names = []
-    for name in getattr(presets, "__all__", dir(presets)):
-        fn = getattr(presets, name, None)
+    for name in [*presets.__all__, *catalogue.__all__]:
+        fn = _factory(name)
         if not inspect.isfunction(fn):
             continue
         ret = inspect.signature(fn).return_annotation
@@ -64,8 +82,11 @@ def check_optimizer(name: str) -> str | None:
 
 
 def default_lr(name: str, adamw_lr: float) -> float:
-    """``--lr``'s default: the tuned AdamW lr for ``adamw``, Muon's for the rest
-    (``adamw_lr`` is the AdamW part of the hybrids, tuned separately)."""
+    """``--lr``'s default: the tuned AdamW lr for ``adamw``, the preset's own for the
+    elementwise catalogue presets, Muon's for the rest (``adamw_lr`` is the AdamW part of
+    the hybrids, tuned separately)."""
+    if _elementwise(name):
+        return inspect.signature(_factory(name)).parameters["lr"].default
     return ADAMW_LR if name == "adamw" else MUON_LR
 
 
@@ -85,7 +106,10 @@ def build_optimizer(name: str, model: torch.nn.Module, lr: float | None, adamw_l
     if name == "adamw":
         return TransformOptimizer(model.named_parameters(), presets.adamw, lr=lr, betas=ADAMW_BETAS,
                                   weight_decay=weight_decay, qk_clip=qk_clip)
-    factory = getattr(presets, name)
+    factory = _factory(name)
+    if _elementwise(name):
+        return TransformOptimizer(model.named_parameters(), factory, lr=lr, weight_decay=weight_decay,
+                                  qk_clip=qk_clip)
     sig = inspect.signature(factory).parameters
     muon_kw = {"ns_method": ns_method} if "ns_method" in sig else {}
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

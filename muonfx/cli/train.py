@@ -249,7 +249,9 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
             log.update(step, losses[-1], len(losses) * B * T, shown)
         if step % args.eval_every == 0 or step == args.steps:
             te = time.perf_counter()
+            opt.eval()  # the evaluation weights, where the optimizer has them (Schedule-Free's average)
             v = evaluate(model, corpus, args.eval_batches, B, T, rt)
+            opt.train()
             eval_times.append(time.perf_counter() - te)
             eval_seconds += eval_times[-1]
             log.exclude(eval_times[-1])

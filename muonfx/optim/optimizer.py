@@ -214,6 +214,42 @@ class TransformOptimizer(torch.optim.Optimizer):
             self.qk_clip.recorder.reset()
         return loss
 
+    @torch.no_grad()
+    def eval(self) -> "TransformOptimizer":
+        """Put the evaluation weights into the parameters, for the groups whose transform
+        has one (:func:`muonfx.schedule_free`: the average ``x``); a no-op for the others
+        and for a group already in eval mode. Call it before evaluating or saving the model
+        for use, :meth:`train` before the next step (as the ``schedulefree`` package asks).
+
+        Example::
+
+            >>> import torch, muonfx as mfx
+            >>> model = torch.nn.Linear(2, 1)
+            >>> opt = mfx.TransformOptimizer(model.named_parameters(), mfx.schedule_free_adamw, lr=1e-2)
+            >>> model(torch.ones(1, 2)).sum().backward(); opt.step()
+            >>> _ = opt.eval()      # model holds x: evaluate here
+            >>> _ = opt.train()     # model holds y again: train on
+        """
+        return self._swap(train=False)
+
+    @torch.no_grad()
+    def train(self) -> "TransformOptimizer":
+        """Put the training weights back into the parameters (:meth:`eval`'s inverse:
+        :func:`muonfx.schedule_free`'s ``y``); a no-op where there is nothing to swap."""
+        return self._swap(train=True)
+
+    def _swap(self, train: bool) -> "TransformOptimizer":
+        from ..transforms.schedule_free import swap_values
+
+        for rec, group in zip(self.records, self.param_groups):
+            state, values = swap_values(rec.state, dict(zip(rec.keys, group["params"])), train)
+            for key, p in zip(rec.keys, group["params"]):
+                if key in values:
+                    p.copy_(values[key])
+            rec.state = state
+        self._torch_state = None
+        return self
+
     @property
     def plan(self) -> StepPlan:
         """How steps run: the plan of the last step, or (before the first) of a step in
