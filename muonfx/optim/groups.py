@@ -170,9 +170,11 @@ class GroupRecord:
         state: the transform's state (an :class:`InjectHyperparamsState`); its counts are
             per parameter (:class:`muonfx.counts.Counts`), so a parameter that gets no
             gradient in a step keeps them, as torch keeps ``state[p]["step"]``.
-        transforms: the group's transforms, one per set of static hyperparameters
-            (numbers live in the state, so changing lr or momentum rebuilds nothing);
-            rebuilt after a copy or an unpickling.
+        transforms: the group's injected transforms, one per set of static
+            hyperparameters (numbers live in the state: a new lr or momentum selects
+            the same one, whose :func:`muonfx.inject_hyperparams` calls the factory
+            again with the new numbers at its next update; equal numbers reuse the last
+            inner transform); rebuilt after a copy or an unpickling.
     """
 
     factory: Callable[..., GradientTransformation]
