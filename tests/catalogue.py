@@ -242,7 +242,7 @@ CATALOGUE: dict[str, Entry] = {
     "mars_correction": E(lambda: mfx.mars_correction(0.1, 0.9, max_norm=1.0), ANY, CONFORMANCE, PURITY, ELEMENTWISE,
                          DECLARED, leafwise=True, check=ZGE),
     "schedule_free": E(lambda: mfx.schedule_free(mfx.chain(mfx.scale_by_adam(0.0), mfx.scale_by_learning_rate(0.1))),
-                       ANY, CONFORMANCE, PURITY),
+                       ANY, CONFORMANCE),
     "schedule_free_lr": E(lambda: mfx.schedule_free(mfx.scale_by_learning_rate(0.1)), ANY, DECLARED, leafwise=False),
     "schedule_free_muon": E(lambda: mfx.schedule_free(mfx.muon()), MATRIX, CONFORMANCE, check=MATRICES_2D_3D),
     "scale_by_dion2": E(lambda: mfx.scale_by_dion2(0.5), MATRIX, CONFORMANCE, check=MATRICES_2D_3D),
