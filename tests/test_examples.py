@@ -53,7 +53,7 @@ def test_fsdp_tp_example_trains_on_a_dp_tp_mesh():
     proc = run_example("fsdp_tp_muon.py", "--world", "4", "--tp", "2", "--steps", "12", "--port", "29571")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"examples/fsdp_tp_muon.py exited with {proc.returncode}:\n{out}"
-    assert re.search(r"blocks\.0\.q\.weight .*dp:_S\(0, 2\), tp:S\(0\).*one 64x64 matrix", proc.stdout), out
+    assert re.search(r"blocks\.0\.q\.weight .*dp:_S\(0, 2\), tp:S\(0\).*64x64 matrix \(dims 0 x 1\)", proc.stdout), out
     losses = [float(m) for m in re.findall(r"^step\s+\d+\s+loss ([0-9.]+)", proc.stdout, re.M)]
     assert len(losses) >= 2 and losses[-1] < losses[0], out
     assert "dp 2 x tp 2: 144 matrices orthogonalised in 12 steps" in proc.stdout, out

@@ -197,10 +197,11 @@ def agree_settings(records: Sequence[Any], param_groups: Sequence[dict], group, 
     dist.all_gather_object(texts, slots, group=group)  # the error path only
     for i in differ:
         labels = [dict(t[i]) for t in texts]
+        anywhere = [{lab: v for slot in t for lab, v in slot} for t in texts]  # (a number on one rank, a string on another)
         for label in dict.fromkeys(lab for t in labels for lab in t):
             by_value: dict[str, list[int]] = {}
             for r, t in enumerate(labels):
-                v = t.get(label, "(none)")
+                v = t.get(label, anywhere[r].get(label, "(none)"))
                 by_value.setdefault(v if len(v) < 200 else v[:197] + "...", []).append(r)
             if len(by_value) > 1:
                 if i == 1:  # names: say where they first differ, not the whole lists
