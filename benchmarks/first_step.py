@@ -47,22 +47,10 @@ import time
 
 import _common  # (sets ONEDNN_MAX_CPU_ISA before torch)
 import torch
+from adamw_step import gpt2_shapes  # GPT-2 small's parameters by name
 
 CONTENDERS = ("muonfx", "torch", "heavyball")
 COMPILED = ("muonfx compiled, cold", "muonfx compiled, warm")
-
-
-def gpt2_shapes(layers: int) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (50257, 768), "wpe.weight": (1024, 768)}
-    for i in range(layers):
-        for n, s in (("ln_1.weight", (768,)), ("ln_1.bias", (768,)), ("attn.c_attn.weight", (768, 2304)),
-                     ("attn.c_attn.bias", (2304,)), ("attn.c_proj.weight", (768, 768)), ("attn.c_proj.bias", (768,)),
-                     ("ln_2.weight", (768,)), ("ln_2.bias", (768,)), ("mlp.c_fc.weight", (768, 3072)),
-                     ("mlp.c_fc.bias", (3072,)), ("mlp.c_proj.weight", (3072, 768)), ("mlp.c_proj.bias", (768,))):
-            shapes[f"h.{i}.{n}"] = s
-    shapes["ln_f.weight"] = (768,)
-    shapes["ln_f.bias"] = (768,)
-    return shapes
 
 
 def moe_shapes(layers: int) -> dict[str, tuple[int, ...]]:

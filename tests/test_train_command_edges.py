@@ -8,12 +8,12 @@ import errno
 import json
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import run_main  # noqa: E402
+from test_faults_cli import cache, env  # noqa: F401  (the corpus cache and the environment of the CLI tests)
 from muonfx.cli import checkpoint as cli_checkpoint
 from muonfx.cli.checkpoint import CheckpointError, content_sha256, load_checkpoint, write_atomically
 from muonfx.cli.corpus import load_corpus
@@ -22,20 +22,6 @@ from muonfx.cli.interrupt import StepInterrupt
 FAST = ["--model", "tiny", "--batch-size", "2", "--context", "16", "--threads", "1", "--eval-batches", "1",
         "--device", "cpu", "--no-progress"]
 TWO = ["train", "--steps", "2", "--eval-every", "2", *FAST]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("muonfx-cache")
-    load_corpus(d)
-    return d
-
-
-@pytest.fixture
-def env(cache, monkeypatch):
-    monkeypatch.setenv("MUONFX_CACHE_DIR", str(cache))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(k, raising=False)
 
 
 @pytest.mark.parametrize("option", ["--save", "--resume", "--out", "--cache-dir"])
