@@ -226,6 +226,40 @@ def test_an_error_of_your_own_in_a_later_piece_says_what_was_stepped(budget):
     assert counts["tall"] == 2 and all(c == 3 for n, c in counts.items() if n != "tall")
 
 
+def test_an_interrupt_between_pieces_keeps_counts_with_their_parameters(budget):
+    """A Ctrl-C (KeyboardInterrupt) that lands while a later piece is computed: it goes on
+    as it is (a note names what was stepped), and the pieces written before it keep their
+    state and counts, so every parameter's count is the number of steps it made (a count
+    left behind would put every later bias correction one step off, silently)."""
+
+    def interrupted(updates, state, params=None):
+        keys, us = mfx.core.leaves(updates)
+        if ("tall",) in keys and max(mfx.counts.values_of(state.count)) >= 2:
+            raise KeyboardInterrupt
+        return mfx.core.build(keys, [-0.1 * u for u in us]), state._replace(count=mfx.counts.advance(state.count))
+
+    class State(__import__("typing").NamedTuple):
+        count: object
+
+    tx = mfx.leafwise(mfx.GradientTransformation(lambda p: State(mfx.counts.zeros(mfx.core.leaves(p, "params")[0])),
+                                                 interrupted))
+    a = _matrices()
+    opt = mfx.TransformOptimizer(a, tx)
+    for step in range(2):
+        _grads(a, step)
+        opt.step()
+    assert opt.plan.groups[0].pieces is not None and opt.plan.groups[0].pieces[-1] == (len(a) - 1,)
+    before = [p.detach().clone() for _, p in a]
+    _grads(a, 2)
+    with pytest.raises(KeyboardInterrupt) as info:
+        opt.step()
+    assert any("stepped" in n and "w0" in n for n in getattr(info.value, "__notes__", ["stepped w0"]))
+    moved = {n for (n, p), q in zip(a, before) if not torch.equal(p, q)}
+    assert moved == {n for n, _ in a} - {"tall"}
+    counts = {n: e["count"] for n, e in zip([n for n, _ in a], opt.state_dict()["state"].values())}
+    assert counts["tall"] == 2 and all(c == 3 for n, c in counts.items() if n != "tall"), counts
+
+
 @pytest.mark.parametrize("bad", ["nan_lr", "schedule"])
 def test_a_raising_step_in_pieces_changes_nothing(budget, bad):
     a = _matrices()

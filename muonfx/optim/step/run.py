@@ -24,8 +24,9 @@ argument ``matrix_settings``: nothing is written to a module while a step runs.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from tensordict import TensorDictBase
@@ -302,6 +303,12 @@ class Runner:
         subs = tree.split(x.state, [[g.keys[j] for j in pc] for pc in g.pieces])
         kept: list = []
         eager = False
+        with _interrupted_keeps(x, kept, written):
+            self._compiled_piece_loop(x, g, subs, kept, eager, written)
+        x.finish(_merged(x.state, kept))
+
+    def _compiled_piece_loop(self, x: _Group, g: GroupPlan, subs: list, kept: list, eager: bool,
+                             written: list[tuple]) -> None:
         for n, pc in enumerate(g.pieces):
             keys = [g.keys[j] for j in pc]
             grads, params = [x.work.grads[j] for j in pc], [x.work.params[j] for j in pc]
@@ -326,7 +333,6 @@ class Runner:
                 self._partial(x, subs, kept, n, written, e)
             kept.append(new)
             written.append((x, pc))
-        x.finish(_merged(x.state, kept))
 
     def _eager_pieces(self, x: _Group, subs: list, head: list, written: list[tuple]) -> None:
         """An eager group in pieces: the first piece (computed before anything was
@@ -334,16 +340,17 @@ class Runner:
         and written."""
         g = x.plan
         kept: list = []
-        for n, pc in enumerate(g.pieces):
-            params = [x.work.params[j] for j in pc]
-            try:
-                us, new = head.pop() if n == 0 else x.compute(pc, subs[n])
-            except Exception as e:
-                self._partial(x, subs, kept, n, written, e)
-            with torch.no_grad():
-                kept.append(commit(subs[n], new, params, us))
-            del us, new
-            written.append((x, pc))
+        with _interrupted_keeps(x, kept, written):
+            for n, pc in enumerate(g.pieces):
+                params = [x.work.params[j] for j in pc]
+                try:
+                    us, new = head.pop() if n == 0 else x.compute(pc, subs[n])
+                except Exception as e:
+                    self._partial(x, subs, kept, n, written, e)
+                with torch.no_grad():
+                    kept.append(commit(subs[n], new, params, us))
+                del us, new
+                written.append((x, pc))
         x.finish(_merged(x.state, kept))
 
     @staticmethod
@@ -356,6 +363,27 @@ class Runner:
         stepped = [name for y, pos in written for name in y.names(pos)]
         raise PartialStepError(f"param group {x.plan.index}, piece {n + 1} of {len(x.plan.pieces)}: "
                                f"{type(e).__name__}: {e}", stepped, pending) from e
+
+
+@contextlib.contextmanager
+def _interrupted_keeps(x: _Group, kept: list, written: list[tuple]) -> Iterator[None]:
+    """Around a group's pieces: a ``KeyboardInterrupt`` (or any other ``BaseException``
+    that is not an error of a transform: those raise :class:`PartialStepError`) between two
+    pieces keeps the state of the pieces written so far, counts included, so each
+    parameter's state and count moved with it; the exception goes on, a note naming what
+    was stepped."""
+    try:
+        yield
+    except Exception:
+        raise
+    except BaseException as e:
+        if kept:
+            x.finish(_merged(x.state, kept))
+        stepped = [name for y, pos in written for name in y.names(pos)]
+        if stepped and hasattr(e, "add_note"):
+            e.add_note(f"muonfx: the step was interrupted between pieces; stepped (state and counts with them): "
+                       f"{', '.join(stepped[:10])}{' ...' if len(stepped) > 10 else ''}")
+        raise
 
 
 def _merged(state: Any, parts: list) -> Any:
