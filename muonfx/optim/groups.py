@@ -10,6 +10,7 @@ from typing import Any, Callable, Union
 
 import torch
 
+from ..core.cache import LRU
 from ..core import GradientTransformation, Key, build, key_str, leafwise_if, leaves, takes_extra_args
 from ..ops import foreach
 from ..wrappers import InjectHyperparamsState, inject_hyperparams, signature
@@ -181,12 +182,19 @@ class GroupRecord:
     keys: list[Key]
     base_lr: float | None
     state: Any = None
-    transforms: dict[Any, GradientTransformation] = field(default_factory=dict)
+    transforms: dict[Any, GradientTransformation] = field(default_factory=lambda: LRU(GroupRecord.TRANSFORMS))
+
+    #: transforms kept per group (one per set of static hyperparameters; a new schedule
+    #: object at every step would otherwise add one each step)
+    TRANSFORMS = 16
 
     def __getstate__(self) -> dict:
         # the built transforms are closures (not picklable) and are rebuilt on use
-        return {"factory": self.factory, "keys": self.keys, "base_lr": self.base_lr, "state": self.state,
-                "transforms": {}}
+        return {"factory": self.factory, "keys": self.keys, "base_lr": self.base_lr, "state": self.state}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.transforms = LRU(GroupRecord.TRANSFORMS)
 
     @classmethod
     def create(cls, factory: Callable[..., GradientTransformation], names: list[str],

@@ -25,6 +25,7 @@ from ...core import build
 from ...logs import say_once
 from ...schedules import ScheduleNotTraceable
 from ...wrappers import inject_hyperparams
+from ...core.cache import LRU
 from ..groups import numeric_values, static_key
 from .writeback import store
 
@@ -115,9 +116,15 @@ class CompiledSteps:
     Torch 2.13 recompiles nothing.
     """
 
+    #: compiled graphs kept per optimizer (one per set of groups, present parameters and
+    #: static hyperparameters: a model whose present parameters change from step to step
+    #: would otherwise keep one for every subset it met); the least recently used goes first
+    GRAPHS = 16
+
     def __init__(self) -> None:
-        self.graphs: dict[Any, Callable[..., Any]] = {}
-        self._pins: dict[Any, tuple] = {}
+        self.graphs: dict[Any, Callable[..., Any]] = LRU(self.GRAPHS)
+        self._made = 0
+        self._pins: dict[Any, tuple] = LRU(self.GRAPHS)
         #: (param group index, static hyperparameters) the compiler could not take
         self.failed: set[tuple] = set()
         #: set once a graph recompiled because a numeric hyperparameter changed
@@ -135,7 +142,8 @@ class CompiledSteps:
         first = fn is None
         if first:
             fn = self.graphs[key] = _graph([(inject_hyperparams(tx)(**hp), keys) for (tx, keys), hp in zip(units, hps)],
-                                           kwargs, f"muonfx_step_{len(self.graphs)}")
+                                           kwargs, f"muonfx_step_{self._made}")
+            self._made += 1
         pin, last = tuple(numeric_values(hp) for hp in hps), self._pins.get(key)
         changed = last is not None and last != pin
         if changed and self.floats_specialize:  # this torch would recompile: not called at all
