@@ -263,3 +263,32 @@ def settings_differ(rank: int, world: int) -> dict:
     out["next_step_moved"] = all(not torch.equal(before[n], p.to_local())
                                  for n, p in model.named_parameters() if p.to_local().numel())
     return out
+
+
+def mixed_cpus(rank: int, world: int) -> dict:
+    """No Newton-Schulz dtype pinned anywhere, and the ranks' CPUs default to different
+    ones (rank 0 bf16, rank 1 float32: nodes of two CPU generations). Two steps of
+    MuonOptimizer on an FSDP2 model, then the same from the same start with float32 pinned
+    on every rank: the ranks take float32 by rule, and end where the pinned run does."""
+    import os
+
+    from muonfx.linalg import precision, set_default_ns_dtype
+
+    os.environ.pop("MUONFX_NS_DTYPE", None)
+    set_default_ns_dtype(None)
+    precision._cpu = precision.CpuChoice(torch.bfloat16 if rank == 0 else torch.float32, "a test's CPU")
+    out: dict = {}
+    for run in ("rule", "pinned"):
+        if run == "pinned":
+            set_default_ns_dtype(torch.float32)
+        model = _model(world)
+        opt = mfx.MuonOptimizer(model, lr=0.02)
+        for _ in range(2):
+            _backward(model, rank)
+            opt.step()
+            opt.zero_grad()
+        out[run] = _locals(model)
+        out[f"{run}_dtype"] = str(opt.plan.settings.ns_dtype)
+    out["same"] = all(torch.equal(out["rule"][n], out["pinned"][n]) for n in out["rule"])
+    del out["rule"], out["pinned"]
+    return out

@@ -374,6 +374,20 @@ def test_ranks_that_disagree_raise_the_same_error_naming_the_setting():
 
 
 @pytest.mark.slow
+def test_ranks_whose_cpus_default_to_different_dtypes_take_float32_by_rule():
+    """No Newton-Schulz dtype pinned, rank 0's CPU defaults to bf16 and rank 1's to float32
+    (two CPU generations; was a gloo abort at the first step): every rank computes in
+    float32, and two steps end bit for bit where a run with float32 pinned everywhere does."""
+    from dist_harness import run_world
+
+    import fault_workers as fw
+
+    res = run_world(fw.mixed_cpus, 2, timeout=180)
+    for r in range(2):
+        assert res[r]["rule_dtype"] == "torch.float32" and res[r]["same"], res[r]
+
+
+@pytest.mark.slow
 def test_the_process_groups_timeout_bounds_the_wait_for_a_late_rank():
     """The step's first collective (the agreement) waits at most the process group's
     timeout the user set (3 s here): rank 1 reaches ``step()`` 6 s late, rank 0 raises

@@ -142,8 +142,11 @@ def _stable(value: Any) -> str:
     return f"<{type(value).__module__}.{type(value).__qualname__}>"
 
 
-def _readable(records: Sequence[Any], param_groups: Sequence[dict], device_types: list[str]) -> list[list]:
-    """Per slot, ``[(label, text)]``: what every rank must share."""
+def _readable(records: Sequence[Any], param_groups: Sequence[dict], device_types: list[str],
+              agreed: torch.dtype | None = None) -> list[list]:
+    """Per slot, ``[(label, text)]``: what every rank must share (the Newton-Schulz dtype:
+    the pinned one, else the ranks' ``agreed`` one, else the device's own default, marked
+    ``(default)`` so that the rule of :func:`agree_settings` can tell)."""
     from ..linalg import batching, precision
 
     pinned = precision.pinned_ns_dtype()
@@ -166,8 +169,10 @@ def _readable(records: Sequence[Any], param_groups: Sequence[dict], device_types
         out[2].append((f"the transform of param group {gi}", _stable(rec.factory) if not callable(rec.factory) else
                        f"{getattr(rec.factory, '__module__', '')}.{getattr(rec.factory, '__qualname__', '')}"))
     for d in device_types:
-        dt = pinned if pinned is not None else precision.device_ns_dtype(torch.device(d))
-        out[4].append((f"the Newton-Schulz dtype on {d}", str(dt).removeprefix("torch.")))
+        dt = pinned if pinned is not None else agreed if agreed is not None else precision.device_ns_dtype(
+            torch.device(d))
+        mark = " (default)" if pinned is None and agreed is None else ""
+        out[4].append((f"the Newton-Schulz dtype on {d}", str(dt).removeprefix("torch.") + mark))
         out[5].append((f"the batch budget on {d}", f"{batching.batch_bytes(d)} bytes"))
     return out
 
@@ -177,14 +182,21 @@ def _digest(slot: list) -> int:
     return int.from_bytes(h[:8], "little", signed=True)
 
 
-def agree_settings(records: Sequence[Any], param_groups: Sequence[dict], group, device) -> None:
+def agree_settings(records: Sequence[Any], param_groups: Sequence[dict], group, device, runner: Any = None) -> None:
     """Check that every rank of the step shares what the exchange and the transforms need
     to agree on (the slots of :data:`_SLOTS`), in one all-gather of a few fixed-size
     digests: the step's first collective, so a difference raises the same
     :class:`SettingsDiffer` on every rank instead of a mismatched collective (an abort,
     or a wait until the process group's timeout) or a silently wrong update (parameters
-    listed in another order). The readable values are gathered only when a digest differs."""
-    slots = _readable(records, param_groups, [torch.device(device).type])  # (the mesh's device: the exchange's)
+    listed in another order). The readable values are gathered only when a digest differs.
+
+    One difference has a rule instead of an error: where no rank pins a Newton-Schulz
+    dtype and the ranks' devices default to different ones (nodes of different CPU
+    generations: bf16 where it is native, float32 elsewhere), every rank takes float32
+    (which every device computes natively) for this optimizer's plans (``runner``'s
+    ``agreed_ns_dtype``), and the ``muonfx`` logger says so once."""
+    agreed = getattr(runner, "agreed_ns_dtype", None)
+    slots = _readable(records, param_groups, [torch.device(device).type], agreed)  # (the mesh's device)
     mine = torch.tensor([_digest(s) for s in slots], dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     every = [torch.empty_like(mine) for _ in range(world)]
@@ -195,6 +207,17 @@ def agree_settings(records: Sequence[Any], param_groups: Sequence[dict], group, 
         return
     texts: list = [None] * world
     dist.all_gather_object(texts, slots, group=group)  # the error path only
+    if differ == [4] and runner is not None and all(v.endswith(" (default)") for t in texts for _, v in t[4]):
+        # only the devices' own defaults differ: one dtype by rule, the same on every rank
+        from ..logs import say_once
+
+        shown = "; ".join(f"rank {r}: {', '.join(v for _, v in t[4])}" for r, t in enumerate(texts))
+        say_once("ns dtype by rule", "muonfx: the ranks' devices default to different Newton-Schulz dtypes (%s): "
+                 "every rank computes in float32; pin MUONFX_NS_DTYPE (or ns_dtype) on every node to choose",
+                 shown)
+        runner.agreed_ns_dtype = torch.float32
+        runner.forget()
+        return
     for i in differ:
         labels = [dict(t[i]) for t in texts]
         anywhere = [{lab: v for slot in t for lab, v in slot} for t in texts]  # (a number on one rank, a string on another)

@@ -206,7 +206,7 @@ class TransformOptimizer(torch.optim.Optimizer):
             if agreement is not None:
                 from .agreement import agree_settings, agreed_work
 
-                agree_settings(self.records, self.param_groups, *agreement)  # what every rank must share, first
+                agree_settings(self.records, self.param_groups, *agreement, self._runner)  # what ranks share, first
                 works = agreed_work(self.records, self.param_groups, *agreement)
         self._torch_state = None
         self._runner.step(self.records, self.param_groups, works, extra_args)

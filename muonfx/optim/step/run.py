@@ -25,6 +25,7 @@ argument ``matrix_settings``: nothing is written to a module while a step runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import OrderedDict
 from typing import Any, Iterator
 
@@ -112,6 +113,9 @@ class Runner:
         last: the plan of the last step.
         comm_stats: the optimizer's own counters of the DTensor matrix exchange
             (:class:`muonfx.distributed.CommStats`; its plans' settings carry it).
+        agreed_ns_dtype: the Newton-Schulz dtype the ranks of a DTensor step agreed on
+            where none is pinned and their devices' defaults differ (nodes of different CPU
+            generations; :func:`muonfx.optim.agreement.agree_settings`), else None.
     """
 
     #: plans kept per optimizer (the least recently used goes first)
@@ -119,6 +123,7 @@ class Runner:
 
     def __init__(self) -> None:
         self.compile_kwargs: dict[str, Any] = {"dynamic": True, "fullgraph": True}
+        self.agreed_ns_dtype: torch.dtype | None = None
         self.compiled = CompiledSteps()
         self.plans: OrderedDict[tuple, StepPlan] = OrderedDict()
         self.last: StepPlan | None = None
@@ -158,6 +163,8 @@ class Runner:
             return plan
         devices = {p.device.type for group in param_groups for p in group["params"]}
         settings = Settings.capture(devices, self.comm_stats)
+        if settings.ns_dtype is None and self.agreed_ns_dtype is not None:  # the ranks' rule (agreement)
+            settings = dataclasses.replace(settings, ns_dtype=self.agreed_ns_dtype)
         groups = []
         for gi, (rec, group, w) in enumerate(zip(records, param_groups, works)):
             if w is None:
