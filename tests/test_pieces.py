@@ -192,24 +192,31 @@ def test_a_parameter_resized_before_a_step_in_pieces_raises_before_anything_is_w
     assert opt.transform_state(0).count == 2
 
 
+class _Counted(__import__("typing").NamedTuple):
+    count: object
+
+
+def _raises_on_tall(exc: BaseException) -> mfx.GradientTransformation:
+    """A leafwise transform of one's own (``-0.1 * u``, counted per parameter) that raises
+    ``exc`` when its update meets parameter "tall" from its third step on."""
+
+    def update(updates, state, params=None):
+        keys, us = mfx.core.leaves(updates)
+        if ("tall",) in keys and max(mfx.counts.values_of(state.count)) >= 2:
+            raise exc
+        return mfx.core.build(keys, [-0.1 * u for u in us]), state._replace(count=mfx.counts.advance(state.count))
+
+    return mfx.leafwise(mfx.GradientTransformation(
+        lambda p: _Counted(mfx.counts.zeros(mfx.core.leaves(p, "params")[0])), update))
+
+
 def test_an_error_of_your_own_in_a_later_piece_says_what_was_stepped(budget):
     """A transform of one's own that raises on one parameter, met in a later piece: the
     step ends with PartialStepError naming the parameters stepped before it; their state
     and counts moved with them, the others' did not, and the next good step goes on."""
 
-    def picky(updates, state, params=None):
-        keys, us = mfx.core.leaves(updates)
-        if ("tall",) in keys and max(mfx.counts.values_of(state.count)) >= 2:
-            raise RuntimeError("my transform refuses 'tall' from its third step")
-        return mfx.core.build(keys, [-0.1 * u for u in us]), state._replace(count=mfx.counts.advance(state.count))
-
-    class State(__import__("typing").NamedTuple):
-        count: object
-
-    tx = mfx.leafwise(mfx.GradientTransformation(lambda p: State(mfx.counts.zeros(mfx.core.leaves(p, "params")[0])),
-                                                 picky))
     a = _matrices()
-    opt = mfx.TransformOptimizer(a, tx)
+    opt = mfx.TransformOptimizer(a, _raises_on_tall(RuntimeError("my transform refuses 'tall' from its third step")))
     for step in range(2):
         _grads(a, step)
         opt.step()
@@ -232,19 +239,8 @@ def test_an_interrupt_between_pieces_keeps_counts_with_their_parameters(budget):
     state and counts, so every parameter's count is the number of steps it made (a count
     left behind would put every later bias correction one step off, silently)."""
 
-    def interrupted(updates, state, params=None):
-        keys, us = mfx.core.leaves(updates)
-        if ("tall",) in keys and max(mfx.counts.values_of(state.count)) >= 2:
-            raise KeyboardInterrupt
-        return mfx.core.build(keys, [-0.1 * u for u in us]), state._replace(count=mfx.counts.advance(state.count))
-
-    class State(__import__("typing").NamedTuple):
-        count: object
-
-    tx = mfx.leafwise(mfx.GradientTransformation(lambda p: State(mfx.counts.zeros(mfx.core.leaves(p, "params")[0])),
-                                                 interrupted))
     a = _matrices()
-    opt = mfx.TransformOptimizer(a, tx)
+    opt = mfx.TransformOptimizer(a, _raises_on_tall(KeyboardInterrupt()))
     for step in range(2):
         _grads(a, step)
         opt.step()

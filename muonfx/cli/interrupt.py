@@ -8,7 +8,7 @@ while training runs, SIGINT (Ctrl-C) and SIGTERM (what SLURM, Kubernetes and
 reads it at its step boundaries (under ``--fsdp`` the flag travels with the loss
 all-reduce, so every rank stops after the same step), saves with ``--save``, and
 raises :class:`Interrupted`: the command exits with 128 + the signal's number (130
-for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP: a closed terminal or SSH session saves as
+for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP: a closed terminal or SSH connection saves as
 SIGTERM does).
 
 Without ``--fsdp`` a second signal quits at once, without saving. Under ``--fsdp``
@@ -26,7 +26,7 @@ from typing import Callable
 
 __all__ = ["StepInterrupt", "Interrupted", "SIGNALS"]
 
-#: the signals that stop a run at a step boundary (SIGHUP: the terminal or the SSH session
+#: the signals that stop a run at a step boundary (SIGHUP: the terminal or the SSH connection
 #: went away; where the platform has it)
 SIGNALS = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
 
