@@ -20,10 +20,10 @@ sits above it.
 from .._compat.tensordict import build, td_items
 from .contract import EmptyState, GradientTransformation, InitFn, LeafwiseTransformation, UpdateFn, UpdateFnExtraArgs, \
     identity, is_leafwise, leafwise, leafwise_if, takes_extra_args, with_extra_args_support
-from .leaves import Key, aligned, apply_updates, check_keys, check_like, key_str, leaves
+from .leaves import Key, aligned, apply_updates, check_keys, check_like, key_str, leaves, zeros_like_leaves
 from .view import Dims, MatrixView, default_view, view_of, views_for
 
 __all__ = ["GradientTransformation", "LeafwiseTransformation", "leafwise", "is_leafwise", "leafwise_if", "EmptyState",
            "identity", "apply_updates", "Key", "key_str", "leaves", "aligned", "build", "check_keys", "check_like",
            "td_items", "InitFn", "UpdateFn", "UpdateFnExtraArgs", "takes_extra_args", "with_extra_args_support",
-           "MatrixView", "Dims", "default_view", "view_of", "views_for"]
+           "MatrixView", "Dims", "default_view", "view_of", "views_for", "zeros_like_leaves"]

@@ -15,7 +15,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from .._compat.tensordict import Key, build, td_items
 
-__all__ = ["Key", "key_str", "leaves", "aligned", "check_keys", "check_like", "apply_updates"]
+__all__ = ["Key", "key_str", "leaves", "aligned", "check_keys", "check_like", "apply_updates", "zeros_like_leaves"]
 
 
 def key_str(key: Key | str) -> str:
@@ -160,3 +160,19 @@ def apply_updates(params: TensorDictBase, updates: TensorDictBase) -> TensorDict
         if u.shape != p.shape or u.device != p.device:
             check_like(k, u, p)
     return build(keys, [(p + u).to(p.dtype) for p, u in zip(ps, us)])
+
+
+def zeros_like_leaves(keys: Sequence[Key], tensors: Sequence[torch.Tensor],
+                      dtype: torch.dtype | None = None) -> TensorDict:
+    """A TensorDict of zeros shaped like ``tensors`` (in ``dtype``, else each tensor's own),
+    keyed by ``keys``: the usual initial state buffer of a transform (moments, momentum).
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx.core import zeros_like_leaves
+        >>> zeros_like_leaves([("w",)], [torch.ones(2)])["w"].tolist()
+        [0.0, 0.0]
+    """
+    return build(keys, [torch.zeros_like(t, dtype=dtype or t.dtype) for t in tensors])
+

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 from tensordict import TensorDict
 
-from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves
+from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves, zeros_like_leaves
 from ..counts import Counts, advance, per_count, zeros
 from ..hyperparams import check, check_float_dtype
 from ..ops import foreach
@@ -93,7 +93,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
-        moments = lambda: build(keys, [torch.zeros_like(p, dtype=mu_dtype or p.dtype) for p in ps])  # noqa: E731
+        moments = lambda: zeros_like_leaves(keys, ps, mu_dtype)  # noqa: E731
         return ScaleByAdamState(count=zeros(keys), mu=moments(), nu=moments(),
                                 nu_max=moments() if amsgrad else TensorDict({}, []))
 

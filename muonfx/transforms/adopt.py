@@ -7,7 +7,7 @@ from typing import Callable, NamedTuple
 import torch
 from tensordict import TensorDict
 
-from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves
+from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves, zeros_like_leaves
 from ..counts import Counts, advance, per_count, zeros
 from ..hyperparams import check
 from ..ops import foreach
@@ -67,8 +67,7 @@ def scale_by_adopt(b1: float = 0.9, b2: float = 0.9999, eps: float = 1e-6,
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
-        moments = lambda: build(keys, [torch.zeros_like(p) for p in ps])  # noqa: E731
-        return ScaleByAdoptState(count=zeros(keys), mu=moments(), nu=moments())
+        return ScaleByAdoptState(count=zeros(keys), mu=zeros_like_leaves(keys, ps), nu=zeros_like_leaves(keys, ps))
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)

@@ -11,7 +11,7 @@ from tensordict import TensorDict
 
 from .. import seam
 from .._compat.dtensor import unstack_like
-from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves
+from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves, zeros_like_leaves
 from ..hyperparams import check, check_float_dtype
 from ..linalg import CoefficientSpec, NewtonSchulz, resolve
 from ..linalg.precision import pinned_ns_dtype
@@ -100,7 +100,7 @@ def scale_by_dion2(fraction: float = 0.25, ef_decay: float = 0.95, ns_steps: int
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
-        return ScaleByDion2State(build(keys, [torch.zeros_like(p) for p in ps]))
+        return ScaleByDion2State(zeros_like_leaves(keys, ps))
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)

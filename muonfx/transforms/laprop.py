@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from tensordict import TensorDict
 
-from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves
+from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves, zeros_like_leaves
 from ..counts import Counts, advance, per_count, zeros
 from ..hyperparams import check
 from ..ops import foreach
@@ -57,8 +57,7 @@ def scale_by_laprop(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-15) -> G
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
-        moments = lambda: build(keys, [torch.zeros_like(p) for p in ps])  # noqa: E731
-        return ScaleByLapropState(count=zeros(keys), mu=moments(), nu=moments())
+        return ScaleByLapropState(count=zeros(keys), mu=zeros_like_leaves(keys, ps), nu=zeros_like_leaves(keys, ps))
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from tensordict import TensorDict
 
-from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves
+from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves, zeros_like_leaves
 from ..hyperparams import check, check_float_dtype
 from ..ops import foreach
 from ._dtypes import narrow, widen
@@ -51,7 +51,7 @@ def scale_by_lion(b1: float = 0.9, b2: float = 0.99, mu_dtype: torch.dtype | Non
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
-        return ScaleByLionState(build(keys, [torch.zeros_like(p, dtype=mu_dtype or p.dtype) for p in ps]))
+        return ScaleByLionState(zeros_like_leaves(keys, ps, mu_dtype))
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)

@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from .. import seam
-from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves
+from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves, zeros_like_leaves
 from ..hyperparams import check
 from ..ops import foreach
 from .cautious import _totals
@@ -62,7 +62,7 @@ def mars_correction(gamma: float = 0.025, beta: float = 0.95, max_norm: float | 
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
-        return MarsCorrectionState(build(keys, [torch.zeros_like(p) for p in ps]))
+        return MarsCorrectionState(zeros_like_leaves(keys, ps))
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from tensordict import TensorDict
 
-from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves
+from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves, zeros_like_leaves
 from ..counts import Counts, advance, per_count, zeros
 from ..hyperparams import check, check_float_dtype
 from ..ops import foreach
@@ -56,7 +56,7 @@ def momentum(beta: float = 0.95, nesterov: bool = False, mu_dtype: torch.dtype |
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
-        return MomentumState(build(keys, [torch.zeros_like(p, dtype=mu_dtype or p.dtype) for p in ps]))
+        return MomentumState(zeros_like_leaves(keys, ps, mu_dtype))
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
@@ -129,8 +129,7 @@ def bias_corrected_momentum(beta: float = 0.95, nesterov: bool = True,
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
-        return BiasCorrectedMomentumState(zeros(keys), build(keys, [torch.zeros_like(p, dtype=mu_dtype or p.dtype)
-                                                                     for p in ps]))
+        return BiasCorrectedMomentumState(zeros(keys), zeros_like_leaves(keys, ps, mu_dtype))
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)

@@ -11,7 +11,8 @@ import torch
 from tensordict import TensorDict
 
 from .._compat.dtensor import dtensor_class
-from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, key_str, leaves
+from ..core import (GradientTransformation, LeafwiseTransformation, aligned, build, key_str, leaves,
+                    zeros_like_leaves)
 from ..counts import Counts, advance, of, zeros
 from ..hyperparams import check
 
@@ -112,8 +113,8 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | None
                     fk.append(k + (f"dim{i}",))
                     fv.append(torch.zeros(sh, sh, dtype=p.dtype, device=p.device))
                     bv.append(torch.eye(sh, dtype=p.dtype, device=p.device))
-        return ScaleBySoapState(zeros(keys), build(keys, [torch.zeros_like(p) for p in ps]),
-                                build(keys, [torch.zeros_like(p) for p in ps]), build(fk, fv), build(fk, bv))
+        return ScaleBySoapState(zeros(keys), zeros_like_leaves(keys, ps),
+                                zeros_like_leaves(keys, ps), build(fk, fv), build(fk, bv))
 
     def update_fn(updates, state, params=None):
         keys, gs = leaves(updates)
