@@ -262,3 +262,20 @@ def test_the_settings_name_is_the_plans_own():
     _grads(named, 0)
     with pytest.raises(ValueError, match="matrix_settings"):
         opt.step(matrix_settings=None)
+
+
+def test_dion2_reads_the_plans_newton_schulz_dtype():
+    """scale_by_dion2 takes the step plan's settings as newton_schulz does: the settings'
+    dtype decides its Newton-Schulz where none is given (float32 and bf16 differ)."""
+    from tensordict import TensorDict
+
+    from muonfx.linalg.settings import MatrixSettings
+
+    g = TensorDict({"w": torch.randn(8, 16, generator=torch.Generator().manual_seed(0))}, [])
+    tx = mfx.scale_by_dion2(0.5)
+    outs = {}
+    for dt in (torch.float32, torch.bfloat16):
+        outs[dt], _ = tx.update(g, tx.init(g), None, matrix_settings=MatrixSettings(dt, (("cpu", 1 << 20),), False))
+    ref, _ = mfx.scale_by_dion2(0.5, ns_dtype=torch.float32).update(g, tx.init(g))
+    assert torch.equal(outs[torch.float32]["w"], ref["w"])
+    assert not torch.equal(outs[torch.float32]["w"], outs[torch.bfloat16]["w"])

@@ -15,6 +15,7 @@ from ..core import GradientTransformation, LeafwiseTransformation, aligned, buil
 from ..hyperparams import check, check_float_dtype
 from ..linalg import CoefficientSpec, NewtonSchulz, resolve
 from ..linalg.precision import pinned_ns_dtype
+from ..linalg.settings import EXTRA_ARG
 from ..ops import foreach
 from ._matrix import as_stacks
 from .cautious import sums_over
@@ -102,14 +103,19 @@ def scale_by_dion2(fraction: float = 0.25, ef_decay: float = 0.95, ns_steps: int
         keys, ps = leaves(params, "params")
         return ScaleByDion2State(zeros_like_leaves(keys, ps))
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        # the step plan's settings (default dtype, batch budget), as newton_schulz reads them
+        settings = extra_args.get(EXTRA_ARG)
+        pin = pinned if settings is None or ns_dtype is not None else settings.ns_dtype
         keys, gs = leaves(updates)
         ms = aligned(state.mu, keys, "dion2 state (mu)", like=gs)
         new_m = foreach("add", ms, gs)
-        run = NewtonSchulz(schedule, eps, ns_dtype, "standard", accuracy="dtype")
+        run = NewtonSchulz(schedule, eps, ns_dtype, "standard", accuracy="dtype",
+                           triton=None if settings is None else settings.triton)
         if ns_dtype is None:
-            run = _PerBatch(run, pinned)
-        outs = unstack_like(seam.map_matrices(_TopRows(fraction, run), as_stacks(keys, new_m, "scale_by_dion2")), gs)
+            run = _PerBatch(run, pin)
+        outs = unstack_like(seam.map_matrices(_TopRows(fraction, run), as_stacks(keys, new_m, "scale_by_dion2"),
+                                              settings), gs)
         if keys:  # error feedback on the rows the update took (found from its nonzero rows)
             new_m = [torch.where(t > 0, m * ef_decay, m) for m, t in zip(new_m, _row_sums(outs))]
         return build(keys, outs), ScaleByDion2State(build(keys, new_m))
