@@ -128,6 +128,13 @@ from muonfx.distributed import pick_backend  # noqa: E402,F401  (re-exported for
 from muonfx.memory import AllocatorPeak, FreshMemory, step_memory  # noqa: E402,F401  (re-exported for the scripts)
 
 
+def fmt_ms(seconds: float) -> str:
+    """Milliseconds with three significant digits (0.842, 12.4, 113): GPU steps of a
+    millisecond or two keep their digits."""
+    ms = seconds * 1e3
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
+
+
 def fmt_bytes(n: float) -> str:
     """``1.23 GiB``, ``45.6 MiB``, ``7.0 KiB``, ``0 B``."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):

@@ -78,9 +78,9 @@ def main(argv=None) -> None:
     t = _common.interleaved({k: o.step for k, o in opts.items()}, args.repeats, args.warmup, device)
     mem = {k: _common.step_memory(o.step, device) for k, o in opts.items()}  # untimed, after the timed steps
     print(f"\nAdamW step, muonfx chain vs torch.optim.AdamW(foreach=True) ({_common.machine()})")
-    rows = [[variant, paths[k], f"{n / 1e6:.1f} M", len(named), f"{t[k] * 1e3:.0f}", f"{t['torch'] * 1e3:.0f}",
+    rows = [[variant, paths[k], f"{n / 1e6:.1f} M", len(named), _common.fmt_ms(t[k]), _common.fmt_ms(t['torch']),
              f"{t[k] / t['torch']:.2f}", _common.fmt_bytes(mem[k]), _common.fmt_bytes(mem["torch"])]
-            + ([f"{t['torch fused'] * 1e3:.0f}", f"{t[k] / t['torch fused']:.2f}"] if args.fused else [])
+            + ([_common.fmt_ms(t['torch fused']), f"{t[k] / t['torch fused']:.2f}"] if args.fused else [])
             for variant, k in variants]
     print(_common.table(["muonfx variant", "path", "params", "tensors", "muonfx ms", "torch ms", "muonfx/torch",
                          "muonfx extra mem", "torch extra mem"]

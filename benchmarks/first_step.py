@@ -192,7 +192,7 @@ def main(argv=None) -> None:
         for c in contenders:
             first, steady = best[c]["first"], best[c]["steady"]
             rows.append([s, f"{got[c][0]['params'] / 1e6:.1f} M", c, got[c][0]["path"] or "-", f"{first:.2f}",
-                         f"{first / best['torch']['first']:.2f}", f"{steady * 1e3:.0f}",
+                         f"{first / best['torch']['first']:.2f}", _common.fmt_ms(steady),
                          f"{steady / best['torch']['steady']:.2f}"])
     print(f"\nHybrid optimizer: time to the first step and steady step, one process per contender "
           f"({_common.machine()})")

@@ -130,7 +130,7 @@ def run(kind: str, layers: int | None, shrink: int, device: torch.device, repeat
     forms = sorted({auto_method(*s[-2:], ns_dtype_for(device), accuracy, device) for s in shapes.values()})
     label = {name: f"{name} ({', '.join(forms)})" if name == "muonfx auto" else name for name in variants}
     what = f"{len({k.split('.')[0] for k in shapes})} layers, {n} matrices, {numel / 1e6:.1f} M"
-    return [[kind, what, label[name], paths[name], f"{t[name] * 1e3:.0f}", f"{t['torch'] * 1e3:.0f}",
+    return [[kind, what, label[name], paths[name], _common.fmt_ms(t[name]), _common.fmt_ms(t['torch']),
              f"{t[name] / t['torch']:.2f}", _common.fmt_bytes(mem[name]), _common.fmt_bytes(mem["torch"])]
             for name in variants]
 

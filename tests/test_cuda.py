@@ -127,7 +127,9 @@ MEMORY_SLACK = 64 << 20
 
 
 @cuda
-@pytest.mark.parametrize("path", ["eager", "compiled"])
+# the compiled path compiles a graph per budget (about a minute each on a GPU machine's CPU):
+# slow, with the other compile tests; the eager path runs in every CUDA run
+@pytest.mark.parametrize("path", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("budget", [None, 32 << 20], ids=["default-budget", "32MiB-budget"])
 def test_muon_step_extra_memory_is_bounded_by_the_budget(budget, path):
     n, shape = 40, (1024, 2048)  # 40 same-shape matrices, 8 MiB each: P = 320 MiB
@@ -167,6 +169,7 @@ def test_muon_step_extra_memory_is_bounded_by_the_budget(budget, path):
 
 
 @cuda
+@pytest.mark.slow  # compiles (opt-in since the default path compiles nothing)
 def test_compiled_muon_step_matches_eager_on_cuda():
     torch._dynamo.reset()
     params, grads = _problem("cuda", seed=1, steps=6)

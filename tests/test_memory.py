@@ -114,9 +114,16 @@ def test_adamw_fused_step_allocates_nothing_per_parameter():
     assert peak <= 4096, peak
 
 
+#: the bound of the step's extra memory in budgets, by path and Newton-Schulz dtype: the
+#: measured figures of the docstring below with a margin
+MUON_PIECE_BOUND = {("chain", torch.float32): 7, ("chain", torch.bfloat16): 4.5,
+                    ("lowered", torch.float32): 6, ("lowered", torch.bfloat16): 3.5}
+
+
+@pytest.mark.parametrize("path", ["lowered", "chain"])
 @pytest.mark.parametrize("ns_dtype", sweep([torch.float32, torch.bfloat16], keep={"bfloat16"},
                                            ids=["float32", "bfloat16"]))
-def test_muon_step_memory_is_a_few_budgets_whatever_the_model(ns_dtype):
+def test_muon_step_memory_is_a_few_budgets_whatever_the_model(ns_dtype, path):
     """32 same-shape matrices, budget B = 4 of them (one knob,
     muonfx.linalg.set_batch_bytes): the group is larger than B, so it runs in pieces of
     at most B bytes, each written before the next, and the step's extra memory is a few
@@ -125,22 +132,24 @@ def test_muon_step_memory_is_a_few_budgets_whatever_the_model(ns_dtype):
     bf16 and Newton-Schulz let go of its normalised input). A group within the budget
     runs whole: the pure update (new momentum and two links of the chain: 3 P) plus the
     Newton-Schulz batches; without the budget (all 32 matrices in one batch and one
-    piece) 6.3 P and 4.2 P."""
+    piece) 6.3 P and 4.2 P. The plan's Muon lowering (the default path; ``fused=False``
+    runs the chain) keeps no second momentum buffer: 5.3 B and 3.2 B."""
     mat = 64 * 96 * 4
     budget = 4 * mat
+    kw = {"ns_dtype": ns_dtype, "fused": None if path == "lowered" else False}
     try:
         mfx.linalg.set_batch_bytes(budget, "cpu")
-        peak, model = _step_peak(mfx.muon, _same_shapes(32), ns_dtype=ns_dtype)
-        twice, _ = _step_peak(mfx.muon, _same_shapes(64), ns_dtype=ns_dtype)
+        peak, model = _step_peak(mfx.muon, _same_shapes(32), **kw)
+        twice, _ = _step_peak(mfx.muon, _same_shapes(64), **kw)
         mfx.linalg.set_batch_bytes(1 << 40, "cpu")
-        unbounded, _ = _step_peak(mfx.muon, _same_shapes(32), ns_dtype=ns_dtype)
+        unbounded, _ = _step_peak(mfx.muon, _same_shapes(32), **kw)
     finally:
         mfx.linalg.set_batch_bytes(None, "cpu")
-    assert peak <= (7 if ns_dtype == torch.float32 else 4.5) * budget, peak / budget
+    assert peak <= MUON_PIECE_BOUND[path, ns_dtype] * budget, peak / budget
     assert twice <= peak + 4096, (twice, peak)  # twice the model, the same peak
-    assert unbounded >= 4 * model  # the whole model in one batch: the budget is what bounds it
+    assert unbounded >= 3 * model  # the whole model in one batch: the budget is what bounds it
     # 32 matrices of other shapes, all within the CPU's budget: one piece, whole
-    peak, model = _step_peak(mfx.muon, _distinct_shapes(32), ns_dtype=ns_dtype)
+    peak, model = _step_peak(mfx.muon, _distinct_shapes(32), **kw)
     assert model <= mfx.linalg.batch_bytes("cpu")
     assert peak <= 3 * model + 5 * mfx.linalg.batch_bytes("cpu")
 

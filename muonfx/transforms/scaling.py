@@ -111,6 +111,29 @@ def shape_factor(mode: str, a: int, b: int) -> float:
     raise ValueError(f"unknown scale_by_shape mode {mode!r}; choose one of {SHAPE_MODES}")
 
 
+def shape_factors(mode: str, keys: list, ts: list, dims: Dims = None) -> list[float]:
+    """:func:`shape_factor` of every leaf's matrix view (``dims`` overriding the default
+    view, as in :func:`scale_by_shape`), one Python float per leaf.
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx.transforms.scaling import shape_factors
+        >>> shape_factors("original", [("w",), ("v",)], [torch.zeros(16, 4), torch.zeros(4, 16)])
+        [2.0, 1.0]
+    """
+    known: dict[tuple[int, int], float] = {}
+    factors = []
+    views = None if dims is None else leaf_views(dims, keys, ts, "scale_by_shape")
+    for ab in matrix_shapes(keys, ts, "scale_by_shape", views):
+        f = known.get(ab)
+        if f is None:
+            # an empty matrix (a zero side) has nothing to scale; s(A, 0) would divide by zero
+            f = known[ab] = shape_factor(mode, *ab) if ab[0] and ab[1] else 1.0
+        factors.append(f)
+    return factors
+
+
 def scale_by_shape(mode: str = "original", *, dims: Dims = None) -> GradientTransformation:
     """Scale each matrix update by a factor of its shape ``A x B`` (rows x cols).
 
@@ -139,15 +162,6 @@ def scale_by_shape(mode: str = "original", *, dims: Dims = None) -> GradientTran
 
     def update_fn(updates, state, params=None):
         keys, us = leaves(updates)
-        known: dict[tuple[int, int], float] = {}
-        factors = []
-        views = None if dims is None else leaf_views(dims, keys, us, "scale_by_shape")
-        for ab in matrix_shapes(keys, us, "scale_by_shape", views):
-            f = known.get(ab)
-            if f is None:
-                # an empty matrix (a zero side) has nothing to scale; s(A, 0) would divide by zero
-                f = known[ab] = shape_factor(mode, *ab) if ab[0] and ab[1] else 1.0
-            factors.append(f)
-        return build(keys, foreach("mul", us, factors)), state
+        return build(keys, foreach("mul", us, shape_factors(mode, keys, us, dims))), state
 
     return LeafwiseTransformation(init_fn, update_fn)

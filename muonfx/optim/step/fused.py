@@ -1,7 +1,8 @@
 """Fused kernels the plan runs where a group's chain computes an arithmetic torch has a
 kernel for: a rule of the plan, decided when the plan is built, never by timing.
 
-The one lowering today: a group whose transform is :func:`muonfx.adamw` (its factory,
+Two lowerings: Muon's (:mod:`.fused_muon`, its elementwise links in foreach passes around
+the group's own Newton-Schulz) and AdamW's, here: a group whose transform is :func:`muonfx.adamw` (its factory,
 as ``TransformOptimizer(params, mfx.adamw)``, ``{"tx": mfx.adamw}`` in a param group,
 and the AdamW groups of :class:`muonfx.MuonOptimizer` and
 :func:`muonfx.create_hybrid_optimizer`) with plain numbers for its hyperparameters runs
@@ -24,7 +25,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..._compat.dtensor import local
+from ..._compat.dtensor import dtensor_class, shards
+from ..._compat.tensordict import td_items
 from ...presets import adamw
 from ...transforms.adam import AMSGRAD_WITHOUT_STATE
 from ...counts import Counts, advance, by_count
@@ -35,6 +37,22 @@ __all__ = ["FusedAdamW", "lowering", "register", "KERNELS"]
 #: the devices whose fused AdamW kernel the plan runs
 _DEVICES = ("cpu", "cuda")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _leaves(td: Any, keys: tuple) -> list[torch.Tensor]:
+    """``[td[k] for k in keys]``: in one walk of ``td`` where its leaves are ``keys`` in
+    order (the state built from the group's parameters), else one lookup per key (a
+    ``KeyError`` or ``TypeError`` where ``td`` does not hold them)."""
+    ks, vs = td_items(td)
+    if len(ks) == len(keys) and ks == list(keys):
+        return vs
+    return [td[k] for k in keys]
+
+
+def _locals(ts: list[Any]) -> list[Any]:
+    """Each tensor's local shard (the tensors themselves where no DTensor can exist)."""
+    cls = dtensor_class()
+    return list(ts) if cls is None else shards(ts, cls)
 
 
 def _number(v: Any) -> bool:
@@ -67,8 +85,7 @@ class FusedAdamW:
                     return f"{n} is not a bool"
             elif not _number(v):
                 return f"{n} is {'a schedule' if callable(v) else type(v).__name__}"
-        for p in params:
-            lp = local(p)
+        for lp in _locals(params):
             if lp.device.type not in _DEVICES:
                 return f"parameters on {lp.device.type}"
             if lp.dtype not in _DTYPES:
@@ -89,11 +106,10 @@ class FusedAdamW:
             return "a schedule in the state"
         mu, nu = getattr(adam, "mu", None), getattr(adam, "nu", None)
         try:
-            ms, vs = [mu[k] for k in keys], [nu[k] for k in keys]
+            ms, vs = _leaves(mu, keys), _leaves(nu, keys)
         except (KeyError, TypeError):
             return "the moments do not match the parameters"
-        for p, g, m, v in zip(params, grads, ms, vs):
-            lp, lg, lm, lv = local(p), local(g), local(m), local(v)
+        for lp, lg, lm, lv in zip(_locals(params), _locals(grads), _locals(ms), _locals(vs)):
             if not (lg.dtype == lm.dtype == lv.dtype == lp.dtype and lg.device == lm.device == lv.device == lp.device
                     and lg.layout == torch.strided and lg.shape == lp.shape == lm.shape == lv.shape):
                 return "gradients or moments differ from their parameters in dtype, device or shape"
@@ -119,27 +135,23 @@ class FusedAdamW:
         """Run the kernel (in place) and return the new state."""
         inner = state.inner_state
         adam = inner["adam"]
-        ms, vs = [adam.mu[k] for k in keys], [adam.nu[k] for k in keys]
+        ms, vs = _leaves(adam.mu, keys), _leaves(adam.nu, keys)
         amsgrad, maximize = bool(vals.get("amsgrad", False)), bool(vals.get("maximize", False))
-        maxs = [adam.nu_max[k] for k in keys] if amsgrad else []
+        maxs = _leaves(adam.nu_max, keys) if amsgrad else []
         b1, b2 = vals["betas"]
         lr = vals["lr"]
         # torch passes a Python lr as a float and a CPU tensor lr as it is
         lr = lr if isinstance(lr, torch.Tensor) else float(lr)
+        lp, lg, lm, lv, lx = _locals(params), _locals(grads), _locals(ms), _locals(vs), _locals(maxs)
         steps_of = {}
-        steps = []
+        ls: list[Any] = [None] * len(keys)
         for t, pos in by_count(adam.count, list(keys), "adam state (count)"):
             for j in pos:
-                dev = local(params[j]).device
+                dev = lp[j].device
                 s = steps_of.get((t, dev))
                 if s is None:
                     s = steps_of[(t, dev)] = torch.full((), float(t + 1), dtype=torch.float32, device=dev)
-                steps.append((j, s))
-        steps.sort(key=lambda x: x[0])
-        lp = [local(p) for p in params]
-        lg, lm, lv = [local(g) for g in grads], [local(m) for m in ms], [local(v) for v in vs]
-        lx = [local(x) for x in maxs]
-        ls = [s for _, s in steps]
+                ls[j] = s
         for (device, dtype), idx in _groups(lp).items():
             pick = lambda xs: [xs[i] for i in idx] if xs else []  # noqa: E731
             torch._fused_adamw_(pick(lp), pick(lg), pick(lm), pick(lv), pick(lx), pick(ls), amsgrad=amsgrad, lr=lr,

@@ -18,7 +18,9 @@ resume: no timing decides anything. Per param group it holds:
   - ``"fused"``: the group's chain computes an arithmetic torch has a fused kernel for,
     and that kernel runs it on the group's own state (:mod:`.fused`: a group built
     with :func:`muonfx.adamw` runs ``torch._fused_adamw_``, bit for bit
-    ``torch.optim.AdamW(fused=True)``);
+    ``torch.optim.AdamW(fused=True)``; one built with :func:`muonfx.muon` runs its
+    elementwise links in foreach passes around its Newton-Schulz, torch.optim.Muon's
+    arithmetic, whole or in pieces: :mod:`.fused_muon`);
   - ``"eager"``: the chain, transform by transform, otherwise;
 * the pieces: a group whose present parameters hold more bytes than the batch budget
   (:func:`muonfx.linalg.batch_bytes`) and whose transform is leafwise
@@ -60,6 +62,7 @@ from ...core import GradientTransformation, Key, is_leafwise
 from ...linalg import triton_ns
 from ...linalg.settings import EXTRA_ARG, MatrixSettings
 from .dryrun import DryRun, dry_run
+from . import fused_muon  # noqa: F401  (registers Muon's lowering)
 from .fused import lowering
 from .pieces import plan_pieces
 
@@ -155,7 +158,7 @@ def parameter_rows(plan: StepPlan, group: GroupPlan) -> list[list[str]]:
     for j, pos in enumerate(group.positions):
         p = params[pos]
         what = "elementwise"
-        if group.path == "fused":
+        if group.path == "fused" and not getattr(group.kernel, "pieces", False):
             what = "elementwise, in the fused kernel" + (f" (sharded {tuple(p.placements)})" if is_dtensor(p) else "")
         elif is_dtensor(p):
             what = f"sharded {tuple(p.placements)}"
@@ -246,13 +249,13 @@ def group_plan(index: int, keys: list[Key], positions: list[int], params: list[t
         lowering(factory, hp or {}, params_all)
     if fused_setting is True and kernel is None:
         raise ValueError(f"param group {index}: 'fused' is True but no fused kernel computes its chain "
-                         f"({fused or 'only mfx.adamw groups have one'})")
+                         f"({fused or 'only mfx.adamw and mfx.muon groups have one'})")
     path, why = choose_path(index, setting, params_all, partial, dtensor, devices, failed, fused if kernel else "")
     if fused_setting is False and path == "eager" and setting is None:
         why = "fused=False"
     nbytes = sum([p.numel() * p.element_size() for p in params])
     pieces = None
-    if path == "fused":  # in place, no temporaries: nothing to cut into pieces
+    if path == "fused" and not getattr(kernel, "pieces", False):  # in place, no temporaries: no pieces
         return GroupPlan(index, tuple(keys), tuple(positions), transform, path, why, None, nbytes, partial, devices,
                          dtensor, kernel)
     if not dtensor and is_leafwise(transform) and len(devices) == 1:
@@ -269,7 +272,7 @@ def group_plan(index: int, keys: list[Key], positions: list[int], params: list[t
             if path == "compiled" and settings.triton:
                 _check_triton(seen, devices[0] if devices else "cpu")
     return GroupPlan(index, tuple(keys), tuple(positions), transform, path, why, pieces, nbytes, partial, devices,
-                     dtensor)
+                     dtensor, kernel if path == "fused" else None)
 
 
 def checked(transform: GradientTransformation, keys: list[Key], params: list[torch.Tensor], state: Any,

@@ -80,18 +80,33 @@ class _Group:
         self.plan, self.rec, self.work, self.extra = plan, rec, work, extra
         self.full = rec.current_state(work.hp)
         self.state = tree.restrict(self.full, plan.keys) if plan.partial else self.full
+        #: a fused kernel that computes and writes piece by piece (``kernel.pieces``) and
+        #: this step's checked hyperparameter values, where the group runs one
+        self.kernel: Any = None
+        self.vals: dict = {}
 
-    def compute(self, positions: tuple | None = None, state: Any = None) -> tuple[list, Any]:
+    def compute(self, positions: tuple | None = None, state: Any = None) -> tuple[Any, Any]:
         """The updates and new state of the group (or of the parameters at ``positions``
-        of its present ones, from ``state``): nothing is written."""
+        of its present ones, from ``state``): nothing is written. With a piecewise
+        kernel: what its ``write`` takes, and the state it writes."""
         g, w = self.plan, self.work
         if positions is None:
             keys, grads, params, state = g.keys, w.grads, w.params, self.state
         else:
             keys = tuple([g.keys[j] for j in positions])
             grads, params = [w.grads[j] for j in positions], [w.params[j] for j in positions]
+        if self.kernel is not None:
+            return self.kernel.compute(keys, grads, params, state, self.vals, self.extra), state
         upd, new = g.transform.update(build(keys, grads), state, build(keys, params), **self.extra)
         return _updates(upd, keys, params), new
+
+    def write(self, old: Any, new: Any, params: list[torch.Tensor], us: Any, positions: tuple | None = None) -> Any:
+        """Write what :meth:`compute` gave (into ``old``'s buffers and ``params``); return
+        the state that holds it."""
+        if self.kernel is not None:
+            keys = self.plan.keys if positions is None else tuple([self.plan.keys[j] for j in positions])
+            return self.kernel.write(old, us, params, keys, self.vals)
+        return commit(old, new, params, us)
 
     def finish(self, kept: Any) -> None:
         """The group's state after the step: ``kept`` (of the present parameters) in it."""
@@ -243,8 +258,11 @@ class Runner:
             k = x.plan.kernel
             if k is not None and x.plan.path == "fused":
                 if k.ready(x.state, x.work.params, x.work.grads, x.plan.keys) is None:
-                    fused.append((x, k.check(x.rec.factory, x.work.hp, x.state)))
-                    continue
+                    vals = k.check(x.rec.factory, x.work.hp, x.state)
+                    if not getattr(k, "pieces", False):
+                        fused.append((x, vals))
+                        continue
+                    x.kernel, x.vals = k, vals  # computed and written below, as an eager group
             if x.plan.pieces is None:
                 results[x.plan.index] = x.compute()
             else:
@@ -268,7 +286,7 @@ class Runner:
             if x.plan.pieces is None and x.plan.index in results:
                 us, new = results.pop(x.plan.index)
                 with torch.no_grad():
-                    x.finish(commit(x.state, new, x.work.params, us))
+                    x.finish(x.write(x.state, new, x.work.params, us))
                 del us, new
                 written.append((x, range(len(x.plan.keys))))
         for x in eager:
@@ -355,7 +373,7 @@ class Runner:
                 except Exception as e:
                     self._partial(x, subs, kept, n, written, e)
                 with torch.no_grad():
-                    kept.append(commit(subs[n], new, params, us))
+                    kept.append(x.write(subs[n], new, params, us, pc))
                 del us, new
                 written.append((x, pc))
         x.finish(_merged(x.state, kept))

@@ -1,0 +1,168 @@
+"""Muon's elementwise links in the fewest passes: a rule of the plan, like the fused AdamW.
+
+A group built with :func:`muonfx.muon` (``TransformOptimizer(params, mfx.muon)``, the
+Muon groups of :class:`muonfx.MuonOptimizer` and :func:`muonfx.create_hybrid_optimizer`)
+with plain numbers for ``lr``, ``momentum``, ``weight_decay`` and ``eps``, no ``mu_dtype``
+and no ``dims``, on plain tensors (not DTensor shards), steps as torch.optim.Muon writes
+it, per piece of the plan (:mod:`.pieces`)::
+
+    compute (nothing written)        m' = lerp(m, g, 1 - beta); u = lerp(g, m', beta)   (Nesterov; else u = m')
+                                     o = NS(u)                  (the group's own newton_schulz link)
+    write                            m <- lerp(m, g, 1 - beta)  (in place: the same op, the same bits as m')
+                                     W <- W * (1 - lr * wd)     (skipped where wd = 0: a product by 1)
+                                     W <- W - lr * s(A, B) * o  (one foreach add per shape scale)
+
+The chain computes ``W + (-lr * (s * o + wd * W))`` in four passes after Newton-Schulz and
+copies the new momentum into its buffer (a fifth); the lowered step makes three, writes
+the momentum in place and keeps no second momentum buffer. The momentum, the Nesterov
+input and the Newton-Schulz output are the chain's bit for bit; the parameter update is
+torch.optim.Muon's form, which rounds differently from the chain's (a few float32 ulps of
+the update: ``tests/test_fused_muon.py`` measures it). Everything a step can detect is
+detected before a write, as for the chain: hyperparameters when the step starts, each
+piece's Newton-Schulz before that piece writes.
+
+What is not lowered runs the chain: a schedule or tensor for a number, ``mu_dtype`` or
+``dims`` given, DTensor shards (the seam's exchange), a state that is not the preset's,
+gradients of another dtype than their momentum.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..._compat.dtensor import is_dtensor
+from ...core import EmptyState, build
+from ...core.cache import LRU
+from ...counts import Counts, advance, by_count
+from ...presets import muon
+from ...presets.options import MuonOptions
+from ...transforms.momentum import MomentumState
+from ...transforms.scaling import shape_factors
+from ...wrappers import hyperparam_values
+from .fused import _leaves, _number, register
+
+__all__ = ["FusedMuon"]
+
+_LINKS = ("momentum", "orthogonalize", "scale_by_shape", "weight_decay", "lr")
+_STATIC = ("ns_steps", "ns_coefficients", "eps", "ns_dtype", "ns_method")
+
+#: the Newton-Schulz links built for the lowered groups, by their options (a new lr or
+#: momentum builds nothing)
+_NS: LRU = LRU(16)
+
+
+def _ns_link(vals: dict[str, Any]):
+    """The group's ``newton_schulz`` link, as :func:`muonfx.muon` builds it."""
+    opts = {n: vals[n] for n in _STATIC if n in vals}
+    key = repr(sorted(opts.items()))
+    link = _NS.get(key)
+    if link is None:
+        link = _NS[key] = MuonOptions(**opts).orthogonalize()
+    return link
+
+
+class FusedMuon:
+    """Muon's step with its elementwise links in foreach passes, piece by piece.
+
+    ``pieces = True``: the runner calls :meth:`compute` for a piece (or the whole group)
+    before anything of it is written, then :meth:`write`; :meth:`why_not` (when the plan
+    is built) and :meth:`ready` (each step) are the rules, :meth:`check` the
+    hyperparameters' checks.
+    """
+
+    name = "Muon's elementwise links in foreach passes"
+    pieces = True
+
+    @staticmethod
+    def why_not(hp: dict[str, Any], params: list[torch.Tensor]) -> str | None:
+        """None where the lowered step computes the group's chain, else the reason."""
+        for n in ("lr", "momentum", "weight_decay", "eps"):
+            if n in hp and not _number(hp[n]):
+                return f"{n} is {'a schedule' if callable(hp[n]) else type(hp[n]).__name__}"
+        if not isinstance(hp.get("nesterov", True), bool):
+            return "nesterov is not a bool"
+        if hp.get("mu_dtype") is not None:
+            return "mu_dtype is given"
+        if hp.get("dims") is not None:
+            return "dims is given"
+        for p in params:
+            if is_dtensor(p):
+                return "DTensor parameters (the seam's exchange)"
+            if p.device.type not in ("cpu", "cuda"):
+                return f"parameters on {p.device.type}"
+        return None
+
+    @staticmethod
+    def ready(state: Any, params: list[torch.Tensor], grads: list[torch.Tensor], keys: tuple) -> str | None:
+        """None where this step's state and gradients are what the lowered step takes."""
+        hyper = getattr(state, "hyperparams", None)
+        inner = getattr(state, "inner_state", None)
+        if hyper is None or not isinstance(inner, dict) or tuple(inner) != _LINKS or \
+                not isinstance(inner["momentum"], MomentumState) or \
+                not all(type(inner[n]) is EmptyState for n in _LINKS[1:]) or \
+                not isinstance(getattr(state, "count", None), Counts):
+            return "the state is not Muon's"
+        if any([callable(v) and not isinstance(v, torch.Tensor) for v in hyper.values()]):
+            return "a schedule in the state"
+        try:
+            ms = _leaves(inner["momentum"].mu, keys)
+        except (KeyError, TypeError):
+            return "the momentum does not match the parameters"
+        for p, g, m in zip(params, grads, ms):
+            if not (g.dtype == m.dtype == p.dtype and g.device == m.device == p.device and g.layout == torch.strided
+                    and g.shape == p.shape == m.shape):
+                return "gradients or momentum differ from their parameters in dtype, device or shape"
+        return None
+
+    @staticmethod
+    def check(factory: Any, hp: dict[str, Any], state: Any) -> dict[str, Any]:
+        """The hyperparameter values of this step (the group's ``hp`` with the state's
+        injected numbers), checked by Muon's own rules (:class:`muonfx.MuonOptions`): the
+        same errors as the chain, raised before anything is written."""
+        count = state.count
+        counts = [t for t, _ in by_count(count, list(count.keys))] if isinstance(count, Counts) else [0]
+        vals = {**hp, **hyperparam_values(state.hyperparams, counts[0] if counts else 0)}
+        MuonOptions(**vals)
+        return vals
+
+    @staticmethod
+    def compute(keys: tuple, grads: list[torch.Tensor], params: list[torch.Tensor], state: Any,
+                vals: dict[str, Any], extra: dict[str, Any]) -> tuple:
+        """The Newton-Schulz outputs of these parameters (nothing written): what
+        :meth:`write` takes."""
+        beta = vals["momentum"]
+        ms = _leaves(state.inner_state["momentum"].mu, keys)
+        u = torch._foreach_lerp(ms, grads, 1.0 - beta)  # the chain's new momentum (foreach "ema")
+        if vals.get("nesterov", True):
+            u = torch._foreach_lerp(grads, u, beta)
+        upd = build(list(keys), u)
+        del u
+        out, _ = _ns_link(vals).update(upd, EmptyState(), None, **extra)
+        del upd
+        os_ = _leaves(out, keys)
+        return grads, os_, shape_factors(vals.get("adjust_lr") or "original", list(keys), os_)
+
+    @staticmethod
+    def write(state: Any, pending: tuple, params: list[torch.Tensor], keys: tuple, vals: dict[str, Any]) -> Any:
+        """Write the momentum and the parameters in place; return the new state (the same
+        buffers, the counts advanced)."""
+        grads, os_, factors = pending
+        inner = state.inner_state
+        ms = _leaves(inner["momentum"].mu, keys)
+        lr, wd = float(vals["lr"]), float(vals["weight_decay"])
+        with torch.no_grad():
+            torch._foreach_lerp_(ms, grads, 1.0 - vals["momentum"])
+            if wd != 0.0:
+                torch._foreach_mul_(params, 1.0 - lr * wd)
+            by_factor: dict[float, list[int]] = {}
+            for j, f in enumerate(factors):
+                by_factor.setdefault(f, []).append(j)
+            for f, js in by_factor.items():
+                torch._foreach_add_([params[j] for j in js], [os_[j] for j in js], alpha=-(lr * f))
+        injected = {n: vals[n] for n in state.hyperparams}
+        return state._replace(count=advance(state.count), hyperparams=injected)
+
+
+register(muon, FusedMuon)
