@@ -188,3 +188,20 @@ def test_a_dtensor_step_on_the_public_path_equals_the_private_one(mesh, monkeypa
         uninstall()
     for a, b in zip(private, public):
         _same_dtensor(a, b)
+
+
+def test_local_indices_by_split_rule_and_by_fallback(mesh, monkeypatch):
+    """Each placement's split rule (private ``_split_tensor``) and the fallback from
+    ``local_range`` give the same rows on one rank; the 4-rank QK-clip worlds check them
+    against ``muonfx.distributed.layout`` on ``Shard``, ``_StridedShard``, uneven and empty
+    shards (``tests/qk_workers.py``)."""
+    from torch.distributed.tensor import Shard
+
+    ts = _dtensors(mesh, 3)
+    want = [torch.arange(6), torch.arange(4)]
+    for t in ts:
+        for d in (0, 1):
+            assert torch.equal(dt_compat.local_indices(t, d), want[d])
+    assert torch.equal(dt_compat.local_indices(torch.zeros(5, 2), 0), torch.arange(5))
+    monkeypatch.delattr(Shard, "_split_tensor")
+    assert torch.equal(dt_compat.local_indices(ts[0], 0), torch.arange(6))

@@ -333,6 +333,15 @@ def test_option_errors_change_nothing():
         opt.step()
     assert all(torch.equal(before[n], p) for n, p in m.named_parameters())
 
+    # another number of heads (a tensor-parallel rank's own heads, without tp_mesh): named
+    m.recorder = rec
+    rec.reset()
+    rec.record_max("attn", torch.tensor([1.0]))
+    with pytest.raises(ValueError, match=r"layer 'attn' recorded a number of heads other than 2: under tensor "
+                                         r"parallelism.*tp_mesh=mesh\['tp'\]"):
+        opt.step()
+    assert all(torch.equal(before[n], p) for n, p in m.named_parameters())
+
 
 def test_a_skipped_step_resets_the_recorder_and_clips_nothing_at_inf():
     m, rec = _recording()

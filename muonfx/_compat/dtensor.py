@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 
 __all__ = ["dtensor_class", "is_dtensor", "local", "shards", "storages", "meshes_and_placements", "rewrap_all",
-           "dtensor_stack_views", "unstack_like", "local_range", "PRIVATE_LAYOUT", "CHECKED_AGAINST"]
+           "dtensor_stack_views", "unstack_like", "local_range", "local_indices", "PRIVATE_LAYOUT", "CHECKED_AGAINST"]
 
 #: the torch versions whose DTensor layout this module was checked against
 CHECKED_AGAINST = ("2.13.0",)
@@ -263,3 +263,49 @@ def local_range(t: Any, dim: int) -> tuple[int, int] | None:
                 lo = min(coord[mesh_dim] * chunk, length)
                 start, length = start + lo, min(chunk, length - lo)
         return start, length
+
+
+def local_indices(t: Any, dim: int) -> torch.Tensor:
+    """The indices along ``dim`` of the whole tensor that a DTensor's local shard holds, in
+    the order it holds them (an ``int64`` tensor on the CPU): one range for ``Shard``,
+    ``Replicate``, uneven and empty shards, several for a ``_StridedShard`` of ``dim``
+    (what ``fully_shard`` puts on top of a tensor-parallel ``Shard``). A plain tensor holds
+    ``arange(size)``.
+
+    Read with each placement's own split rule (``_split_tensor``, private) applied to the
+    indices in mesh-dim order, as DTensor cuts the tensor itself; where that is missing,
+    ``Shard``'s split from :func:`local_range` (a ``_StridedShard`` then raises).
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx._compat.dtensor import local_indices
+        >>> local_indices(torch.zeros(3, 4), 0).tolist()
+        [0, 1, 2]
+    """
+    size = t.shape[dim]
+    if not is_dtensor(t):
+        return torch.arange(size)
+    dim = dim % t.ndim
+    cuts = [(md, pl) for md, pl in enumerate(t.placements)
+            if getattr(pl, "dim", None) == dim and (type(pl).__name__ == "_StridedShard" or pl.is_shard())]
+    if not cuts:
+        return torch.arange(size)
+    try:
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        coord = t.device_mesh.get_coordinate()
+        idx = torch.arange(size)
+        for md, pl in cuts:  # the same cut on a 1-D index list, dim 0
+            cut = (_StridedShard(0, split_factor=pl.split_factor) if type(pl).__name__ == "_StridedShard"
+                   else Shard(0))
+            parts, _ = cut._split_tensor(idx, t.device_mesh.size(md), with_padding=False, contiguous=False)
+            idx = parts[coord[md]] if coord[md] < len(parts) else idx[:0]
+        return idx
+    except (ImportError, AttributeError, TypeError):
+        rng = local_range(t, dim)
+        if rng is None:
+            raise ValueError(f"local_indices: this torch cannot place a _StridedShard of dim {dim} "
+                             f"{tuple(t.placements)}") from None
+        return torch.arange(rng[0], rng[0] + rng[1])

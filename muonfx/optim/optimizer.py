@@ -196,7 +196,7 @@ class TransformOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.qk_clip is not None:  # the step's statistics, reduced over the data-parallel ranks
+        if self.qk_clip is not None:  # the step's statistics, reduced over the ranks
             extra_args = {**self.qk_clip.extra_args(), **extra_args}
         works = None
         if self._dtensor_ref is not None:  # ranks agree on rank-local errors before any collective

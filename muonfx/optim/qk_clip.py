@@ -26,9 +26,18 @@ class QKClip:
         layout: ``{recorder name: QKLayout}``, which weights belong to which layer's heads.
         tau: the largest logit a head may keep (100, Kimi K2).
         alpha: the share of the scaling the query rows take (0.5).
-        process_group: the data-parallel ranks the statistics are reduced over by one
-            MAX all-reduce (``None``: the default group, when torch.distributed is
-            initialised; a head must live on one rank of every other dimension).
+        process_group: the ranks the statistics are reduced over by one MAX all-reduce
+            (``None``: the default group, every rank, when torch.distributed is
+            initialised). Over data-parallel ranks (FSDP2, HSDP) it takes the largest
+            logit of their batches; over tensor-parallel ranks it assembles the heads
+            (each head lives on one tp rank, the others give ``-inf`` for it); a rank that
+            recorded nothing makes every rank of the group raise the same error.
+        tp_mesh: under tensor parallelism, the 1-D mesh (``mesh["tp"]``) or process
+            group whose ranks split the heads (``ColwiseParallel`` q/k projections): a
+            rank records its own ``heads // tp`` heads, which are global heads
+            ``[r * heads // tp, (r + 1) * heads // tp)`` on tp rank ``r`` (grouped-query
+            attention: ``kv_heads // tp`` key heads each). ``None``: every rank records
+            every head.
 
     The optimizer appends ``qk_clip(tau, alpha, layout)`` to the transform of every
     param group holding a parameter of the layout (the AdamW group of a hybrid optimizer
@@ -60,6 +69,7 @@ class QKClip:
     tau: float = 100.0
     alpha: float = 0.5
     process_group: Any = None
+    tp_mesh: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.recorder, QKLogitRecorder):
@@ -88,41 +98,97 @@ class QKClip:
             raise ValueError(f"qk_clip: the layout names parameters the optimizer does not hold: {missing} "
                              "(names as model.named_parameters() gives them)")
 
+    def _tp(self) -> tuple[int, int]:
+        """``(size, this rank's index)`` of :attr:`tp_mesh` (``(1, 0)`` without one)."""
+        tp = self.tp_mesh
+        if tp is None:
+            return 1, 0
+        if hasattr(tp, "get_local_rank"):  # a DeviceMesh
+            if tp.ndim != 1:
+                raise ValueError(f"QKClip: tp_mesh must be a 1-D mesh (mesh['tp']), got a {tp.ndim}-D one")
+            return tp.size(), tp.get_local_rank()
+        dist = torch.distributed
+        return dist.get_world_size(tp), dist.get_rank(tp)
+
     def statistics(self) -> dict[str, torch.Tensor]:
-        """The step's ``{layer: per-head max logit}``, reduced over the data-parallel
-        ranks (one MAX all-reduce of all layers packed); ``ValueError`` (on every rank)
-        naming the layers with nothing recorded."""
+        """The step's ``{layer: per-head max logit}`` over every head of the layer, reduced
+        over :attr:`process_group` (one MAX all-reduce of all layers packed).
+
+        A layer's recording holds every head (``[heads]``), or with :attr:`tp_mesh` this
+        tensor-parallel rank's own heads (``[heads // tp]``), which are global heads
+        ``[r * heads // tp, (r + 1) * heads // tp)`` on tp rank ``r``: placed there, with
+        ``-inf`` for the other ranks' heads, so that the MAX over the ranks takes the
+        largest logit of every head over the data-parallel ranks and assembles the heads
+        over the tensor-parallel ones. A layer recorded on no rank, on some ranks only, or
+        with another number of heads raises ``ValueError`` on every rank, with the same
+        message naming the layers and the ranks (one more small all-reduce, on the error
+        path only)."""
         got = self.recorder.maxima()
         names = sorted(self.layout)
-        parts, device = [], None
+        tp, tp_rank = self._tp()
+        device = next((s.device for s in got.values()), torch.device("cpu"))
+        parts, codes = [], []
         for n in names:
-            s = got.get(n)
-            device = device or (s.device if s is not None else None)
-        device = device or torch.device("cpu")
-        for n in names:
-            s = got.get(n)
-            heads = self.layout[n].heads
-            missing = s is None or s.shape != (heads,) or bool(torch.isneginf(s).all())
-            vals = torch.full((heads,), float("-inf"), device=device) if missing else s.to(device, torch.float32)
-            parts.append(torch.cat([vals, torch.tensor([1.0 if missing else 0.0], device=device)]))
+            s, heads = got.get(n), self.layout[n].heads
+            vals = torch.full((heads,), float("-inf"), device=device)
+            if s is None or s.ndim != 1 or bool(torch.isneginf(s).all()):
+                code = 1  # nothing recorded since the last step
+            elif s.shape[0] == heads:
+                code, vals = 0, s.to(device, torch.float32)
+            elif tp > 1 and heads % tp == 0 and s.shape[0] == heads // tp:
+                code, per = 0, heads // tp
+                vals[tp_rank * per:(tp_rank + 1) * per] = s.to(device, torch.float32)
+            else:
+                code = 2  # another number of heads
+            codes.append(code)
+            parts.append(torch.cat([vals, torch.tensor([float(code > 0)], device=device)]))
         packed = torch.cat(parts)
         dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
+        spread = dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1
+        if spread:
             if dist.get_backend(self.process_group) == "nccl" and packed.device.type != "cuda":
                 packed = packed.cuda()
             dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.process_group)
-        out, at, missing_layers = {}, 0, []
-        for n in names:
+        out, at, bad = {}, 0, []
+        for i, n in enumerate(names):
             heads = self.layout[n].heads
             out[n] = packed[at:at + heads].to(device)
             if packed[at + heads] > 0:
-                missing_layers.append(n)
+                bad.append(i)
             at += heads + 1
-        if missing_layers:
-            raise ValueError(f"qk_clip: no attention logits recorded this step for {missing_layers} (on some rank): "
-                             "the model must call recorder.record(name, q, k) (or record_max) in each of these "
-                             "layers' forward passes before step()")
+        if bad:
+            raise ValueError(self._bad_message(names, bad, codes, spread, tp, packed.device))
         return out
+
+    def _bad_message(self, names: list[str], bad: list[int], codes: list[int], spread: bool, tp: int,
+                     device: torch.device) -> str:
+        """The same message on every rank: which layers recorded nothing, or another number
+        of heads, on which ranks."""
+        if spread:  # which ranks: one all-reduce of a ranks x (2 flags per layer) table
+            from ..distributed.agree import who_has
+
+            table = who_has([codes[i] == 1 for i in bad] + [codes[i] == 2 for i in bad], self.process_group, device)
+            lack, wrong = table[:len(bad)], table[len(bad):]
+        else:
+            lack = [([0], []) if codes[i] == 1 else ([], [0]) for i in bad]
+            wrong = [([0], []) if codes[i] == 2 else ([], [0]) for i in bad]
+        msg = []
+        lacking = [(names[i], on, has) for i, (on, has) in zip(bad, lack) if on]
+        if lacking:
+            where = "; ".join(f"{n!r} on rank(s) {on}, recorded on rank(s) {has}" for n, on, has in lacking)
+            msg.append(f"no attention logits recorded this step for {[n for n, _, _ in lacking]}"
+                       f"{f' ({where})' if spread else ''}: the model must call recorder.record(name, q, k) (or "
+                       "record_max) in each of these layers' forward passes before step(), on every rank")
+        for i, (on, _) in zip(bad, wrong):
+            if on:
+                heads = self.layout[names[i]].heads
+                want = f"{heads}" + (f" (or {heads // tp}, this tensor-parallel rank's own heads of tp_mesh)"
+                                     if tp > 1 and heads % tp == 0 else "")
+                hint = ("" if tp > 1 else ": under tensor parallelism, where each rank computes attention for its "
+                        "own heads, pass QKClip(..., tp_mesh=mesh['tp'])")
+                msg.append(f"layer {names[i]!r} recorded a number of heads other than {want}"
+                           f"{f' on rank(s) {on}' if spread else ''}{hint}")
+        return "qk_clip: " + "; ".join(msg) + ". No parameter changed."
 
     def extra_args(self) -> dict[str, Any]:
         """The step's extra arguments: ``{"qk_logit_max": self.statistics()}``."""

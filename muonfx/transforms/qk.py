@@ -14,7 +14,7 @@ from typing import Mapping
 
 import torch
 
-from .._compat.dtensor import is_dtensor, local, local_range, rewrap_all
+from .._compat.dtensor import is_dtensor, local, local_indices, rewrap_all
 from ..core import EmptyState, GradientTransformation, Key, LeafwiseTransformation, aligned, build, key_str, leaves
 from ..hyperparams import check
 
@@ -167,10 +167,11 @@ def qk_clip(tau: float = 100.0, alpha: float = 0.5, layout: Mapping[str, QKLayou
 
     Put it last in the chain (it needs the final update) and pass ``params``. A group
     holding only some of a layer's parameters (biases in an AdamW group) scales those it
-    holds. On DTensor shards (FSDP2 ``Shard(0)``, tensor parallel, uneven and empty
-    shards) each rank scales the rows it holds, no communication; the statistics must be
-    the same on every rank (:class:`muonfx.QKClip` reduces them over the data-parallel
-    ranks). A ``_StridedShard`` of the row dim is refused.
+    holds. On DTensor shards (FSDP2 and HSDP ``Shard(0)``, tensor parallel, FSDP2 + TP's
+    ``_StridedShard(0), Shard(0)``, uneven and empty shards) each rank scales the rows it
+    holds, no communication; the statistics of the heads whose rows a rank holds must be
+    the same on every rank that holds them (:class:`muonfx.QKClip` reduces them over the
+    ranks in one all-reduce).
 
     Example::
 
@@ -247,13 +248,12 @@ def _clip_rows(name: str, lay: QKLayout, u: torch.Tensor, w: torch.Tensor, qf: t
                          f"{'1-D bias' if is_bias else '2-D weight'}")
     rows_dim = 0 if is_bias or not lay.transposed else 1
     f = lay.row_factors(name, qf, kf, u.shape[rows_dim])
-    if is_dtensor(u):  # a shard (FSDP2, tensor parallel): the factors of the rows it holds
-        rows = local_range(u, rows_dim)
-        if rows is None or local_range(w, rows_dim) != rows:
-            raise ValueError(f"qk_clip: parameter {name!r} is sharded {tuple(u.placements)}: its local rows are not "
-                             "one range of the weight's rows (a _StridedShard of the row dim), which qk_clip does "
-                             "not take")
-        out = _scale_rows(local(u), local(w), f[rows[0]:rows[0] + rows[1]], is_bias, rows_dim)
+    if is_dtensor(u):  # a shard (FSDP2, HSDP, tensor parallel, both): the factors of the rows it holds
+        rows = local_indices(u, rows_dim)
+        if not torch.equal(rows, local_indices(w, rows_dim)):
+            raise ValueError(f"qk_clip: parameter {name!r}: the update is sharded {tuple(u.placements)} and the "
+                             f"parameter {tuple(w.placements)}; their local rows differ")
+        out = _scale_rows(local(u), local(w), f[rows.to(f.device)], is_bias, rows_dim)
         return rewrap_all([out], [u])[0]
     return _scale_rows(u, w, f, is_bias, rows_dim)
 
