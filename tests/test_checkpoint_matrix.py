@@ -1,0 +1,158 @@
+"""Checkpoints across layouts: saved under FSDP2 at 4 ranks, continued under FSDP2 at 2
+ranks, one plain process, HSDP 2 x 2 and FSDP2 + TP (dp 2 x tp 2), and back.
+
+The model, the optimizer (:func:`muonfx.create_hybrid_optimizer`: Muon on the
+matrices, AdamW on the biases, norms and head) and the data stream (seeded per step) are
+the same in every layout (``tests/ckpt_matrix_workers.py``). The uninterrupted run is
+FSDP2 at 4 ranks for :data:`~ckpt_matrix_workers.STEPS` steps (and it is compared with
+one process). Then:
+
+* **from FSDP2 W=4**: a run of 3 steps under FSDP2 at 4 ranks saves a checkpoint
+  (``torch.distributed.checkpoint`` with ``get_state_dict`` / ``set_state_dict``, as
+  ``docs/fsdp.md`` documents); each other layout loads it into a freshly built model
+  and optimizer (another initialisation), which must then hold exactly the saved
+  parameters and optimizer state (``torch.equal`` on the full tensors), every state
+  tensor a DTensor with its parameter's placements and local shape (a plain tensor in
+  the plain process), and every step count 3;
+* **back to FSDP2 W=4**: each of those runs saves its own checkpoint after one more step
+  (counts 4), and FSDP2 at 4 ranks loads it, with the same checks;
+* every run continues to step 6 and must end within :data:`TOL` (relative, per parameter,
+  on the gathered full tensors) of the uninterrupted run, with every count 6.
+
+The runs are in float64 (Newton-Schulz included): in float32 the layouts' own reduction
+orders (FSDP2's chunked gradient sums, tensor parallelism's partial products), amplified
+by Newton-Schulz, already differ by up to 7e-7 after 8 steps with no checkpoint at all
+(``docs/fsdp.md``), so a 1e-6 tolerance would measure the layouts rather than the
+checkpoint. In float64 that floor is about 1e-15, and a checkpoint that lost or misplaced
+anything (a shard of a moment in the wrong rows, a count reset) misses by orders of
+magnitude. Measured (this CPU, torch 2.13): every pair within 6e-16 of the uninterrupted
+run, the uninterrupted W=4 run 1.5e-15 from one process.
+
+Three launches: a 4-rank world (the uninterrupted run, the W=4 save, the HSDP and
+FSDP2 + TP continuations and their way back), a 2-rank world (FSDP2 W=2), the plain runs
+in this process, and a second 4-rank world (back from W=2 and from the plain process).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ckpt_matrix_workers as cw  # noqa: E402
+from dist_harness import run_world  # noqa: E402
+from fsdp_workers import rel_errors  # noqa: E402
+from helpers import one_intra_op_thread  # noqa: E402,F401
+
+pytestmark = pytest.mark.slow
+
+#: relative difference allowed from the uninterrupted run (measured: under 1e-15)
+TOL = 1e-6
+WORLD_TIMEOUT_S = 300  # the harness's hang guard for a whole world
+TARGETS = ("fsdp2", "plain", "hsdp", "fsdp_tp")
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory) -> dict:
+    """Every run of the matrix: ``{"ref", "ref_plain", "save", "<target>", "back_<target>"}``,
+    each :func:`ckpt_matrix_workers.run`'s result (rank 0's for the worlds)."""
+    root = tmp_path_factory.mktemp("ckpt_matrix")
+    w4 = str(root / "fsdp4")
+
+    def onward(layout: str) -> tuple[str, dict]:
+        return layout, dict(layout=layout, load_from=w4, start=cw.SAVE_AT, save_to=str(root / layout),
+                            save_at=cw.BACK_AT)
+
+    def back(layout: str) -> tuple[str, dict]:
+        return f"back_{layout}", dict(layout="fsdp4", load_from=str(root / layout), start=cw.BACK_AT)
+
+    out: dict = {}
+    jobs = [("ref", dict(layout="fsdp4")), ("save", dict(layout="fsdp4", save_to=w4, save_at=cw.SAVE_AT)),
+            onward("hsdp"), onward("fsdp_tp"), back("hsdp"), back("fsdp_tp")]
+    res = run_world(cw.world_main, 4, jobs, timeout=WORLD_TIMEOUT_S)
+    out.update({name: res[0][name] for name, _ in jobs})
+    out["ranks"] = {name: [r[name] for r in res] for name in ("ref",)}
+    res = run_world(cw.world_main, 2, [onward("fsdp2")], timeout=WORLD_TIMEOUT_S)
+    out["fsdp2"] = res[0]["fsdp2"]
+    with torch.random.fork_rng(devices=[]):
+        out["ref_plain"] = cw.run("plain")
+        out["plain"] = cw.run(**onward("plain")[1])
+    jobs = [back("fsdp2"), back("plain")]
+    res = run_world(cw.world_main, 4, jobs, timeout=WORLD_TIMEOUT_S)
+    out.update({name: res[0][name] for name, _ in jobs})
+    return out
+
+
+def _worst(ref: dict, got: dict) -> tuple[str, float]:
+    errs = rel_errors(ref, got)
+    name = max(errs, key=errs.get)
+    return name, errs[name]
+
+
+def _assert_equal(a: dict, b: dict, what: str) -> None:
+    assert set(a) == set(b), (what, sorted(set(a) ^ set(b)))
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert isinstance(b[k], torch.Tensor) and a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (what, k)
+        else:
+            assert a[k] == b[k], (what, k, a[k], b[k])
+
+
+def _assert_counts(counts: dict, params: dict, n: int, what: str) -> None:
+    """Every parameter has a step count and every count is ``n``."""
+    assert {k.split(":")[0] for k in counts} == set(params), (what, sorted(counts))
+    assert all(c == n for c in counts.values()), (what, n, counts)
+
+
+def _assert_loaded(run: dict, saved: dict, n: int, what: str) -> None:
+    loaded = run["loaded"]
+    _assert_equal(loaded["params"], saved["params"], f"{what}: parameters after the load")
+    _assert_equal(loaded["state"], saved["state"], f"{what}: optimizer state after the load")
+    _assert_counts(loaded["counts"], loaded["params"], n, f"{what}: counts after the load")
+    assert loaded["layout"] and all(loaded["layout"].values()), (what, loaded["layout"])
+
+
+def test_uninterrupted_runs_agree(matrix):
+    """The reference: FSDP2 at 4 ranks, 6 steps; one process ends where it does, every
+    rank gathers the same parameters, and saving a checkpoint changes nothing."""
+    ref = matrix["ref"]["final"]
+    name, err = _worst(ref["params"], matrix["ref_plain"]["final"]["params"])
+    print(f"uninterrupted FSDP2 W=4 vs one process: {err:.1e} ({name})")
+    assert err < TOL, (name, err)
+    _assert_counts(ref["counts"], ref["params"], cw.STEPS, "uninterrupted")
+    for r, other in enumerate(matrix["ranks"]["ref"]):
+        _assert_equal(other["final"]["params"], ref["params"], f"rank {r}'s gathered parameters")
+    _assert_equal(matrix["save"]["final"]["params"], ref["params"], "the run that saved at step 3")
+    _assert_counts(matrix["save"]["saved"]["counts"], ref["params"], cw.SAVE_AT, "the W=4 save")
+    moved = _worst(ref["params"], matrix["save"]["saved"]["params"])[1]
+    assert moved > 1e-3, moved  # steps 4-6 move every parameter: the comparison means something
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_from_fsdp2_w4(matrix, target):
+    """Saved under FSDP2 W=4 at step 3, loaded under ``target``, continued to step 6."""
+    run = matrix[target]
+    _assert_loaded(run, matrix["save"]["saved"], cw.SAVE_AT, f"W=4 -> {target}")
+    name, err = _worst(matrix["ref"]["final"]["params"], run["final"]["params"])
+    print(f"fsdp4 -> {target}: {err:.1e} ({name})")
+    assert err < TOL, (target, name, err)
+    _assert_counts(run["final"]["counts"], run["final"]["params"], cw.STEPS, f"W=4 -> {target} at the end")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_back_to_fsdp2_w4(matrix, target):
+    """Saved under ``target`` at step 4 (after the load above and one step), loaded under
+    FSDP2 W=4, continued to step 6."""
+    saved = matrix[target]["saved"]
+    _assert_counts(saved["counts"], saved["params"], cw.BACK_AT, f"the {target} save")
+    run = matrix[f"back_{target}"]
+    _assert_loaded(run, saved, cw.BACK_AT, f"{target} -> W=4")
+    name, err = _worst(matrix["ref"]["final"]["params"], run["final"]["params"])
+    print(f"{target} -> fsdp4: {err:.1e} ({name})")
+    assert err < TOL, (target, name, err)
+    _assert_counts(run["final"]["counts"], run["final"]["params"], cw.STEPS, f"{target} -> W=4 at the end")
