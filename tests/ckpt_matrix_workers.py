@@ -19,8 +19,12 @@ Layouts (:data:`LAYOUTS`): ``fsdp4`` (FSDP2 over 4 ranks), ``fsdp2`` (FSDP2 over
 ``plain`` (one process, no DTensor), ``hsdp`` (a 2 x 2 replicate x shard mesh),
 ``fsdp_tp`` (tensor parallel inside, FSDP2 across: dp 2 x tp 2).
 
-A checkpoint is saved and loaded the documented way (``docs/fsdp.md``):
-``torch.distributed.checkpoint`` with ``get_state_dict`` / ``set_state_dict``.
+A checkpoint is saved and loaded the documented ways (``docs/fsdp.md``): sharded, with
+``torch.distributed.checkpoint`` and ``get_state_dict`` / ``set_state_dict``
+(:func:`save`, :func:`load`); or whole, ``get_state_dict(..., full_state_dict=True,
+cpu_offload=True)`` written by rank 0 with ``torch.save`` and read by every rank with
+``torch.load(weights_only=True)`` into ``set_state_dict(..., full_state_dict=True)``
+(:func:`save_full`, :func:`load_full`).
 """
 
 from __future__ import annotations
@@ -150,38 +154,60 @@ def load(model, opt, path: str, no_dist: bool = False) -> None:
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def run(layout: str, *, load_from: str | None = None, start: int = 0, save_to: str | None = None,
-        save_at: int | None = None, stop: int = STEPS) -> dict:
+def save_full(model, opt, path: str, no_dist: bool = False) -> None:
+    """The whole model and optimizer state in one file, written by rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    # cpu_offload=True: the full tensors on rank 0 only (it needs a process group)
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=not no_dist))
+    if no_dist or dist.get_rank() == 0:
+        torch.save({"model": msd, "optim": osd}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    if not no_dist:
+        dist.barrier()
+
+
+def load_full(model, opt, path: str, no_dist: bool = False) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    state = torch.load(path, weights_only=True)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def run(layout: str, *, load_from: str | None = None, load_whole: bool = False, start: int = 0,
+        save_to: str | None = None, save_whole_to: str | None = None, save_at: int | None = None,
+        stop: int = STEPS) -> dict:
     """Build ``layout`` (from another seed when it loads: the load must overwrite
-    everything), load ``load_from`` (a checkpoint of step ``start``), train to ``save_at``
-    and save ``save_to``, train on to ``stop``. Returns full tensors and counts:
-    ``loaded`` (params, state, counts and whether the state has the parameters' layout,
-    right after the load), ``saved`` (params, state, counts at the save) and ``final``
-    (params and counts at ``stop``)."""
+    everything), load ``load_from`` (a checkpoint of step ``start``: sharded, or a full
+    state dict's file with ``load_whole``), train to ``save_at`` and save ``save_to``
+    (sharded) and ``save_whole_to`` (a full state dict), train on to ``stop``. Returns
+    full tensors and counts: ``loaded`` (params, state, counts and whether the state has
+    the parameters' layout, right after the load), ``saved`` (params, state, counts at the
+    save) and ``final`` (params and counts at ``stop``)."""
     no_dist = layout == "plain"
     model, part, parts = build(layout, seed=123 if load_from else 0)
     opt = make_opt(model)
     out: dict = {}
     step = 0
     if load_from is not None:
-        if no_dist:
-            with warnings.catch_warnings():
+        with warnings.catch_warnings():
+            if no_dist:
                 warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
-                load(model, opt, load_from, no_dist=True)
-        else:
-            load(model, opt, load_from)
+            (load_full if load_whole else load)(model, opt, load_from, no_dist=no_dist)
         step = start
         out["loaded"] = {"params": full_params(model), "state": opt_state(model, opt),
                          "counts": counts(model, opt), "layout": state_layout(model, opt)}
-    if save_to is not None:
+    if save_to is not None or save_whole_to is not None:
         train(model, opt, range(step, save_at), part, parts)
         step = save_at
-        if no_dist:
-            with warnings.catch_warnings():
+        with warnings.catch_warnings():
+            if no_dist:
                 warnings.simplefilter("ignore")
-                save(model, opt, save_to, no_dist=True)
-        else:
-            save(model, opt, save_to)
+            if save_to is not None:
+                save(model, opt, save_to, no_dist=no_dist)
+            if save_whole_to is not None:
+                save_full(model, opt, save_whole_to, no_dist=no_dist)
         out["saved"] = {"params": full_params(model), "state": opt_state(model, opt), "counts": counts(model, opt)}
     train(model, opt, range(step, stop), part, parts)
     out["final"] = {"params": full_params(model), "counts": counts(model, opt)}
