@@ -8,7 +8,8 @@ refusal of mismatched state dicts, and torch.distributed.checkpoint's helpers.
   with readable names (``"momentum.mu"``, ``"adam.nu"``);
 * a state dict of another transform or another model is refused with a ``ValueError``
   that says what does not match, and the optimizer and parameters are left untouched;
-* ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` round-trip on one process;
+* ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` round-trip on one process,
+  and ``get_state_dict`` / ``set_state_dict`` with full and CPU-offloaded state dicts;
 * the step torch.distributed.checkpoint uses to initialise state (zero grads, lr 0)
   changes no parameter, weight decay included.
 """
@@ -274,15 +275,48 @@ def test_state_dict_is_a_view_of_the_live_state():
 
 
 def test_state_dict_with_bf16_ns_dtype_loads_weights_only():
-    """A torch.dtype hyperparameter (ns_dtype) survives weights_only loading."""
+    """A torch.dtype hyperparameter (ns_dtype) is saved by its name and survives
+    weights_only loading; a state dict holding the dtype itself (earlier releases) loads too."""
     model = make_model(0)
     opt = mfx.create_hybrid_optimizer(model, ns_dtype=torch.bfloat16)
     train(model, opt, cosine(opt), range(1))
     sd = roundtrip(opt.state_dict())
-    assert sd["param_groups"][0]["ns_dtype"] is torch.bfloat16
-    opt2 = mfx.create_hybrid_optimizer(make_model(1), ns_dtype=torch.bfloat16)
-    opt2.load_state_dict(sd)
-    assert_same_state_dict(opt2.state_dict(), opt.state_dict())
+    assert sd["param_groups"][0]["ns_dtype"] == "torch.bfloat16"
+    assert opt.param_groups[0]["ns_dtype"] is torch.bfloat16  # the live group keeps the dtype
+    for saved in (sd, {**sd, "param_groups": [{**sd["param_groups"][0], "ns_dtype": torch.bfloat16},
+                                              *sd["param_groups"][1:]]}):
+        opt2 = mfx.create_hybrid_optimizer(make_model(1), ns_dtype=torch.float32)
+        opt2.load_state_dict(saved)
+        assert opt2.param_groups[0]["ns_dtype"] is torch.bfloat16
+        assert_same_state_dict(opt2.state_dict(), opt.state_dict())
+
+
+@pytest.mark.parametrize("option", ["full_state_dict", "cpu_offload"])
+def test_full_and_offloaded_state_dicts_with_a_dtype_hyperparameter(option):
+    """torch's ``get_state_dict`` with ``full_state_dict=True`` or ``cpu_offload=True``
+    takes only tensors, numbers, strings and None: a dtype hyperparameter (ns_dtype) goes
+    through as its name, and ``set_state_dict`` restores the dtype and the state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    options = StateDictOptions(**{option: True})
+    model = make_model(0)
+    opt = mfx.create_hybrid_optimizer(model, ns_dtype=torch.float32)
+    train(model, opt, cosine(opt), range(2))
+    msd, osd = get_state_dict(model, opt, options=options)
+    assert osd["param_groups"][0]["ns_dtype"] == "torch.float32"
+    fresh = make_model(1)
+    fresh_opt = mfx.create_hybrid_optimizer(fresh, ns_dtype=torch.bfloat16)
+    cosine(fresh_opt)  # built before the load, as in training (it adds "initial_lr" to the groups)
+    set_state_dict(fresh, fresh_opt, model_state_dict=roundtrip(msd), optim_state_dict=roundtrip(osd),
+                   options=options)
+    assert fresh_opt.param_groups[0]["ns_dtype"] is torch.float32
+
+    def tuples(sd):  # torch's full state dict hands tuples (betas) back as lists
+        return {**sd, "param_groups": [{k: tuple(v) if isinstance(v, list) and k != "param_names" else v
+                                        for k, v in g.items()} for g in sd["param_groups"]]}
+
+    assert_same_state_dict(tuples(fresh_opt.state_dict()), tuples(opt.state_dict()))
+    assert_params_equal(params_of(fresh), params_of(model))
 
 
 # ---------------------------------------------------------------------------

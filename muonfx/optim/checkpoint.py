@@ -3,6 +3,10 @@
 ``state_dict()["state"][index]`` holds each parameter's slice of its group's
 transform state, flattened to names like ``"momentum.mu"``, ``"adam.nu"``, ``"count"``
 (see :mod:`muonfx.optim.checkpoint_names`); it loads with ``torch.load(..., weights_only=True)``.
+A dtype among the group entries (``ns_dtype``, ``mu_dtype``) is saved by its name
+(``"torch.bfloat16"``), since torch's state-dict utilities (``get_state_dict`` with
+``full_state_dict=True`` or ``cpu_offload=True``) take only tensors, numbers, strings and
+None, and read back as the dtype (a checkpoint holding the dtype itself loads too).
 Loading checks everything first and changes nothing unless all of it fits.
 """
 
@@ -20,7 +24,7 @@ from ..wrappers import hyperparam_values, signature
 from .checkpoint_names import flatten_per_param, unflatten_per_param
 from .groups import GroupRecord, serialisable, static_key
 
-__all__ = ["torch_state", "param_groups_for_saving", "load"]
+__all__ = ["torch_state", "param_groups_for_saving", "saved_dtype", "load"]
 
 
 def torch_state(records: list[GroupRecord], param_groups: list[dict]) -> dict[torch.Tensor, dict[str, Any]]:
@@ -34,8 +38,32 @@ def torch_state(records: list[GroupRecord], param_groups: list[dict]) -> dict[to
 
 
 def param_groups_for_saving(groups: list[dict]) -> list[dict]:
-    """Group entries that ``weights_only=True`` can load (a schedule function is left out)."""
-    return [{k: v for k, v in g.items() if serialisable(v)} for g in groups]
+    """Group entries that ``weights_only=True`` can load (a schedule function is left out),
+    a dtype by its name (see the module's doc).
+
+    Example::
+
+        >>> param_groups_for_saving([{"lr": 0.02, "ns_dtype": torch.bfloat16, "schedule": abs}])
+        [{'lr': 0.02, 'ns_dtype': 'torch.bfloat16'}]
+    """
+    return [{k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in g.items() if serialisable(v)}
+            for g in groups]
+
+
+def saved_dtype(value: Any) -> Any:
+    """A saved group entry as the optimizer holds it: a dtype's name (``"torch.float32"``,
+    as :func:`param_groups_for_saving` writes it) as the dtype, anything else as it is.
+
+    Example::
+
+        >>> saved_dtype("torch.float32"), saved_dtype("original"), saved_dtype("torch.nn")
+        (torch.float32, 'original', 'torch.nn')
+    """
+    if isinstance(value, str) and value.startswith("torch."):
+        dtype = getattr(torch, value[len("torch."):], None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    return value
 
 
 def _check_value(gi: int, name: str, saved: Any, current: Any) -> None:
@@ -132,7 +160,8 @@ def load(records: list[GroupRecord], param_groups: list[dict], state_dict: dict[
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(param_groups):
         raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer has {len(param_groups)}")
-    saved_groups = [renamed_eps(g, signature(rec.factory).parameters) for g, rec in zip(saved_groups, records)]
+    saved_groups = [renamed_eps({k: saved_dtype(v) for k, v in g.items()}, signature(rec.factory).parameters)
+                    for g, rec in zip(saved_groups, records)]
     new_states = []
     for gi, (rec, group, saved) in enumerate(zip(records, param_groups, saved_groups)):
         ids = list(saved["params"])
