@@ -72,25 +72,45 @@ def task_dion2(rank: int, world: int, steps: int = 6, rows_per_rank: int = 4) ->
 # 4 ranks: SOAP and Dion2 on FSDP2, HSDP and FSDP2 + TP (tests/test_catalogue_fsdp.py)
 # ---------------------------------------------------------------------------
 
-#: SOAP with a basis refresh every 2 steps (at steps 2 and 4 of 6), the 1-D parameters
-#: preconditioned too (a 1-D factor through the exchange)
-SOAP_HP = dict(lr=3e-3, weight_decay=0.01, precondition_frequency=2, precondition_1d=True)
+#: SOAP with a basis refresh every 2 steps (at steps 2 and 4 of 6). Factors of 9 x 9 and
+#: less only: each is then of full rank from the first gradient (32 rows), so its
+#: eigenbasis is well defined; a factor with a null space (the long side of a rectangular
+#: gradient, a 1-D parameter's) has a basis there that rounding alone picks, and Adam's
+#: division amplifies the gradient's last-bit differences there to O(1e-2)
+SOAP_HP = dict(lr=3e-3, weight_decay=0.01, precondition_frequency=2, max_precond_dim=9)
 LAYOUTS_4 = ("fsdp", "hsdp", "fsdp_tp")
 
 
-def _res_layout_4(layout: str, world: int):
-    """A ResMLP laid out as ``layout`` on 4 ranks, and (data part, parts) of this rank."""
-    from fsdp_workers import ResMLP, _res_layout, cpu_mesh
+def _layout_4(layout: str, world: int):
+    """A ResMLP with 9 inputs laid out as ``layout`` on 4 ranks (``fsdp``: FSDP2 over the
+    4; ``hsdp``: 2 x 2 replicate x shard; ``fsdp_tp``: 2 x 2, tensor parallel inside,
+    FSDP2 across), and (data part, parts) of this rank."""
+    from fsdp_workers import ResMLP, _tp
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    if layout != "fsdp":
-        return _res_layout(layout, world)
     torch.manual_seed(0)
-    model = ResMLP(h=30)
+    model = ResMLP(d_in=9, h=30)
+    if layout == "fsdp_tp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        for b in model.blocks:
+            _tp(b, mesh["tp"])
+            fully_shard(b, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        return model, mesh["dp"].get_local_rank(), 2
+    if layout == "fsdp":
+        mesh = init_device_mesh("cpu", (world,))
+    else:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     for b in model.blocks:
-        fully_shard(b, mesh=cpu_mesh())
-    fully_shard(model, mesh=cpu_mesh())
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, torch.distributed.get_rank(), world
+
+
+def _data_4(steps: int, rows: int, seed: int = 6) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rows, 9, generator=g), torch.randn(rows, 12, generator=g)) for _ in range(steps)]
 
 
 def _soap(model):
@@ -113,23 +133,54 @@ def _torch_adamw(model):
 MAKERS_4 = {"soap": _soap, "dion2": _dion2_res, "floor": _torch_adamw}
 
 
-def task_layouts_4(rank: int, world: int, steps: int = 6, rows: int = 32) -> dict:
-    """Per layout and optimizer (``floor``: torch's AdamW, the layout's own reduction
-    order), per-parameter relative errors against one process after ``steps`` steps."""
-    from fsdp_workers import ResMLP, _res_data, _train_res
+def _train_chunked(model, opt, data, parts: int) -> None:
+    """One process, each step's gradient summed over ``parts`` chunks of the batch (as the
+    data-parallel ranks' gradients are averaged): the floor of the comparison, the
+    optimizer's answer to the gradient's last bits alone."""
+    import torch.nn.functional as F
 
-    data = _res_data(steps, rows)
+    for x, y in data:
+        for xc, yc in zip(x.chunk(parts), y.chunk(parts)):
+            (F.mse_loss(model(xc), yc) / parts).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def task_layouts_4(rank: int, world: int, steps: int = 6, rows: int = 32) -> dict:
+    """Per layout and optimizer, per-parameter relative errors against one process after
+    ``steps`` steps: ``(layout, name)`` with each rank's share of the batch, ``(layout,
+    name, "same")`` with the whole batch on every rank (the gradients are then one
+    process's where no tensor parallelism reorders sums); ``("one", name, parts)``: one
+    process with gradients summed over ``parts`` chunks (the floor); ``floor`` is torch's
+    AdamW on the layout."""
+    from fsdp_workers import ResMLP, _train_res
+
+    data = _data_4(steps, rows)
     out: dict = {}
+
+    def ref(make):
+        torch.manual_seed(0)
+        model = ResMLP(d_in=9, h=30)
+        return model, make(model)
+
+    refs = {}
+    if rank == 0:
+        for name, make in MAKERS_4.items():
+            model, opt = ref(make)
+            _train_res(model, opt, data)
+            refs[name] = full_params(model)
+            for parts in (2, 4):
+                model, opt = ref(make)
+                _train_chunked(model, opt, data, parts)
+                out["one", name, parts] = rel_errors(refs[name], full_params(model))
     for layout in LAYOUTS_4:
         for name, make in MAKERS_4.items():
-            model, part, parts = _res_layout_4(layout, world)
-            _train_res(model, make(model), data, part, parts)
-            got = full_params(model)
-            if rank == 0:
-                torch.manual_seed(0)
-                ref = ResMLP(h=30)
-                _train_res(ref, make(ref), data)
-                out[layout, name] = rel_errors(full_params(ref), got)
+            for same in (False, True) if name == "soap" else (False,):
+                model, part, parts = _layout_4(layout, world)
+                _train_res(model, make(model), data, part, 1 if same else parts)
+                got = full_params(model)
+                if rank == 0:
+                    out[(layout, name, "same") if same else (layout, name)] = rel_errors(refs[name], got)
     return out
 
 
@@ -149,23 +200,23 @@ def task_soap_checkpoint(rank: int, world: int, steps: int = 6, cut: int = 3, ro
     """SOAP under FSDP2: ``state_dict`` after ``cut`` steps, loaded into a fresh model and
     optimizer, which continue to ``steps``: against the uninterrupted run (bit for bit),
     and the state's layout (DTensors, the factors cut along their rows)."""
-    from fsdp_workers import _res_data, _train_res
+    from fsdp_workers import _train_res
 
-    data = _res_data(steps, rows)
-    model, part, parts = _res_layout_4("fsdp", world)
+    data = _data_4(steps, rows)
+    model, part, parts = _layout_4("fsdp", world)
     opt = _soap(model)
     _train_res(model, opt, data, part, parts)
     whole = full_params(model)
     whole_state = _state_full(opt)
 
-    model, part, parts = _res_layout_4("fsdp", world)
+    model, part, parts = _layout_4("fsdp", world)
     opt = _soap(model)
     _train_res(model, opt, data[:cut], part, parts)
     saved_model, saved_opt = _cloned(model.state_dict()), _cloned(opt.state_dict())
     layout = {f"{i}:{k}": (type(v).__name__, str(tuple(getattr(v, "placements", ()))), tuple(v.shape))
               for i, st in saved_opt["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor)}
     torch.manual_seed(5)
-    model, part, parts = _res_layout_4("fsdp", world)
+    model, part, parts = _layout_4("fsdp", world)
     model.load_state_dict(saved_model)
     opt = _soap(model)
     opt.load_state_dict(saved_opt)
@@ -178,5 +229,60 @@ def task_soap_checkpoint(rank: int, world: int, steps: int = 6, cut: int = 3, ro
             "layout": layout}
 
 
+#: leaf -> (shape, placements on the 2 x 2 mesh) of the functional check
+SOAP_LEAVES = {
+    "rows_cols": ((10, 6), "S0 S1"),     # cut on both dims (2-D tensor parallel style)
+    "hsdp": ((7, 5), "R S0"),            # replicate x shard, uneven rows
+    "cols": ((6, 9), "S1 R"),            # column-cut (row-wise tensor parallel)
+    "bias": ((8,), "S0 R"),              # a 1-D factor (precondition_1d)
+    "conv": ((4, 3, 2, 2), "S0 S0"),     # 4-D, merged dims, cut twice along dim 0
+    "wide": ((3, 40), "R S1"),           # 40 > max_precond_dim: a one-sided basis
+    "huge": ((30, 30), "S0 S1"),         # no factor at all: elementwise on the shards
+}
+
+
+def task_soap_functional(rank: int, world: int, steps: int = 5) -> dict:
+    """``scale_by_soap`` on DTensors of several placements against the same gradients in
+    one process, every step's update and the final state (factors, bases, moments)."""
+    from tensordict import TensorDict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import muonfx.distributed as mdist
+    from fsdp_workers import full
+
+    mdist.install()
+    mesh = init_device_mesh("cpu", (2, world // 2))
+    kinds = {"S0": Shard(0), "S1": Shard(1), "R": Replicate()}
+    g = torch.Generator().manual_seed(3)
+    grads = [{k: torch.randn(shape, generator=g) for k, (shape, _) in SOAP_LEAVES.items()} for _ in range(steps)]
+    out: dict = {}
+    for hp in (dict(precondition_frequency=2, precondition_1d=True, max_precond_dim=20, merge_dims=True),
+               dict(precondition_frequency=1, max_precond_dim=20, normalize_grads=True)):
+        tx = mfx.scale_by_soap(**hp)
+        place = {k: [kinds[p] for p in pls.split()] for k, (_, pls) in SOAP_LEAVES.items()}
+
+        def dist_td(d):
+            return TensorDict({k: distribute_tensor(v, mesh, place[k]) for k, v in d.items()}, [])
+
+        st_d, st_p = tx.init(dist_td(grads[0])), tx.init(TensorDict(dict(grads[0]), []))
+        worst = 0.0
+        for gr in grads:
+            od, st_d = tx.update(dist_td(gr), st_d)
+            op, st_p = tx.update(TensorDict(dict(gr), []), st_p)
+            for k in SOAP_LEAVES:
+                worst = max(worst, (full(od[k]) - op[k]).abs().max().item())
+        state = 0.0
+        for field in ("mu", "nu", "factors", "bases"):
+            td_d, td_p = getattr(st_d, field), getattr(st_p, field)
+            for k in td_p.keys(include_nested=True, leaves_only=True):
+                state = max(state, (full(td_d.get(k)) - td_p.get(k)).abs().max().item())
+        out[str(sorted(hp))] = {"updates": worst, "state": state,
+                                "placements": {str(k): str(tuple(st_d.factors.get(k).placements))
+                                               for k in st_d.factors.keys(include_nested=True, leaves_only=True)}}
+    return out
+
+
 def world_main_4(rank: int, world: int) -> dict:
-    return {"layouts": task_layouts_4(rank, world), "checkpoint": task_soap_checkpoint(rank, world)}
+    return {"layouts": task_layouts_4(rank, world), "checkpoint": task_soap_checkpoint(rank, world),
+            "functional": task_soap_functional(rank, world)}

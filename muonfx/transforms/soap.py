@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDict
 
 from .. import seam
-from .._compat.dtensor import dtensor_class, row_sharded_like, unstack_like
+from .._compat.dtensor import dtensor_class, dtensor_stack_views, row_sharded_like, unstack_like
 from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves, zeros_like_leaves
 from ..counts import Counts, advance, of, zeros
 from ..hyperparams import check
@@ -209,7 +209,10 @@ def _through_seam(sharded, gs, ms, vs, counts, factors, bases, leaf_step, keep, 
     for n, f_keys in sharded:
         g, ab = gs[n], _whole_view(gs[n])
         on = [f for f in f_keys if f is not None]
-        mats = [x.reshape(1, *ab) for x in (g, ms[n], vs[n])]
+        if g.ndim == 2 and not torch.is_grad_enabled():  # the shards' own views (as Newton-Schulz's)
+            mats = dtensor_stack_views([g, ms[n], vs[n]], [ab] * 3)
+        else:
+            mats = [x.reshape(1, *ab) for x in (g, ms[n], vs[n])]
         for f in on:
             mats += [factors[f].unsqueeze(0), bases[f].unsqueeze(0)]
         groups.append(mats)
