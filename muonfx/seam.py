@@ -239,7 +239,8 @@ def map_matrix_groups(fn: GroupFn, groups: Sequence[Sequence[torch.Tensor]],
         >>> def scale_by_trace(g, j, mats):          # a matrix and a factor of its own
         ...     x, f = mats
         ...     return [x / f.trace(), f]
-        >>> (x, f), = seam.map_matrix_groups(scale_by_trace, [(torch.ones(1, 2, 3), 2 * torch.eye(3)[None])])
+        >>> factor = torch.diag(torch.tensor([1.0, 1.0, 2.0]))[None]
+        >>> (x, f), = seam.map_matrix_groups(scale_by_trace, [(torch.ones(1, 2, 3), factor)])
         >>> x.flatten().tolist()
         [0.25, 0.25, 0.25, 0.25, 0.25, 0.25]
     """
