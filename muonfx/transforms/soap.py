@@ -80,8 +80,8 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | None
     moments, factors and bases meet on one owner rank through
     :func:`muonfx.seam.map_matrix_groups` (the matrix exchange Newton-Schulz takes), which
     runs the step above and sends each rank its pieces: the update is the one process's.
-    The moments are stored as the parameter is; the factors and bases as DTensors cut
-    along their rows over the ranks that share the parameter (whole on none of them).
+    The moments are stored as the parameter is; the factors and bases as DTensors on its
+    mesh, cut along their rows over every mesh dim that cuts the parameter.
 
     Example::
 
@@ -167,7 +167,7 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | None
         factors = {k: state.factors.get(k) for k in fk}
         bases = {k: state.bases.get(k) for k in fk}
         outs, new_ms, new_vs = [None] * len(keys), [None] * len(keys), [None] * len(keys)
-        sharded = []  # (leaf, factor keys, shapes): DTensor leaves with factors, through the seam
+        sharded = []  # (leaf position, factor keys): DTensor leaves with factors, through the seam
 
         def keep(n, f_keys, res):
             outs[n], new_ms[n], new_vs[n] = res[:3]
