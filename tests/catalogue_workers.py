@@ -196,11 +196,14 @@ def _cloned(tree):
     return tree_map(lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x, tree)
 
 
-def task_soap_checkpoint(rank: int, world: int, steps: int = 6, cut: int = 3, rows: int = 32) -> dict:
+def task_soap_checkpoint(rank: int, world: int, path: str, steps: int = 6, cut: int = 3, rows: int = 32) -> dict:
     """SOAP under FSDP2: ``state_dict`` after ``cut`` steps, loaded into a fresh model and
     optimizer, which continue to ``steps``: against the uninterrupted run (bit for bit),
-    and the state's layout (DTensors, the factors cut along their rows)."""
-    from fsdp_workers import _train_res
+    and the state's layout (DTensors, the factors cut along their rows); the same through
+    ``torch.distributed.checkpoint`` (saved under ``path``)."""
+    from fsdp_workers import _train_res, load_checkpoint
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     data = _data_4(steps, rows)
     model, part, parts = _layout_4("fsdp", world)
@@ -213,6 +216,8 @@ def task_soap_checkpoint(rank: int, world: int, steps: int = 6, cut: int = 3, ro
     opt = _soap(model)
     _train_res(model, opt, data[:cut], part, parts)
     saved_model, saved_opt = _cloned(model.state_dict()), _cloned(opt.state_dict())
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     layout = {f"{i}:{k}": (type(v).__name__, str(tuple(getattr(v, "placements", ()))), tuple(v.shape))
               for i, st in saved_opt["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor)}
     torch.manual_seed(5)
@@ -223,7 +228,15 @@ def task_soap_checkpoint(rank: int, world: int, steps: int = 6, cut: int = 3, ro
     _train_res(model, opt, data[cut:], part, parts)
     resumed = full_params(model)
     resumed_state = _state_full(opt)
+    torch.manual_seed(6)
+    model, part, parts = _layout_4("fsdp", world)
+    opt = _soap(model)
+    load_checkpoint(model, opt, path)
+    _train_res(model, opt, data[cut:], part, parts)
+    by_dcp, by_dcp_state = full_params(model), _state_full(opt)
     return {"params": max((whole[n] - resumed[n]).abs().max().item() for n in whole),
+            "dcp_params": max((whole[n] - by_dcp[n]).abs().max().item() for n in whole),
+            "dcp_state": max((whole_state[k] - by_dcp_state[k]).abs().max().item() for k in whole_state),
             "state": max((whole_state[k] - resumed_state[k]).abs().max().item() for k in whole_state),
             "same_state_keys": sorted(map(str, whole_state)) == sorted(map(str, resumed_state)),
             "layout": layout}
@@ -283,6 +296,6 @@ def task_soap_functional(rank: int, world: int, steps: int = 5) -> dict:
     return out
 
 
-def world_main_4(rank: int, world: int) -> dict:
-    return {"layouts": task_layouts_4(rank, world), "checkpoint": task_soap_checkpoint(rank, world),
+def world_main_4(rank: int, world: int, path: str) -> dict:
+    return {"layouts": task_layouts_4(rank, world), "checkpoint": task_soap_checkpoint(rank, world, path),
             "functional": task_soap_functional(rank, world)}

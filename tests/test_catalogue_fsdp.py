@@ -60,8 +60,8 @@ DION2_TOL = 2e-6          # measured 2.6e-7 at worst
 
 
 @pytest.fixture(scope="module")
-def world4() -> dict:
-    return run_world(cw.world_main_4, 4, timeout=900)[0]
+def world4(tmp_path_factory) -> dict:
+    return run_world(cw.world_main_4, 4, str(tmp_path_factory.mktemp("soap_ckpt")), timeout=900)[0]
 
 
 def _worst(errors: dict) -> tuple[float, str]:
@@ -100,11 +100,13 @@ def test_soap_on_dtensors_is_the_one_process_transform(world4: dict) -> None:
 
 @pytest.mark.slow
 def test_soap_checkpoint_round_trips_on_fsdp2(world4: dict) -> None:
-    """``state_dict`` after 3 steps, loaded into a fresh model and optimizer: the next 3
-    steps end where the uninterrupted run ends, bit for bit (parameters and state), and
-    the saved state is DTensors (the factors and bases cut along their rows)."""
+    """``state_dict`` after 3 steps, loaded into a fresh model and optimizer (and the same
+    through ``torch.distributed.checkpoint``): the next 3 steps end where the
+    uninterrupted run ends, bit for bit (parameters and state), and the saved state is
+    DTensors (the factors and bases cut along their rows)."""
     got = world4["checkpoint"]
     assert got["params"] == 0.0 and got["state"] == 0.0 and got["same_state_keys"]
+    assert got["dcp_params"] == 0.0 and got["dcp_state"] == 0.0
     for name, (kind, placements, shape) in got["layout"].items():
         assert kind == "DTensor", (name, kind)
         if ".factors." in name or ".bases." in name:
