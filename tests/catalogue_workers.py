@@ -1,5 +1,6 @@
-"""Workers of tests/test_catalogue_fsdp.py: the catalogue's elementwise presets on a
-``fully_shard``-ed transformer (gloo, CPU), against the same model in one process."""
+"""Workers of tests/test_catalogue_fsdp.py: the catalogue's presets on a ``fully_shard``-ed
+transformer (gloo, CPU, 2 ranks), and SOAP and Dion2 on a ResMLP laid out as FSDP2, HSDP
+and FSDP2 + TP (4 ranks), against the same model in one process."""
 
 from __future__ import annotations
 

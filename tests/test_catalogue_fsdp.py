@@ -46,9 +46,9 @@ def test_elementwise_presets_on_fsdp2_equal_one_process() -> None:
 
 # SOAP and Dion2 on 4 gloo ranks (one launch): FSDP2 over the 4, HSDP (2 x 2 replicate x
 # shard) and FSDP2 + TP (2 x 2) of a ResMLP, 6 steps, SOAP's bases refreshed at steps 2
-# and 4. SOAP answers the gradient's last bits strongly: its first update in a new basis
-# is about sign(Q^T G Q), and the rotated entries near zero change sign with rounding. So
-# its floor is one process whose gradients are summed over chunks of the batch (as the
+# and 4. SOAP answers the gradient's last bits strongly: its first update is Adam's first
+# step in the eigenbasis, about sign(Q^T G Q), and the rotated entries near zero change
+# sign with rounding (the basis itself is rounded too). So its floor is one process whose gradients are summed over chunks of the batch (as the
 # ranks' are): measured (AMD EPYC, torch 2.13 CPU) 3.9e-6 (2 chunks) and 4.6e-6 (4),
 # where torch's AdamW moves 5.1e-8 and Dion2 3.0e-7. Measured on the layouts, each rank a
 # quarter of the batch: SOAP fsdp 2.3e-6, hsdp 8.6e-6, fsdp_tp 6.8e-6; Dion2 2.6e-7,
