@@ -11,6 +11,10 @@ shards. Two kinds of work need more, and go through this module only:
   batching policy). A matrix function may say which dtype it computes in
   (:func:`compute_dtype`): batches are then put together, and sent between ranks, in
   that dtype (bfloat16 Newton-Schulz on float32 gradients: half the bytes).
+* :func:`map_matrix_groups` maps a function of *several* operands per matrix (a
+  gradient with the matrices of state that go with it: SOAP's factors and bases) over
+  groups of stacks: matrix ``j`` of every stack of a group meets whole in one call (on
+  one owner rank under a backend), and the call's results replace them.
 * :func:`global_sum` sums a per-tensor scalar over all leaves (global norms,
   non-finite counts). Locally it is a plain sum.
 * :func:`sum_over` sums every tensor over some of its dims (per-row or per-matrix
@@ -32,9 +36,12 @@ from .linalg.settings import MatrixSettings
 
 MatrixFn = Callable[[torch.Tensor], torch.Tensor]
 ScalarFn = Callable[[torch.Tensor], torch.Tensor]
+#: ``fn(group, index, matrices) -> matrices``: see :func:`map_matrix_groups`
+GroupFn = Callable[[int, int, list], list]
 
-__all__ = ["MatrixFn", "ScalarFn", "Backend", "register_backend", "unregister_backend",
-           "map_matrices", "global_sum", "sum_over", "local_map_matrices", "compute_dtype"]
+__all__ = ["MatrixFn", "ScalarFn", "GroupFn", "Backend", "register_backend", "unregister_backend",
+           "map_matrices", "map_matrix_groups", "global_sum", "sum_over", "local_map_matrices",
+           "local_map_matrix_groups", "compute_dtype"]
 
 
 def compute_dtype(fn: MatrixFn, stack: torch.Tensor) -> torch.dtype:
@@ -79,6 +86,12 @@ class Backend(Protocol):
         """Apply ``fn`` to every matrix of every ``[k, m, n]`` stack; same shapes out.
         ``settings``: the step's :class:`~muonfx.linalg.MatrixSettings` (its batch
         budget), passed only when there is one."""
+
+    def map_matrix_groups(self, fn: GroupFn, groups: Sequence[Sequence[torch.Tensor]],
+                          settings: MatrixSettings | None = None) -> list[list[torch.Tensor]]:
+        """Optional (:func:`map_matrix_groups`): ``fn`` on matrix ``j`` of every stack of
+        each group, whole, once in the world; a backend without it has its groups computed
+        by :func:`local_map_matrix_groups` on the tensors as they are."""
 
     def global_sum(self, fn: ScalarFn, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """``sum(fn(t) for t in tensors)`` over the logical (whole) tensors, as a local 0-d tensor."""
@@ -191,6 +204,63 @@ def map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor],
         for i, r in zip(idx, res):
             out[i] = r
     return out  # type: ignore[return-value]
+
+
+def local_map_matrix_groups(fn: GroupFn, groups: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """:func:`map_matrix_groups` on whole tensors: ``fn`` once per group and matrix, in order."""
+    out = []
+    for gi, group in enumerate(groups):
+        k = group[0].shape[0]
+        per: list[list[torch.Tensor]] = [[] for _ in group]
+        for j in range(k):
+            for acc, r in zip(per, fn(gi, j, [s[j] for s in group])):
+                acc.append(r)
+        out.append([torch.stack(acc) if acc else s.clone() for acc, s in zip(per, group)])
+    return out
+
+
+def map_matrix_groups(fn: GroupFn, groups: Sequence[Sequence[torch.Tensor]],
+                      settings: MatrixSettings | None = None) -> list[list[torch.Tensor]]:
+    """Apply ``fn`` to matrix ``j`` of every stack of each group, together.
+
+    ``groups[g]`` is a sequence of ``[k, m_i, n_i]`` stacks with the same ``k`` (a
+    gradient and the matrices of state that go with it, which may have other shapes);
+    ``fn(g, j, [matrix j of each stack of group g])`` returns a list of matrices of the
+    same shapes, which become matrix ``j`` of each of the group's results. Under a
+    backend (DTensor shards) the stacks of a group share the backend and the matrices of
+    one call meet whole on one owner rank (``fn`` runs there, once in the world), and
+    each rank receives its pieces of the results. Returns new tensors, per group in
+    order; the inputs are never modified.
+
+    Example::
+
+        >>> import torch
+        >>> from muonfx import seam
+        >>> def scale_by_trace(g, j, mats):          # a matrix and a factor of its own
+        ...     x, f = mats
+        ...     return [x / f.trace(), f]
+        >>> factor = torch.diag(torch.tensor([1.0, 1.0, 2.0]))[None]
+        >>> (x, f), = seam.map_matrix_groups(scale_by_trace, [(torch.ones(1, 2, 3), factor)])
+        >>> x.flatten().tolist()
+        [0.25, 0.25, 0.25, 0.25, 0.25, 0.25]
+    """
+    if not _BACKENDS:
+        return local_map_matrix_groups(fn, groups)
+    out: list = [None] * len(groups)
+    for backend, idx in _split_by_backend([g[0] for g in groups]):
+        sub = [groups[i] for i in idx]
+        for gi, g in zip(idx, sub):
+            if any((next((b for b in _BACKENDS if b.claims(t)), None) is not backend) for t in g[1:]):
+                raise ValueError(f"map_matrix_groups: the stacks of group {gi} are served by several backends "
+                                 "(DTensors with plain tensors); a group's stacks must be of one kind")
+        run = getattr(backend, "map_matrix_groups", None)
+        if run is None:
+            res = local_map_matrix_groups(lambda g, j, mats: fn(idx[g], j, mats), sub)
+        else:
+            res = run(lambda g, j, mats: fn(idx[g], j, mats), sub, settings)
+        for i, r in zip(idx, res):
+            out[i] = list(r)
+    return out
 
 
 def global_sum(fn: ScalarFn, tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -252,6 +252,43 @@ def expected_received(stacks: list[tuple[tuple[int, int, int], int]], W: int) ->
     return plan_exchange(lays, [list(range(W))] * len(lays), W, 1, 1 << 30).bytes_received()
 
 
+def test_plan_of_groups_keeps_each_group_on_one_owner_and_in_one_bucket():
+    """``plan_exchange(..., lead=)`` (``seam.map_matrix_groups``: SOAP's gradient with its
+    moments, factors and bases): matrix ``j`` of every stack of a group goes to one owner
+    in one bucket, sized by the group's bytes; every group travels; each owner's program
+    lists its groups, lead first."""
+    from muonfx.distributed.exchange import rank_program
+
+    W = 3
+    shapes = [((2, 6, 4), 1), ((2, 6, 6), 1), ((2, 4, 4), 2),   # group 0: two matrices each
+              ((1, 5, 3), 2), ((1, 5, 5), 1)]                   # group 1: one each
+    lead = (0, 0, 0, 3, 3)
+    lays = [stack_layout(shape, (W,), [("S", dim)]) for shape, dim in shapes]
+    plan = plan_exchange(lays, [list(range(W))] * len(lays), W, 4, 6 * 6 * 4, lead)
+    assert plan.units is not None and sorted(i for u in plan.units for i in u) == list(range(len(plan.matrices)))
+    assert len(plan.units) == 3  # group 0's two matrices and group 1's one
+    for unit in plan.units:
+        mats = [plan.matrices[i] for i in unit]
+        assert [lead[m.stack] for m in mats] == [mats[0].stack] * len(mats)
+        assert len({m.index for m in mats}) == 1 and len({m.owner for m in mats}) == 1
+        assert len({m.bucket for m in mats}) == 1 and mats[0].bucket >= 0
+    # one group per bucket under a budget smaller than any group: buckets sized by groups
+    per_owner: dict = {}
+    for unit in plan.units:
+        per_owner.setdefault(plan.matrices[unit[0]].owner, []).append(plan.matrices[unit[0]].bucket)
+    assert all(sorted(b) == list(range(len(b))) for b in per_owner.values())
+    owned = [sum(len(bk.groups) for bk in rank_program(plan, r).buckets) for r in range(W)]
+    assert sum(owned) == 3 and max(owned) - min(owned) <= 1  # balanced over the ranks
+    for r in range(W):
+        prog = rank_program(plan, r)
+        assert prog.grouped and not prog.local
+        for bk in prog.buckets:
+            for s, j, slots in bk.groups:
+                assert lead[s] == s and len(slots) == len(set(slots)) == (3 if s == 0 else 2)
+    # without groups, the same stacks plan as before: one owner per matrix, no units
+    assert plan_exchange(lays, [list(range(W))] * len(lays), W, 4, 1 << 30).units is None
+
+
 def owner_bound(n: int, split: int, other: int, W: int) -> float:
     """The bound for one same-shape group: 2 E (W-1) / W^2 per matrix, with the
     group padded to a multiple of W and the sharded dim padded to a multiple of W."""

@@ -24,7 +24,8 @@ from typing import Any, Sequence
 import torch
 
 __all__ = ["dtensor_class", "is_dtensor", "local", "shards", "storages", "meshes_and_placements", "rewrap_all",
-           "dtensor_stack_views", "unstack_like", "local_range", "local_indices", "PRIVATE_LAYOUT", "CHECKED_AGAINST"]
+           "dtensor_stack_views", "unstack_like", "local_range", "local_indices", "row_sharded_like",
+           "PRIVATE_LAYOUT", "CHECKED_AGAINST"]
 
 #: the torch versions whose DTensor layout this module was checked against
 CHECKED_AGAINST = ("2.13.0",)
@@ -309,3 +310,26 @@ def local_indices(t: Any, dim: int) -> torch.Tensor:
             raise ValueError(f"local_indices: this torch cannot place a _StridedShard of dim {dim} "
                              f"{tuple(t.placements)}") from None
         return torch.arange(rng[0], rng[0] + rng[1])
+
+
+def row_sharded_like(like: Any, full: torch.Tensor) -> Any:
+    """``full`` (the same whole tensor on every rank, computed locally) as a DTensor on
+    ``like``'s mesh, cut along its dim 0 over every mesh dim that cuts ``like`` (any dim of
+    it) and replicated over the others: a matrix of per-parameter state (a factor, a
+    basis) spread over the ranks that share the parameter. No communication: each rank
+    keeps its own rows (``Shard(0)``'s split, applied in mesh-dim order)."""
+    cls = dtensor_class()
+    mod = sys.modules["torch.distributed.tensor"]
+    mesh = like.device_mesh
+    placements = tuple(mod.Shard(0) if (type(pl).__name__ == "_StridedShard" or pl.is_shard()) else mod.Replicate()
+                       for pl in like.placements)
+    piece = full
+    coord = mesh.get_coordinate()
+    for md, pl in enumerate(placements):
+        if pl.is_shard():  # torch.chunk's split: ceil-sized chunks, the last ones short or empty
+            n, size = mesh.size(md), piece.shape[0]
+            chunk = -(-size // n) if size else 0
+            lo = min(coord[md] * chunk, size)
+            piece = piece[lo:min(lo + chunk, size)]
+    return cls.from_local(piece.contiguous(), mesh, placements, run_check=False, shape=full.shape,
+                          stride=full.stride())

@@ -35,7 +35,7 @@ from .._compat.dtensor import meshes_and_placements, rewrap_all, shards
 from ..core.cache import LRU
 from ..linalg.batching import batch_bytes
 from ..linalg.settings import MatrixSettings
-from ..seam import MatrixFn, ScalarFn, compute_dtype
+from ..seam import GroupFn, MatrixFn, ScalarFn, compute_dtype
 from .exchange import RankProgram, rank_program, run_program
 from .stats import CommStats
 from .layout import is_cut, largest, lifted, mesh_ranks, stack_layout
@@ -134,22 +134,24 @@ class DTensorBackend:
         return out  # type: ignore[return-value]
 
     def planned(self, stacks: Sequence[DTensor], views: Sequence[tuple], dtype: torch.dtype,
-                settings: MatrixSettings | None = None) -> tuple[ExchangePlan, RankProgram, Any]:
+                settings: MatrixSettings | None = None,
+                lead: tuple[int, ...] | None = None) -> tuple[ExchangePlan, RankProgram, Any]:
         """The plan for ``stacks`` (on the meshes and placements ``views``, see
         :func:`~muonfx.distributed.layout.lifted`) exchanged in ``dtype`` under the batch
-        budget of ``settings`` (None: the process's): made once, then reused; this rank's
-        program; the process group."""
+        budget of ``settings`` (None: the process's), with the stacks tied in groups by
+        ``lead`` (:func:`~muonfx.distributed.plan.plan_exchange`): made once, then reused;
+        this rank's program; the process group."""
         mesh = views[0][0]
         group, _ = mesh_group(mesh)
         budget = batch_bytes(mesh.device_type) if settings is None else settings.budget(mesh.device_type)
-        key = (dtype, budget, id(group)) + tuple((tuple(s.shape), v[1], id(v[0])) for s, v in zip(stacks, views))
+        key = (dtype, budget, id(group), lead) + tuple((tuple(s.shape), v[1], id(v[0])) for s, v in zip(stacks, views))
         hit = self._plans.get(key)
         if hit is None:
-            hit = self._plans[key] = self._make_plan(stacks, views, dtype, budget, group)
+            hit = self._plans[key] = self._make_plan(stacks, views, dtype, budget, group, lead)
         return hit.plan, hit.program, group
 
     def _make_plan(self, stacks: Sequence[DTensor], views: Sequence[tuple], dtype: torch.dtype, budget: int,
-                   group) -> _Planned:
+                   group, lead: tuple[int, ...] | None = None) -> _Planned:
         world = dist.get_world_size(group)
         layouts, ranks = [], []
         for s, (mesh, keys) in zip(stacks, views):
@@ -170,15 +172,15 @@ class DTensorBackend:
                         f"placements {stacks[si].placements}, where muonfx computed {list(lay.local_shape(pos))}; "
                         "this layout is not supported on this torch version")
         elsize = torch.empty((), dtype=dtype).element_size()
-        plan = plan_exchange(layouts, ranks, world, elsize, budget)
+        plan = plan_exchange(layouts, ranks, world, elsize, budget, lead)
         self.stats.plans += 1
         return _Planned(plan, rank_program(plan, dist.get_rank(group)))
 
     def _map(self, fn: MatrixFn, stacks: Sequence[DTensor], views: Sequence[tuple], dtype: torch.dtype,
-             settings: MatrixSettings | None = None) -> list[DTensor]:
+             settings: MatrixSettings | None = None, lead: tuple[int, ...] | None = None) -> list[DTensor]:
         own = getattr(settings, "stats", None)  # the stepping optimizer's counters
         before = self.stats.snapshot() if own is not None else None
-        plan, prog, group = self.planned(stacks, views, dtype, settings)
+        plan, prog, group = self.planned(stacks, views, dtype, settings, lead)
         locals_ = shards(stacks, DTensor)
         outs = [torch.empty_like(loc) for loc in locals_]
         stats = self.stats
@@ -193,6 +195,47 @@ class DTensorBackend:
         if own is not None:
             own.add_since(before, self.stats)
         return rewrap_all(outs, stacks)
+
+    def map_matrix_groups(self, fn: GroupFn, groups: Sequence[Sequence[torch.Tensor]],
+                          settings: MatrixSettings | None = None) -> list[list[torch.Tensor]]:
+        """:func:`muonfx.seam.map_matrix_groups` on DTensors: matrix ``j`` of every stack of
+        a group is gathered whole on one owner rank (the owner of the group's first stack's
+        matrix ``j``), ``fn`` runs there once per group and matrix, and the results' pieces
+        go back to their holders; one exchange per (process group, dtype) for all groups."""
+        flat: list[torch.Tensor] = []
+        where: list[int] = []  # flat stack -> its group
+        for gi, g in enumerate(groups):
+            flat.extend(g)
+            where.extend([gi] * len(g))
+        meshes, placements = meshes_and_placements(flat)
+        onto = largest(meshes)
+        views, jobs, job_of = [], {}, {}  # (process group, dtype) -> flat stacks; group -> its job
+        for i, s in enumerate(flat):
+            if any(p.is_partial() for p in placements[i]):
+                raise ValueError(f"map_matrix_groups: Partial placements {placements[i]} are not supported")
+            mesh, keys = lifted(meshes[i], placements[i], onto)
+            views.append((mesh, keys))
+            job = job_of.setdefault(where[i], (id(mesh_group(mesh)[0]), s.dtype))
+            if job != (id(mesh_group(mesh)[0]), s.dtype):
+                raise ValueError(f"map_matrix_groups: the stacks of group {where[i]} are on several process groups "
+                                 "or of several dtypes; a group's stacks share the parameter's mesh and dtype")
+            jobs.setdefault(job, []).append(i)
+        out: list = [None] * len(flat)
+        for (_, dtype), idx in jobs.items():
+            first: dict[int, int] = {}
+            lead = tuple(first.setdefault(where[i], p) for p, i in enumerate(idx))
+
+            def call(s: int, j: int, mats: list[torch.Tensor], idx=idx) -> list[torch.Tensor]:
+                return fn(where[idx[s]], j, mats)
+
+            res = self._map(call, [flat[i] for i in idx], [views[i] for i in idx], dtype, settings, lead)
+            for i, r in zip(idx, res):
+                out[i] = r
+        got, at = [], 0
+        for g in groups:
+            got.append(out[at:at + len(g)])
+            at += len(g)
+        return got
 
     # -- global reductions ----------------------------------------------------
 

@@ -38,6 +38,7 @@ class _Bucket:
     back_recv: list[list[tuple[int, int]]]       # per owner: (stack, local index) the result piece goes to
     back_recv_splits: list[int]
     mine: int                                     # matrices I own in this bucket
+    groups: list[tuple[int, int, list[int]]]      # (lead stack, index, slots of its group): plans with units
 
 
 @dataclass
@@ -49,6 +50,7 @@ class RankProgram:
     world: int
     local: list[tuple[int, list[int]]]
     buckets: list[_Bucket]
+    grouped: bool = False
 
 
 def rank_program(plan: ExchangePlan, me: int) -> RankProgram:
@@ -56,7 +58,7 @@ def rank_program(plan: ExchangePlan, me: int) -> RankProgram:
     W = plan.world
     local: dict[int, list[int]] = {}
     buckets = [_Bucket([[] for _ in range(W)], [0] * W, [[] for _ in range(W)], [0] * W, [], [],
-                       [[] for _ in range(W)], [0] * W, [[] for _ in range(W)], [0] * W, 0)
+                       [[] for _ in range(W)], [0] * W, [[] for _ in range(W)], [0] * W, 0, [])
                for _ in range(plan.buckets)]
     slots: list[dict[tuple[int, int], int]] = [{} for _ in range(plan.buckets)]
     order = sorted(range(len(plan.matrices)), key=lambda i: (plan.matrices[i].bucket, plan.matrices[i].m,
@@ -101,7 +103,13 @@ def rank_program(plan: ExchangePlan, me: int) -> RankProgram:
         for p in mp.targets:
             bk.back_send[p.rank].append((slot, p.rows, p.cols))
             bk.back_splits[p.rank] += p.numel
-    return RankProgram(me, W, sorted(local.items()), buckets)
+    for unit in plan.units or ():
+        lead = plan.matrices[unit[0]]
+        if lead.owner == me:
+            b = lead.bucket
+            buckets[b].groups.append((lead.stack, lead.index, [slots[b][plan.matrices[u].stack, plan.matrices[u].index]
+                                                               for u in unit]))
+    return RankProgram(me, W, sorted(local.items()), buckets, plan.units is not None)
 
 
 def _runs_copy(full: torch.Tensor, piece: torch.Tensor, rows: Runs, cols: Runs, into_full: bool) -> None:
@@ -146,7 +154,9 @@ def run_program(prog: RankProgram, fn: MatrixFn, locals_: Sequence[torch.Tensor]
     ``locals_``); ``dtype`` is the exchange dtype, ``wait(work)`` waits for a collective,
     ``device`` the one the collectives and the owners' work run on (the mesh's: a GPU
     under NCCL also when FSDP2 offloads the shards to the host), ``settings`` the step's
-    (the owners' batch budget; None: the process's)."""
+    (the owners' batch budget; None: the process's). A program of groups
+    (``prog.grouped``) calls ``fn(lead stack, index, [whole matrices of the group])``
+    once per group it owns, which returns the group's results (the same shapes)."""
     count = _Counter(stats, prog.me, torch.empty((), dtype=dtype).element_size())
     W = prog.world
 
@@ -198,10 +208,18 @@ def run_program(prog: RankProgram, fn: MatrixFn, locals_: Sequence[torch.Tensor]
                 _runs_copy(views[slot], recv[off:off + nr * nc].view(nr, nc), rows, cols, True)
                 off += nr * nc
         del recv
-        results = local_map_matrices(fn, bufs, settings) if bufs else []
-        del bufs
-        res_views = [r[i] for r in results for i in range(r.shape[0])]
-        stats.matrices_orthogonalized += bk.mine
+        if prog.grouped:
+            results = [torch.empty_like(buf) for buf in bufs]
+            res_views = [r[i] for r in results for i in range(r.shape[0])]
+            for s, j, group_slots in bk.groups:
+                for slot, r in zip(group_slots, fn(s, j, [views[x] for x in group_slots])):  # type: ignore[call-arg]
+                    res_views[slot].copy_(r)
+            stats.matrices_orthogonalized += len(bk.groups)
+        else:
+            results = local_map_matrices(fn, bufs, settings) if bufs else []
+            res_views = [r[i] for r in results for i in range(r.shape[0])]
+            stats.matrices_orthogonalized += bk.mine
+        del bufs, views
         for m, n, c in bk.shapes:
             stats.shapes.append((m, n, c))
         parts = []

@@ -120,6 +120,9 @@ class ExchangePlan:
     elsize: int
     matrices: tuple[MatrixPlan, ...]
     buckets: int
+    #: the matrices of each group, lead first (indices into ``matrices``), for a plan of
+    #: several operands per matrix (``plan_exchange``'s ``lead``); None otherwise
+    units: tuple[tuple[int, ...], ...] | None = None
     _per_rank: dict = field(default_factory=dict, compare=False, repr=False)
 
     def bytes_sent(self) -> list[int]:
@@ -169,11 +172,18 @@ def _positions(lay: StackLayout, j: int) -> list[tuple[int, int]]:
 
 
 def plan_exchange(layouts: Sequence[StackLayout], ranks: Sequence[Sequence[int]], world: int,
-                  elsize: int, budget: int) -> ExchangePlan:
+                  elsize: int, budget: int, lead: Sequence[int] | None = None) -> ExchangePlan:
     """The exchange plan of ``layouts`` (one per stack), ``ranks[i][pos]`` the rank (in
     the exchange's group of ``world`` ranks) at mesh position ``pos`` of stack ``i``'s
     mesh; ``elsize`` bytes per element in the exchange dtype; ``budget`` bytes of whole
-    matrices per owner and bucket. See the module doc for the rules."""
+    matrices per owner and bucket. See the module doc for the rules.
+
+    ``lead`` ties stacks together (a matrix function of several operands): ``lead[i]``
+    is the first stack of stack ``i``'s group (``lead[i] == i`` for that one). Matrix
+    ``j`` of every stack of a group then goes to the owner of the lead's matrix ``j``
+    (chosen by the group's flops, among the lead's holders), in the same bucket (sized by
+    the group's bytes), and every group travels (no matrix is left out of the buckets);
+    :attr:`ExchangePlan.units` lists each group's matrices, lead first."""
     mats = []  # (stack, index, m, n, pieces)
     for si, lay in enumerate(layouts):
         k, m, n = lay.shape
@@ -186,9 +196,18 @@ def plan_exchange(layouts: Sequence[StackLayout], ranks: Sequence[Sequence[int]]
                 if rows and cols:
                     pieces.append(Piece(ranks[si][pos], lj, rows, cols))
             mats.append((si, j, m, n, pieces, lay))
-    weights = [ns_flops(m, n) for (_, _, m, n, _, _) in mats]
+    if lead is None:
+        units = [[i] for i in range(len(mats))]
+    else:
+        at = {(si, j): i for i, (si, j, *_) in enumerate(mats)}
+        members: dict[int, list[int]] = {}
+        for s, ld in enumerate(lead):
+            members.setdefault(ld, []).append(s)
+        units = [[at[s, j] for s in members[si] if (s, j) in at] for (si, j, *_) in mats if lead[si] == si]
+    weights = [sum(ns_flops(mats[i][2], mats[i][3]) for i in u) for u in units]
     candidates, held = [], []
-    for (_, _, m, n, pieces, _) in mats:
+    for u in units:
+        (_, _, m, n, pieces, _) = mats[u[0]]
         whole = sorted({p.rank for p in pieces if p.numel == m * n})
         any_ = sorted({p.rank for p in pieces})
         candidates.append(whole or any_)
@@ -196,7 +215,10 @@ def plan_exchange(layouts: Sequence[StackLayout], ranks: Sequence[Sequence[int]]
         for p in pieces:
             h[p.rank] = max(h.get(p.rank, 0), p.numel)
         held.append(h)
-    owners = _lpt(weights, candidates, world, held)
+    owners = [0] * len(mats)
+    for u, o in zip(units, _lpt(weights, candidates, world, held)):
+        for i in u:
+            owners[i] = o
 
     plans = []
     for (si, j, m, n, pieces, lay), owner in zip(mats, owners):
@@ -213,22 +235,24 @@ def plan_exchange(layouts: Sequence[StackLayout], ranks: Sequence[Sequence[int]]
             best = max(reps, key=lambda p: (sum(a == b for a, b in zip(coords_of[p.rank], oc)), -p.rank))
             sources.append(best)
         targets = tuple(p for p in pieces if p.rank != owner)
-        plans.append([si, j, m, n, owner, own, tuple(sorted(sources, key=lambda p: p.rank)), targets])
+        plans.append([si, j, m, n, owner, own, tuple(sorted(sources, key=lambda p: p.rank)), targets, -1])
 
-    # buckets: per owner, exchanged matrices largest first, cut at the budget
-    order = sorted(range(len(plans)), key=lambda i: (-weights[i], i))
+    # buckets: per owner, exchanged matrices (groups) largest first, cut at the budget
+    order = sorted(range(len(units)), key=lambda i: (-weights[i], i))
     fill: dict[int, tuple[int, int]] = {}  # owner -> (bucket, bytes in it)
     buckets = 0
-    for i in order:
-        p = plans[i]
-        if not p[6] and not p[7]:
-            p.append(-1)
-            continue
-        size = p[2] * p[3] * elsize
-        b, used = fill.get(p[4], (0, 0))
+    for ui in order:
+        u = units[ui]
+        if lead is None and not plans[u[0]][6] and not plans[u[0]][7]:
+            continue  # held whole by its owner alone: no bucket
+        size = sum(plans[i][2] * plans[i][3] for i in u) * elsize
+        owner = plans[u[0]][4]
+        b, used = fill.get(owner, (0, 0))
         if used and used + size > budget:
             b, used = b + 1, 0
-        fill[p[4]] = (b, used + size)
-        p.append(b)
+        fill[owner] = (b, used + size)
+        for i in u:
+            plans[i][8] = b
         buckets = max(buckets, b + 1)
-    return ExchangePlan(world, elsize, tuple(MatrixPlan(*p) for p in plans), buckets)
+    return ExchangePlan(world, elsize, tuple(MatrixPlan(*p) for p in plans), buckets,
+                        None if lead is None else tuple(tuple(u) for u in units))

@@ -10,11 +10,12 @@ from typing import NamedTuple
 import torch
 from tensordict import TensorDict
 
-from .._compat.dtensor import dtensor_class
-from ..core import (GradientTransformation, LeafwiseTransformation, aligned, build, key_str, leaves,
-                    zeros_like_leaves)
+from .. import seam
+from .._compat.dtensor import dtensor_class, dtensor_stack_views, row_sharded_like, unstack_like
+from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves, zeros_like_leaves
 from ..counts import Counts, advance, of, zeros
 from ..hyperparams import check
+from ..linalg.settings import EXTRA_ARG
 
 
 class ScaleBySoapState(NamedTuple):
@@ -74,8 +75,13 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | None
 
     A side larger than ``max_precond_dim`` keeps the identity (a one-sided basis).
     ``shampoo_beta=None`` takes ``b2``. ``normalize_grads`` divides ``out`` by its RMS.
-    Eigen-decompositions and QR in float32, as the reference's. Leafwise. Plain tensors
-    only for now: a DTensor leaf (FSDP2, TP) is refused by name.
+    Eigen-decompositions and QR in float32, as the reference's. Leafwise. On DTensors
+    (FSDP2, HSDP, tensor parallel and FSDP2 + TP shards) a parameter's whole gradient, its
+    moments, factors and bases meet on one owner rank through
+    :func:`muonfx.seam.map_matrix_groups` (the matrix exchange Newton-Schulz takes), which
+    runs the step above and sends each rank its pieces: the update is the one process's.
+    The moments are stored as the parameter is; the factors and bases as DTensors on its
+    mesh, cut along their rows over every mesh dim that cuts the parameter.
 
     Example::
 
@@ -107,71 +113,136 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | None
     def init_fn(params):
         keys, ps = leaves(params, "params")
         fk, fv, bv = [], [], []
+        cls = dtensor_class()
         for k, p in zip(keys, ps):
             for i, (sh, on) in enumerate(zip(view_shape(p), sides(p))):
                 if on:
                     fk.append(k + (f"dim{i}",))
-                    fv.append(torch.zeros(sh, sh, dtype=p.dtype, device=p.device))
-                    bv.append(torch.eye(sh, dtype=p.dtype, device=p.device))
+                    f = torch.zeros(sh, sh, dtype=p.dtype, device=_local_device(p, cls))
+                    q = torch.eye(sh, dtype=p.dtype, device=f.device)
+                    if cls is not None and isinstance(p, cls):  # spread over the parameter's ranks
+                        f, q = row_sharded_like(p, f), row_sharded_like(p, q)
+                    fv.append(f)
+                    bv.append(q)
         return ScaleBySoapState(zeros(keys), zeros_like_leaves(keys, ps),
                                 zeros_like_leaves(keys, ps), build(fk, fv), build(fk, bv))
 
-    def update_fn(updates, state, params=None):
+    def leaf_step(g, m, v, Fs, Qs, t):
+        """One parameter's step on whole tensors: (out, mu, nu, factors, bases)."""
+        shape = view_shape(g)
+        gv = g.reshape(shape)
+        new_F = [None if F is None else torch.lerp(F, _outer(gv, i), 1.0 - sb) for i, F in enumerate(Fs)]
+        if t == 0:  # the basis from the first gradient; no step
+            new_Q = [None if F is None else _eigenbasis(F) for F in new_F]
+            return torch.zeros_like(g), m.clone(), v.clone(), new_F, new_Q
+        gp = _project(gv, Qs)
+        mu = (m.reshape(shape) * b1).add_(gp, alpha=1.0 - b1)
+        nu = (v.reshape(shape) * b2).add_(gp.square(), alpha=1.0 - b2)
+        ng = _project_back(mu / (nu.sqrt() + eps), Qs)
+        if normalize_grads:
+            ng = ng / (1e-30 + torch.mean(ng**2) ** 0.5)
+        out = (ng * (math.sqrt(1.0 - b2**t) / (1.0 - b1**t))).reshape(g.shape).contiguous()
+        mu_orig = _project_back(mu, Qs)
+        new_Q = list(Qs)
+        if t % precondition_frequency == 0:
+            for i, (F, Q) in enumerate(zip(new_F, Qs)):
+                if F is None:
+                    continue
+                f32, q32 = F.float(), Q.float()
+                order = torch.argsort(torch.diag(q32.T @ f32 @ q32), descending=True)
+                nu = nu.index_select(i, order)
+                new_Q[i] = torch.linalg.qr(f32 @ q32[:, order])[0].to(Q.dtype).contiguous()
+        # state in the default (row-major) layout: a stored layout must not change
+        # what the next step's products compute (the adapter copies into its buffers)
+        return (out, _project(mu_orig, new_Q).reshape(g.shape).contiguous(), nu.reshape(g.shape).contiguous(),
+                new_F, new_Q)
+
+    def update_fn(updates, state, params=None, **extra_args):
         keys, gs = leaves(updates)
         ms = aligned(state.mu, keys, "soap state (mu)", like=gs)
         vs = aligned(state.nu, keys, "soap state (nu)", like=gs)
         counts = of(state.count, keys, "soap state (count)")
         cls = dtensor_class()
-        fk, fv = list(state.factors.keys(include_nested=True, leaves_only=True)), None
+        fk = list(state.factors.keys(include_nested=True, leaves_only=True))
         factors = {k: state.factors.get(k) for k in fk}
         bases = {k: state.bases.get(k) for k in fk}
-        outs, new_ms, new_vs = [], [], []
-        for k, g, m, v, t in zip(keys, gs, ms, vs, counts):
-            if cls is not None and isinstance(g, cls):
-                raise ValueError(f"scale_by_soap: leaf {key_str(k)!r} is a DTensor; SOAP runs on whole tensors "
-                                 "(FSDP2 and tensor-parallel layouts are not supported yet)")
-            shape = view_shape(g)
-            on = sides(g)
-            fkeys = [k + (f"dim{i}",) if o else None for i, o in enumerate(on)]
-            Fs = [factors[f] if f else None for f in fkeys]
-            Qs = [bases[f] if f else None for f in fkeys]
-            gv = g.reshape(shape)
-            new_F = [None if F is None else torch.lerp(F, _outer(gv, i), 1.0 - sb) for i, F in enumerate(Fs)]
-            if t == 0:  # the basis from the first gradient; no step
-                new_Q = [None if F is None else _eigenbasis(F) for F in new_F]
-                outs.append(torch.zeros_like(g))
-                new_ms.append(m.clone())
-                new_vs.append(v.clone())
-            else:
-                s = t
-                gp = _project(gv, Qs)
-                mu = (m.reshape(shape) * b1).add_(gp, alpha=1.0 - b1)
-                nu = (v.reshape(shape) * b2).add_(gp.square(), alpha=1.0 - b2)
-                ng = _project_back(mu / (nu.sqrt() + eps), Qs)
-                if normalize_grads:
-                    ng = ng / (1e-30 + torch.mean(ng**2) ** 0.5)
-                outs.append((ng * (math.sqrt(1.0 - b2**s) / (1.0 - b1**s))).reshape(g.shape).contiguous())
-                mu_orig = _project_back(mu, Qs)
-                new_Q = list(Qs)
-                if s % precondition_frequency == 0:
-                    for i, (F, Q) in enumerate(zip(new_F, Qs)):
-                        if F is None:
-                            continue
-                        f32, q32 = F.float(), Q.float()
-                        order = torch.argsort(torch.diag(q32.T @ f32 @ q32), descending=True)
-                        nu = nu.index_select(i, order)
-                        new_Q[i] = torch.linalg.qr(f32 @ q32[:, order])[0].to(Q.dtype).contiguous()
-                # state in the default (row-major) layout: a stored layout must not change
-                # what the next step's products compute (the adapter copies into its buffers)
-                new_ms.append(_project(mu_orig, new_Q).reshape(g.shape).contiguous())
-                new_vs.append(nu.reshape(g.shape).contiguous())
-            for f, F, Q in zip(fkeys, new_F, new_Q):
+        outs, new_ms, new_vs = [None] * len(keys), [None] * len(keys), [None] * len(keys)
+        sharded = []  # (leaf position, factor keys): DTensor leaves with factors, through the seam
+
+        def keep(n, f_keys, res):
+            outs[n], new_ms[n], new_vs[n] = res[:3]
+            for f, F, Q in zip(f_keys, res[3], res[4]):
                 if f is not None:
                     factors[f], bases[f] = F, Q
+
+        for n, (k, g, m, v, t) in enumerate(zip(keys, gs, ms, vs, counts)):
+            f_keys = [k + (f"dim{i}",) if o else None for i, o in enumerate(sides(g))]
+            if cls is not None and isinstance(g, cls) and any(f_keys) and g.numel() > 0:
+                sharded.append((n, f_keys))
+                continue
+            keep(n, f_keys, leaf_step(g, m, v, [factors[f] if f else None for f in f_keys],
+                                      [bases[f] if f else None for f in f_keys], t))
+        if sharded:
+            _through_seam(sharded, gs, ms, vs, counts, factors, bases, leaf_step, keep, extra_args.get(EXTRA_ARG))
         return build(keys, outs), ScaleBySoapState(advance(state.count), build(keys, new_ms), build(keys, new_vs),
                                                    build(fk, [factors[f] for f in fk]), build(fk, [bases[f] for f in fk]))
 
     return LeafwiseTransformation(init_fn, update_fn)
+
+
+def _local_device(p: torch.Tensor, cls) -> torch.device:
+    return p.to_local().device if cls is not None and isinstance(p, cls) else p.device
+
+
+def _whole_view(t: torch.Tensor) -> tuple[int, int]:
+    """The ``[a, b]`` matrix a leaf travels as (its first dim by the rest; 1-D: one row)."""
+    if t.ndim <= 1:
+        return 1, t.numel()
+    return int(t.shape[0]), int(t.numel() // t.shape[0])
+
+
+def _through_seam(sharded, gs, ms, vs, counts, factors, bases, leaf_step, keep, settings) -> None:
+    """SOAP's steps of DTensor leaves: each leaf's gradient, moments, factors and bases
+    meet whole on one owner rank (:func:`muonfx.seam.map_matrix_groups`), which runs the
+    step and sends every rank its pieces of the results."""
+    groups, metas = [], []
+    for n, f_keys in sharded:
+        g, ab = gs[n], _whole_view(gs[n])
+        on = [f for f in f_keys if f is not None]
+        if g.ndim == 2 and not torch.is_grad_enabled():  # the shards' own views (as Newton-Schulz's)
+            mats = dtensor_stack_views([g, ms[n], vs[n]], [ab] * 3)
+        else:
+            mats = [x.reshape(1, *ab) for x in (g, ms[n], vs[n])]
+        for f in on:
+            mats += [factors[f].unsqueeze(0), bases[f].unsqueeze(0)]
+        groups.append(mats)
+        metas.append((n, f_keys, tuple(g.shape), ab))
+
+    def run(gi: int, j: int, mats: list) -> list:
+        n, f_keys, shape, ab = metas[gi]
+        g, m, v = (x.reshape(shape) for x in mats[:3])
+        it = iter(mats[3:])
+        Fs, Qs = [], []
+        for f in f_keys:
+            Fs.append(next(it) if f is not None else None)
+            Qs.append(next(it) if f is not None else None)
+        out, mu, nu, new_F, new_Q = leaf_step(g, m, v, Fs, Qs, counts[n])
+        res = [out.reshape(ab), mu.reshape(ab), nu.reshape(ab)]
+        for F, Q in zip(new_F, new_Q):
+            if F is not None:
+                res += [F, Q]
+        return res
+
+    for (n, f_keys, _, _), res in zip(metas, seam.map_matrix_groups(run, groups, settings)):
+        on = [f for f in f_keys if f is not None]
+        likes = [gs[n], ms[n], vs[n]] + [x for f in on for x in (factors[f], bases[f])]
+        back = iter(unstack_like(res, likes))  # each result in the shape (and layout) of its input
+        out, mu, nu = next(back), next(back), next(back)
+        new_F, new_Q = [], []
+        for f in f_keys:
+            new_F.append(next(back) if f is not None else None)
+            new_Q.append(next(back) if f is not None else None)
+        keep(n, f_keys, (out, mu, nu, new_F, new_Q))
 
 
 def _outer(g: torch.Tensor, i: int) -> torch.Tensor:

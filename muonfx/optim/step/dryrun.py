@@ -75,6 +75,12 @@ class _FakeBackend:
                                                    label_of(s)))
         return [torch.empty_like(s) for s in stacks]
 
+    def map_matrix_groups(self, fn, groups: Sequence[Sequence[torch.Tensor]], settings: Any = None) -> list:
+        for g in groups:
+            s = g[0]
+            self.record.matrices.append(MatrixWork(int(s.shape[-2]), int(s.shape[-1]), int(s.shape[0]), s.dtype, fn))
+        return [[torch.empty_like(s) for s in g] for g in groups]
+
     def global_sum(self, fn, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32, device=tensors[0].device if tensors else "cpu")
 
