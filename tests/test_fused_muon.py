@@ -173,3 +173,34 @@ def test_bad_hyperparameter_changes_nothing():
         opt.step()
     for (_, p), b, m in zip(named, before, mu):
         assert torch.equal(p, b) and torch.equal(opt.state[p]["momentum.mu"], m)
+
+
+def _lm():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+
+
+@pytest.mark.parametrize("options,lowered", [
+    ({}, True), ({"ns_stepsize": 0.7}, True), ({"beta2": 0.95}, False), ({"gradient_accumulation_steps": 2}, False),
+])
+def test_fsdp_muon_optimizer_on_plain_tensors_is_lowered_without_row_norm_or_accumulation(options, lowered):
+    """FSDPMuonOptimizer's matrices run Muon's lowering where their chain is Muon's with a
+    constant scale (``ns_stepsize``), within the update's rounding of the chain."""
+    import warnings
+
+    warnings.simplefilter("ignore", mfx.MeaningChangedWarning)
+    m1, m2 = _lm(), _lm()
+    a = mfx.FSDPMuonOptimizer(m1, ns_dtype=torch.float32, **options)
+    b = mfx.FSDPMuonOptimizer(m2, ns_dtype=torch.float32, **options)
+    for g in b.param_groups:
+        g["fused"] = False
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    for step in range(4):
+        for m, o in ((m1, a), (m2, b)):
+            m(x * (step + 1)).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    muon = next(g for g in a.plan.groups if any(k[-1] == "weight" for k in g.keys))
+    assert (muon.path == "fused") == lowered, a.plan
+    for (n, p), q in zip(m1.named_parameters(), m2.parameters()):
+        assert rel_err(p, q) < CHAIN_TOL, n

@@ -292,7 +292,9 @@ def test_optimizer_option_clips_after_the_update(name):
             # chain rather than torch's fused kernel: the same arithmetic, rounded apart)
             torch.testing.assert_close(pa[n], pb[n], rtol=1e-6, atol=1e-7)
     if name != "TransformOptimizer":  # (its one AdamW group is fused without the clip)
-        assert torch.equal(pa["mlp.weight"], pb["mlp.weight"])  # a Muon matrix: the same path, bit for bit
+        # a Muon matrix: without the clip its group runs Muon's lowering (torch.optim.Muon's
+        # form of the update), with the clip the chain; the same arithmetic, rounded apart
+        torch.testing.assert_close(pa["mlp.weight"], pb["mlp.weight"], rtol=1e-6, atol=1e-7)
 
 
 def test_optimizer_matches_the_functional_chain():

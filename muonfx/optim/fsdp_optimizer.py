@@ -21,6 +21,7 @@ from .qk_clip import QKClip
 from .routing import check_muon_reached, rule_of
 from .optimizer import TransformOptimizer
 from .step.fused import FusedAdamW, register
+from .step.fused_muon import FusedMuon
 
 __all__ = ["FSDPMuonOptimizer", "unshard"]
 
@@ -39,6 +40,10 @@ def _adamw_accumulated(
 # without gradient accumulation the group is mfx.adamw's chain: torch's fused AdamW kernel runs it
 register(_adamw_accumulated, FusedAdamW,
          lambda hp: None if hp.get("gradient_accumulation_steps", 1) == 1 else "gradient accumulation")
+# the matrices without row normalisation and accumulation: Muon's chain and a constant scale
+register(fsdp_muon, FusedMuon,
+         lambda hp: "gradient accumulation" if hp.get("gradient_accumulation_steps", 1) != 1 else
+         "row normalisation (beta2)" if hp.get("beta2") is not None else None)
 
 
 def _is_rank_zero() -> bool:

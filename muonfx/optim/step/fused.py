@@ -93,10 +93,13 @@ class FusedAdamW:
         return None
 
     @staticmethod
-    def ready(state: Any, params: list[torch.Tensor], grads: list[torch.Tensor], keys: tuple) -> str | None:
+    def ready(state: Any, params: list[torch.Tensor], grads: list[torch.Tensor], keys: tuple,
+              memo: dict | None = None) -> str | None:
         """None where this step's gradients and state buffers are what the kernel takes
         (each of its parameter's dtype and device, dense), else the reason: the step then
-        runs the chain (a rule on this step's tensors)."""
+        runs the chain (a rule on this step's tensors). ``memo`` (the group plan's): the
+        state's buffers as the kernel reads them, kept while the state and the parameters
+        are the same objects (the kernel writes in place), so a step reads them once."""
         hyper = getattr(state, "hyperparams", None)
         inner = getattr(state, "inner_state", None)
         adam = inner.get("adam") if isinstance(inner, dict) else None
@@ -104,15 +107,14 @@ class FusedAdamW:
             return "the state is not AdamW's"
         if any([callable(v) and not isinstance(v, torch.Tensor) for v in hyper.values()]):
             return "a schedule in the state"
-        mu, nu = getattr(adam, "mu", None), getattr(adam, "nu", None)
         try:
-            ms, vs = _leaves(mu, keys), _leaves(nu, keys)
-        except (KeyError, TypeError):
+            bufs = _buffers(adam, params, keys, memo)
+        except (KeyError, TypeError, AttributeError):
             return "the moments do not match the parameters"
-        for lp, lg, lm, lv in zip(_locals(params), _locals(grads), _locals(ms), _locals(vs)):
-            if not (lg.dtype == lm.dtype == lv.dtype == lp.dtype and lg.device == lm.device == lv.device == lp.device
-                    and lg.layout == torch.strided and lg.shape == lp.shape == lm.shape == lv.shape):
-                return "gradients or moments differ from their parameters in dtype, device or shape"
+        if bufs is None:
+            return "moments differ from their parameters in dtype, device or shape"
+        if [(g.dtype, g.device, g.shape) for g in _locals(grads)] != bufs.sig:
+            return "gradients differ from their parameters in dtype, device or shape"
         return None
 
     @staticmethod
@@ -131,36 +133,80 @@ class FusedAdamW:
 
     @staticmethod
     def step(state: Any, vals: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
-             keys: tuple) -> Any:
+             keys: tuple, memo: dict | None = None) -> Any:
         """Run the kernel (in place) and return the new state."""
         inner = state.inner_state
         adam = inner["adam"]
-        ms, vs = _leaves(adam.mu, keys), _leaves(adam.nu, keys)
+        bufs = _buffers(adam, params, keys, memo)
         amsgrad, maximize = bool(vals.get("amsgrad", False)), bool(vals.get("maximize", False))
-        maxs = _leaves(adam.nu_max, keys) if amsgrad else []
+        lx = bufs.maxs() if amsgrad else []
         b1, b2 = vals["betas"]
         lr = vals["lr"]
         # torch passes a Python lr as a float and a CPU tensor lr as it is
         lr = lr if isinstance(lr, torch.Tensor) else float(lr)
-        lp, lg, lm, lv, lx = _locals(params), _locals(grads), _locals(ms), _locals(vs), _locals(maxs)
+        lg = _locals(grads)
         steps_of = {}
         ls: list[Any] = [None] * len(keys)
         for t, pos in by_count(adam.count, list(keys), "adam state (count)"):
             for j in pos:
-                dev = lp[j].device
+                dev = bufs.devices[j]
                 s = steps_of.get((t, dev))
                 if s is None:
                     s = steps_of[(t, dev)] = torch.full((), float(t + 1), dtype=torch.float32, device=dev)
                 ls[j] = s
-        for (device, dtype), idx in _groups(lp).items():
-            pick = lambda xs: [xs[i] for i in idx] if xs else []  # noqa: E731
-            torch._fused_adamw_(pick(lp), pick(lg), pick(lm), pick(lv), pick(lx), pick(ls), amsgrad=amsgrad, lr=lr,
+        for idx, (lp, lm, lv) in bufs.groups:
+            one = idx is None  # every tensor in one (device, dtype): the lists as they are
+            pick = (lambda xs: xs) if one else (lambda xs: [xs[i] for i in idx] if xs else [])  # noqa: E731
+            torch._fused_adamw_(lp, pick(lg), lm, lv, pick(lx), pick(ls), amsgrad=amsgrad, lr=lr,
                                 beta1=float(b1), beta2=float(b2), weight_decay=float(vals["weight_decay"]),
                                 eps=float(vals["eps"]), maximize=maximize, grad_scale=None, found_inf=None)
         new_adam = adam._replace(count=advance(adam.count))
         injected = {n: vals[n] for n in state.hyperparams}
         return state._replace(count=advance(state.count), hyperparams=injected,
                               inner_state={**inner, "adam": new_adam})
+
+
+class _Buffers:
+    """The local parameters and moments of a fused AdamW group as the kernel takes them,
+    by (device, dtype), and each parameter's ``(dtype, device, shape)`` (what its gradient
+    must have)."""
+
+    def __init__(self, adam: Any, params: list[torch.Tensor], keys: tuple) -> None:
+        self.adam, self.keys, self.ids = adam, keys, [id(p) for p in params]
+        lp, lm, lv = _locals(params), _locals(_leaves(adam.mu, keys)), _locals(_leaves(adam.nu, keys))
+        self.sig = [(p.dtype, p.device, p.shape) for p in lp]
+        self.ok = all([(m.dtype, m.device, m.shape) == sg == (v.dtype, v.device, v.shape)
+                       for m, v, sg in zip(lm, lv, self.sig)])
+        self.devices = [p.device for p in lp]
+        parts = _groups(lp)
+        if len(parts) == 1:
+            self.groups = [(None, (lp, lm, lv))]
+        else:
+            self.groups = [(idx, ([lp[i] for i in idx], [lm[i] for i in idx], [lv[i] for i in idx]))
+                           for idx in parts.values()]
+        self._maxs: list | None = None
+
+    def fits(self, adam: Any, params: list[torch.Tensor], keys: tuple) -> bool:
+        """Whether these are still the buffers of ``adam`` for ``params``."""
+        return (adam.mu is self.adam.mu and adam.nu is self.adam.nu and getattr(adam, "nu_max", None) is
+                getattr(self.adam, "nu_max", None) and keys == self.keys and [id(p) for p in params] == self.ids)
+
+    def maxs(self) -> list[torch.Tensor]:
+        """The local running maxima (amsgrad), in the order of the first group."""
+        if self._maxs is None:
+            self._maxs = _locals(_leaves(self.adam.nu_max, self.keys))
+        return self._maxs
+
+
+def _buffers(adam: Any, params: list[torch.Tensor], keys: tuple, memo: dict | None) -> _Buffers | None:
+    """The group's :class:`_Buffers` (the memo's where they still fit); None where a moment
+    differs from its parameter in dtype, device or shape."""
+    bufs = memo.get("adamw") if memo is not None else None
+    if bufs is None or not bufs.fits(adam, params, keys):
+        bufs = _Buffers(adam, params, keys)
+        if memo is not None:
+            memo["adamw"] = bufs
+    return bufs if bufs.ok else None
 
 
 def _groups(tensors: list[torch.Tensor]) -> dict[tuple, list[int]]:

@@ -21,6 +21,10 @@ the update: ``tests/test_fused_muon.py`` measures it). Everything a step can det
 detected before a write, as for the chain: hyperparameters when the step starts, each
 piece's Newton-Schulz before that piece writes.
 
+The same lowering runs :class:`muonfx.FSDPMuonOptimizer`'s matrices on plain tensors
+without ``beta2`` (row normalisation) and gradient accumulation: Muon's chain with the
+constant ``ns_stepsize`` after the shape scale (``W <- W - lr * s(A, B) * ns_stepsize * o``).
+
 What is not lowered runs the chain: a schedule or tensor for a number, ``mu_dtype`` or
 ``dims`` given, DTensor shards (the seam's exchange), a state that is not the preset's,
 gradients of another dtype than their momentum.
@@ -28,6 +32,7 @@ gradients of another dtype than their momentum.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -46,6 +51,10 @@ from .fused import _leaves, _number, register
 __all__ = ["FusedMuon"]
 
 _LINKS = ("momentum", "orthogonalize", "scale_by_shape", "weight_decay", "lr")
+#: the chain of FSDPMuonOptimizer's matrices without row normalisation and accumulation:
+#: Muon's with a constant scale (``ns_stepsize``) after the shape scale
+_STEPSIZE_LINKS = ("momentum", "orthogonalize", "scale_by_shape", "ns_stepsize", "weight_decay", "lr")
+_OPTIONS = tuple(f.name for f in dataclasses.fields(MuonOptions))
 _STATIC = ("ns_steps", "ns_coefficients", "eps", "ns_dtype", "ns_method")
 
 #: the Newton-Schulz links built for the lowered groups, by their options (a new lr or
@@ -78,7 +87,7 @@ class FusedMuon:
     @staticmethod
     def why_not(hp: dict[str, Any], params: list[torch.Tensor]) -> str | None:
         """None where the lowered step computes the group's chain, else the reason."""
-        for n in ("lr", "momentum", "weight_decay", "eps"):
+        for n in ("lr", "momentum", "weight_decay", "eps", "ns_stepsize"):
             if n in hp and not _number(hp[n]):
                 return f"{n} is {'a schedule' if callable(hp[n]) else type(hp[n]).__name__}"
         if not isinstance(hp.get("nesterov", True), bool):
@@ -95,13 +104,14 @@ class FusedMuon:
         return None
 
     @staticmethod
-    def ready(state: Any, params: list[torch.Tensor], grads: list[torch.Tensor], keys: tuple) -> str | None:
+    def ready(state: Any, params: list[torch.Tensor], grads: list[torch.Tensor], keys: tuple,
+              memo: dict | None = None) -> str | None:
         """None where this step's state and gradients are what the lowered step takes."""
         hyper = getattr(state, "hyperparams", None)
         inner = getattr(state, "inner_state", None)
-        if hyper is None or not isinstance(inner, dict) or tuple(inner) != _LINKS or \
+        if hyper is None or not isinstance(inner, dict) or tuple(inner) not in (_LINKS, _STEPSIZE_LINKS) or \
                 not isinstance(inner["momentum"], MomentumState) or \
-                not all(type(inner[n]) is EmptyState for n in _LINKS[1:]) or \
+                not all(type(v) is EmptyState for n, v in inner.items() if n != "momentum") or \
                 not isinstance(getattr(state, "count", None), Counts):
             return "the state is not Muon's"
         if any([callable(v) and not isinstance(v, torch.Tensor) for v in hyper.values()]):
@@ -124,7 +134,7 @@ class FusedMuon:
         count = state.count
         counts = [t for t, _ in by_count(count, list(count.keys))] if isinstance(count, Counts) else [0]
         vals = {**hp, **hyperparam_values(state.hyperparams, counts[0] if counts else 0)}
-        MuonOptions(**vals)
+        MuonOptions(**{n: vals[n] for n in _OPTIONS if n in vals})
         return vals
 
     @staticmethod
@@ -151,7 +161,7 @@ class FusedMuon:
         grads, os_, factors = pending
         inner = state.inner_state
         ms = _leaves(inner["momentum"].mu, keys)
-        lr, wd = float(vals["lr"]), float(vals["weight_decay"])
+        lr, wd, size = float(vals["lr"]), float(vals["weight_decay"]), float(vals.get("ns_stepsize", 1.0))
         with torch.no_grad():
             torch._foreach_lerp_(ms, grads, 1.0 - vals["momentum"])
             if wd != 0.0:
@@ -160,7 +170,8 @@ class FusedMuon:
             for j, f in enumerate(factors):
                 by_factor.setdefault(f, []).append(j)
             for f, js in by_factor.items():
-                torch._foreach_add_([params[j] for j in js], [os_[j] for j in js], alpha=-(lr * f))
+                torch._foreach_add_([params[j] for j in js], [os_[j] for j in js],
+                                    alpha=-(lr * f) if size == 1.0 else -(lr * (f * size)))
         injected = {n: vals[n] for n in state.hyperparams}
         return state._replace(count=advance(state.count), hyperparams=injected)
 

@@ -93,6 +93,7 @@ class GroupPlan:
         devices: the device types of the parameters.
         dtensor: whether some parameter is a DTensor.
         kernel: the fused kernel of a ``"fused"`` group (:mod:`.fused`), else None.
+        memo: what the kernel keeps between the steps of this plan.
     """
 
     index: int
@@ -107,6 +108,9 @@ class GroupPlan:
     devices: tuple
     dtensor: bool
     kernel: Any = field(compare=False, default=None)
+    #: what a fused kernel keeps between the steps of this plan (its reading of the
+    #: group's buffers: :mod:`.fused`)
+    memo: dict = field(compare=False, default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)

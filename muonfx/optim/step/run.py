@@ -257,7 +257,7 @@ class Runner:
         for x in eager:
             k = x.plan.kernel
             if k is not None and x.plan.path == "fused":
-                if k.ready(x.state, x.work.params, x.work.grads, x.plan.keys) is None:
+                if k.ready(x.state, x.work.params, x.work.grads, x.plan.keys, x.plan.memo) is None:
                     vals = k.check(x.rec.factory, x.work.hp, x.state)
                     if not getattr(k, "pieces", False):
                         fused.append((x, vals))
@@ -280,7 +280,7 @@ class Runner:
                 if x.plan.pieces is not None:
                     self._compiled_pieces(x, param_groups, written)
         for x, vals in fused:  # the kernel writes the parameters and the state in place
-            x.finish(x.plan.kernel.step(x.state, vals, x.work.params, x.work.grads, x.plan.keys))
+            x.finish(x.plan.kernel.step(x.state, vals, x.work.params, x.work.grads, x.plan.keys, x.plan.memo))
             written.append((x, range(len(x.plan.keys))))
         for x in eager:
             if x.plan.pieces is None and x.plan.index in results:
