@@ -22,20 +22,24 @@ The same holds between groups: a step that stops after some groups (or pieces) w
 written, by an error or by a ``KeyboardInterrupt``, keeps what was written, each group's
 counts with its parameters (:func:`stops_part_way`). An error then raises
 :class:`PartialStepError` naming what was stepped and what was not; an interrupt goes on
-as it is, with a note naming what was stepped.
+as it is, with a note naming what was stepped. A Ctrl-C never lands inside one group's
+(or piece's) write: it is held until that write and its bookkeeping are done
+(:class:`held_interrupts`), so "what was stepped" is exact.
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 from typing import Any, Iterator
 
 import torch
 
 from ... import tree
 
-__all__ = ["plan_pieces", "PartialStepError", "stops_part_way", "interrupted_keeps", "partial", "finish_all",
-           "merged"]
+__all__ = ["plan_pieces", "PartialStepError", "stops_part_way", "held_interrupts", "interrupted_keeps", "partial",
+           "finish_all", "merged"]
 
 
 class PartialStepError(RuntimeError):
@@ -138,6 +142,53 @@ def stops_part_way(groups: list, written: list[tuple]) -> Iterator[None]:
     except BaseException as e:
         _interrupt_note(e, written)
         raise
+
+
+class held_interrupts:
+    """Context manager around one write (a group's or a piece's state and parameters, and
+    the record of it): a SIGINT (Ctrl-C) that arrives inside goes to the handler it would
+    have gone to (Python's ``KeyboardInterrupt``, or the program's own) as the write ends,
+    so no interrupt lands between a group's state and its parameters, or between a
+    compiled graph's stores and its counts. A second SIGINT inside is delivered at once
+    (a compile can take minutes: the second Ctrl-C is not kept waiting). Outside the main
+    thread, or where SIGINT is ignored or at its default, it does nothing.
+
+    Example::
+
+        >>> with held_interrupts():
+        ...     pass                      # one group's write
+    """
+
+    __slots__ = ("_prev", "_got")
+
+    def __enter__(self) -> "held_interrupts":
+        self._prev = None
+        if threading.current_thread() is threading.main_thread():
+            prev = signal.getsignal(signal.SIGINT)
+            if callable(prev):
+                self._got = None
+                signal.signal(signal.SIGINT, self._hold)
+                self._prev = prev
+        return self
+
+    def _hold(self, signum: int, frame: Any) -> None:
+        prev = self._prev
+        if self._got is None or prev is None:
+            self._got = (signum, frame)
+            return
+        self._prev = None  # a second one: now
+        signal.signal(signal.SIGINT, prev)
+        prev(signum, frame)
+
+    def __exit__(self, *exc: Any) -> bool:
+        prev, self._prev = self._prev, None
+        if prev is None:
+            return False
+        if signal.getsignal(signal.SIGINT) == self._hold:
+            signal.signal(signal.SIGINT, prev)
+        if self._got is not None:
+            prev(*self._got)
+        return False
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ from ...linalg.settings import EXTRA_ARG
 from ...wrappers import hyperparam_values
 from ..groups import GroupRecord, GroupWork, gather, static_key
 from .compiled import CompiledSteps
-from .pieces import finish_all, interrupted_keeps, merged, partial, stops_part_way
+from .pieces import finish_all, held_interrupts, interrupted_keeps, merged, partial, stops_part_way
 from .plan import GroupPlan, Settings, StepPlan, checked, group_plan
 from .writeback import commit
 
@@ -262,15 +262,16 @@ class Runner:
                     if x.plan.pieces is not None:
                         self._compiled_pieces(x, param_groups, written)
             for x, vals in fused:  # the kernel writes the parameters and the state in place
-                written.append((x, range(len(x.plan.keys))))
-                x.finish(x.plan.kernel.step(x.state, vals, x.work.params, x.work.grads, x.plan.keys))
+                with held_interrupts():
+                    written.append((x, range(len(x.plan.keys))))
+                    x.finish(x.plan.kernel.step(x.state, vals, x.work.params, x.work.grads, x.plan.keys))
             for x in eager:
                 if x.plan.pieces is None and x.plan.index in results:
                     us, new = results.pop(x.plan.index)
-                    with torch.no_grad():
+                    with held_interrupts(), torch.no_grad():
                         x.finish(commit(x.state, new, x.work.params, us))
+                        written.append((x, range(len(x.plan.keys))))
                     del us, new
-                    written.append((x, range(len(x.plan.keys))))
             for x in eager:
                 if x.plan.pieces is not None:
                     # the first piece handed over in a list: the callee holds its only reference
@@ -294,14 +295,15 @@ class Runner:
         (counts included) even where an interrupt lands while the first ones take theirs."""
         key = ("whole",) + tuple((x.plan.index, x.plan.positions, static_key(x.work.hp), id(x.rec.factory))
                                  for x in whole)
-        new = self.compiled.run(key, [(x.rec.factory, list(x.plan.keys)) for x in whole], [x.work.hp for x in whole],
-                                [x.work.grads for x in whole], [x.work.params for x in whole],
-                                [x.state for x in whole], self.compile_kwargs,
-                                [(x.plan.index, x.work.hp) for x in whole], extra)
-        if new is None:
-            return False
-        written += [(x, range(len(x.plan.keys))) for x in whole]
-        finish_all(list(zip(whole, new)))
+        with held_interrupts():
+            new = self.compiled.run(key, [(x.rec.factory, list(x.plan.keys)) for x in whole],
+                                    [x.work.hp for x in whole], [x.work.grads for x in whole],
+                                    [x.work.params for x in whole], [x.state for x in whole], self.compile_kwargs,
+                                    [(x.plan.index, x.work.hp) for x in whole], extra)
+            if new is None:
+                return False
+            written += [(x, range(len(x.plan.keys))) for x in whole]
+            finish_all(list(zip(whole, new)))
         return True
 
     def _compiled_pieces(self, x: _Group, param_groups: list[dict], written: list[tuple]) -> None:
@@ -320,27 +322,28 @@ class Runner:
         for n, pc in enumerate(g.pieces):
             keys = [g.keys[j] for j in pc]
             grads, params = [x.work.grads[j] for j in pc], [x.work.params[j] for j in pc]
-            try:
-                new = None
-                if not eager:
-                    key = ("piece", g.index, tuple(g.positions[j] for j in pc), static_key(x.work.hp),
-                           id(x.rec.factory))
-                    out = self.compiled.run(key, [(x.rec.factory, keys)], [x.work.hp], [grads], [params], [subs[n]],
-                                            self.compile_kwargs, [(g.index, x.work.hp)], x.extra)
-                    if out is None:
-                        eager = True  # this graph cannot be built: this piece on, eagerly
-                    else:
-                        new = out[0]
-                if new is None:
-                    us, state = x.compute(pc, subs[n])
-                    with torch.no_grad():
-                        new = commit(subs[n], state, params, us)
-            except Exception as e:
-                if not written:
-                    raise  # nothing written by this step
-                partial(x, kept, n, written, e)
-            kept.append(new)
-            written.append((x, pc))
+            with held_interrupts():
+                try:
+                    new = None
+                    if not eager:
+                        key = ("piece", g.index, tuple(g.positions[j] for j in pc), static_key(x.work.hp),
+                               id(x.rec.factory))
+                        out = self.compiled.run(key, [(x.rec.factory, keys)], [x.work.hp], [grads], [params],
+                                                [subs[n]], self.compile_kwargs, [(g.index, x.work.hp)], x.extra)
+                        if out is None:
+                            eager = True  # this graph cannot be built: this piece on, eagerly
+                        else:
+                            new = out[0]
+                    if new is None:
+                        us, state = x.compute(pc, subs[n])
+                        with torch.no_grad():
+                            new = commit(subs[n], state, params, us)
+                except Exception as e:
+                    if not written:
+                        raise  # nothing written by this step
+                    partial(x, kept, n, written, e)
+                kept.append(new)
+                written.append((x, pc))
 
     def _eager_pieces(self, x: _Group, subs: list, head: list, written: list[tuple]) -> None:
         """An eager group in pieces: the first piece (computed before anything was
@@ -355,10 +358,10 @@ class Runner:
                     us, new = head.pop() if n == 0 else x.compute(pc, subs[n])
                 except Exception as e:
                     partial(x, kept, n, written, e)
-                with torch.no_grad():
+                with held_interrupts(), torch.no_grad():
                     kept.append(commit(subs[n], new, params, us))
+                    written.append((x, pc))
                 del us, new
-                written.append((x, pc))
         x.finish(merged(x.state, kept))
 
 

@@ -1,7 +1,7 @@
-"""A compiled group in pieces next to compiled whole groups: whatever is raised in a
-piece, or lands between two groups' write-backs, leaves each parameter's state and
-count with it, and the step says exactly what moved (``PartialStepError`` for an error,
-a note on a ``KeyboardInterrupt``).
+"""A step that stops part-way: whatever is raised in a piece, or lands between two
+groups' write-backs, leaves each parameter's state and count with it, and the step says
+exactly what moved (``PartialStepError`` for an error, a note on a ``KeyboardInterrupt``);
+a real Ctrl-C inside one group's write is held until that write is whole.
 
 The groups (budget: one 16 x 24 float32 matrix): group 0 and group 2 are two small
 matrices each, compiled whole (one graph); group 1 is three matrices, each a piece of its
@@ -174,3 +174,84 @@ def test_an_interrupt_between_two_whole_groups_bookkeeping(budget, monkeypatch):
     notes = getattr(info.value, "__notes__", [])
     assert len(notes) == 1 and all(k in notes[0] for k in set(SMALL) | set(LAST)), notes
     _consistent(named, opt, before, set(SMALL) | set(LAST))
+
+
+# ---------------------------------------------------------------------------
+# a real Ctrl-C inside one group's write: held until the write is whole
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def python_sigint():
+    """Python's own SIGINT handler (KeyboardInterrupt), also where this process was started
+    with SIGINT ignored; put back afterwards."""
+    import signal
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_a_ctrl_c_between_a_groups_state_and_its_parameters_waits_for_them(python_sigint, monkeypatch):
+    """Two eager groups; a real SIGINT sent after group 0's state was written and before
+    its parameters are: the KeyboardInterrupt comes once group 0 is whole (parameters,
+    state, counts), before group 1 is written, with a note naming group 0."""
+    import os
+    import signal
+
+    from muonfx.optim.step import writeback
+
+    gen = torch.Generator().manual_seed(0)
+    named = {k: torch.nn.Parameter(torch.randn(*s, generator=gen)) for k, s in {**SMALL, **LAST}.items()}
+    tx = lambda: mfx.chain(mfx.newton_schulz(dtype=torch.float32), _raises(None, None))  # noqa: E731
+    opt = mfx.TransformOptimizer([{"params": [(k, named[k]) for k in SMALL], "tx": tx()},
+                                  {"params": [(k, named[k]) for k in LAST], "tx": tx()}], tx())
+    for step in range(2):
+        _grads(named, step)
+        opt.step()
+    before = {k: p.detach().clone() for k, p in named.items()}
+    orig, sent = writeback.foreach, []
+
+    def foreach(op, *a, **k):
+        if op == "add_" and not sent:  # the state is written, the parameters are not
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+        return orig(op, *a, **k)
+
+    monkeypatch.setattr(writeback, "foreach", foreach)
+    _grads(named, 2)
+    with pytest.raises(KeyboardInterrupt) as info:
+        opt.step()
+    assert sent
+    notes = getattr(info.value, "__notes__", [])
+    assert len(notes) == 1 and "s0, s1" in notes[0] and "t0" not in notes[0], notes
+    assert _moved(named, before) == set(SMALL)
+    assert _counts(named, opt) == {k: 3 if k in SMALL else 2 for k in named}
+
+
+def test_held_interrupts_delivers_one_ctrl_c_at_its_end_and_a_second_at_once(python_sigint):
+    import os
+    import signal
+
+    from muonfx.optim.step.pieces import held_interrupts
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with held_interrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("after the first")
+    assert done == ["after the first"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):
+        with held_interrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("after the second")
+    assert done == ["after the first"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    got = []  # a program's own handler: called as the block ends, nothing raised
+    signal.signal(signal.SIGINT, lambda s, f: got.append(s))
+    with held_interrupts():
+        os.kill(os.getpid(), signal.SIGINT)
+        assert got == []
+    assert got == [signal.SIGINT]
