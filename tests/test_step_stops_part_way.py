@@ -255,3 +255,8 @@ def test_held_interrupts_delivers_one_ctrl_c_at_its_end_and_a_second_at_once(pyt
         os.kill(os.getpid(), signal.SIGINT)
         assert got == []
     assert got == [signal.SIGINT]
+    with held_interrupts():  # two: both at the second, none lost
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert got == [signal.SIGINT] * 3
+    assert got == [signal.SIGINT] * 3

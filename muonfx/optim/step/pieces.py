@@ -149,8 +149,9 @@ class held_interrupts:
     the record of it): a SIGINT (Ctrl-C) that arrives inside goes to the handler it would
     have gone to (Python's ``KeyboardInterrupt``, or the program's own) as the write ends,
     so no interrupt lands between a group's state and its parameters, or between a
-    compiled graph's stores and its counts. A second SIGINT inside is delivered at once
-    (a compile can take minutes: the second Ctrl-C is not kept waiting). Outside the main
+    compiled graph's stores and its counts. A second SIGINT inside is delivered at once,
+    after the first (a compile can take minutes: the second Ctrl-C is not kept waiting;
+    a handler that quits on the second signal sees two). Outside the main
     thread, or where SIGINT is ignored or at its default, it does nothing.
 
     Example::
@@ -176,8 +177,10 @@ class held_interrupts:
         if self._got is None or prev is None:
             self._got = (signum, frame)
             return
-        self._prev = None  # a second one: now
+        self._prev = None  # a second one: both now, in order (a handler of its own counts them)
         signal.signal(signal.SIGINT, prev)
+        first, self._got = self._got, None
+        prev(*first)
         prev(signum, frame)
 
     def __exit__(self, *exc: Any) -> bool:
