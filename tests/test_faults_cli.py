@@ -484,6 +484,7 @@ def test_a_signal_in_the_forward_or_backward_pass_abandons_the_step_and_saves_th
     assert_same_run(reference["full"], torch.load(end, weights_only=True))
 
 
+@pytest.mark.slow  # the default run has the same moment with SIGINT (test_ctrl_c_then_resume_...[step-4])
 def test_a_sigterm_inside_opt_step_is_waited_for(env, tmp_path, reference):
     """A SIGTERM inside the 4th ``opt.step()`` (as Newton-Schulz starts): that step is
     finished, then saved; the resume is bit for bit."""
