@@ -152,7 +152,9 @@ class held_interrupts:
     compiled graph's stores and its counts. A second SIGINT inside is delivered at once,
     after the first (a compile can take minutes: the second Ctrl-C is not kept waiting;
     a handler that quits on the second signal sees two). Outside the main
-    thread, or where SIGINT is ignored or at its default, it does nothing.
+    thread, or where SIGINT is ignored or at its default, or with ``hold=False`` (a
+    compiled graph's first call, which compiles it: a Ctrl-C there stops the compile at
+    once), it does nothing.
 
     Example::
 
@@ -160,11 +162,14 @@ class held_interrupts:
         ...     pass                      # one group's write
     """
 
-    __slots__ = ("_prev", "_got")
+    __slots__ = ("_hold_them", "_prev", "_got")
+
+    def __init__(self, hold: bool = True) -> None:
+        self._hold_them = hold
 
     def __enter__(self) -> "held_interrupts":
         self._prev = None
-        if threading.current_thread() is threading.main_thread():
+        if self._hold_them and threading.current_thread() is threading.main_thread():
             prev = signal.getsignal(signal.SIGINT)
             if callable(prev):
                 self._got = None

@@ -15,6 +15,12 @@
    pieces write their first piece and compute and write the rest, one by one
    (:mod:`.pieces`).
 
+A step that stops once something was written (an error of a transform in a later piece,
+a compiled piece's tracing, a ``KeyboardInterrupt`` between two writes) keeps each
+written group's state and counts with its parameters and says exactly what moved
+(:func:`.pieces.stops_part_way`); a Ctrl-C inside one write waits for it
+(:class:`.pieces.held_interrupts`).
+
 The extra arguments of a step (``opt.step(**extra_args)``, see
 :mod:`muonfx.core.contract`) reach every group's transform, whole, in pieces and in the
 compiled graph (as its inputs); the fused kernels take none and ignore them. The
@@ -295,7 +301,7 @@ class Runner:
         (counts included) even where an interrupt lands while the first ones take theirs."""
         key = ("whole",) + tuple((x.plan.index, x.plan.positions, static_key(x.work.hp), id(x.rec.factory))
                                  for x in whole)
-        with held_interrupts():
+        with held_interrupts(key in self.compiled.graphs):  # not while it compiles
             new = self.compiled.run(key, [(x.rec.factory, list(x.plan.keys)) for x in whole],
                                     [x.work.hp for x in whole], [x.work.grads for x in whole],
                                     [x.work.params for x in whole], [x.state for x in whole], self.compile_kwargs,
@@ -322,12 +328,11 @@ class Runner:
         for n, pc in enumerate(g.pieces):
             keys = [g.keys[j] for j in pc]
             grads, params = [x.work.grads[j] for j in pc], [x.work.params[j] for j in pc]
-            with held_interrupts():
+            key = ("piece", g.index, tuple(g.positions[j] for j in pc), static_key(x.work.hp), id(x.rec.factory))
+            with held_interrupts(eager or key in self.compiled.graphs):  # not while it compiles
                 try:
                     new = None
                     if not eager:
-                        key = ("piece", g.index, tuple(g.positions[j] for j in pc), static_key(x.work.hp),
-                               id(x.rec.factory))
                         out = self.compiled.run(key, [(x.rec.factory, keys)], [x.work.hp], [grads], [params],
                                                 [subs[n]], self.compile_kwargs, [(g.index, x.work.hp)], x.extra)
                         if out is None:
