@@ -1,15 +1,21 @@
-"""Ctrl-C, SIGTERM and SIGHUP during training: finish the step, then stop (and save) at a step boundary.
+"""Ctrl-C, SIGTERM and SIGHUP during training: stop (and save) at the last completed step.
 
 A ``KeyboardInterrupt`` raised wherever the signal lands (between drawing a batch and
 counting the step, or inside ``opt.step()``) would leave a half-done step behind: the
 data generator one batch ahead of the step counter, or parameters half updated. So
 while training runs, SIGINT (Ctrl-C) and SIGTERM (what SLURM, Kubernetes and
 ``torchrun`` send to stop a job) only set :attr:`StepInterrupt.requested`; the loop
-reads it at its step boundaries (under ``--fsdp`` the flag travels with the loss
-all-reduce, so every rank stops after the same step), saves with ``--save``, and
-raises :class:`Interrupted`: the command exits with 128 + the signal's number (130
-for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP: a closed terminal or SSH connection saves as
-SIGTERM does).
+reads it after the forward pass, after the backward pass and after each step. Set
+before ``opt.step()`` began, the step in progress is abandoned (its gradients dropped,
+the data generator put back before its batch: the parameters and optimizer state never
+moved), so a job that is given a few seconds' grace is not kept waiting for a backward
+pass; set during ``opt.step()``, the step is finished. The loop then saves the last
+completed step with ``--save`` and raises :class:`Interrupted`: the command exits with
+128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP: a closed
+terminal or SSH connection saves as SIGTERM does). Under ``--fsdp`` no step is
+abandoned: the flag travels with the loss all-reduce, so every rank finishes the current
+step and stops after the same one (abandoning a step there would need the ranks to agree
+in the middle of FSDP2's collectives).
 
 Without ``--fsdp`` a second signal quits at once, without saving. Under ``--fsdp``
 every signal only asks to stop: ``torchrun`` forwards the terminal's Ctrl-C to the
@@ -26,13 +32,13 @@ from typing import Callable
 
 __all__ = ["StepInterrupt", "Interrupted", "SIGNALS"]
 
-#: the signals that stop a run at a step boundary (SIGHUP: the terminal or the SSH connection
+#: the signals that stop a run at its last completed step (SIGHUP: the terminal or the SSH connection
 #: went away; where the platform has it)
 SIGNALS = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ())
 
 
 class Interrupted(KeyboardInterrupt):
-    """The run stopped at a step boundary because of signal ``signum``."""
+    """The run stopped at its last completed step because of signal ``signum``."""
 
     def __init__(self, signum: int = signal.SIGINT) -> None:
         super().__init__(signal.Signals(signum).name)

@@ -109,15 +109,21 @@ def train_run(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, ch
     """Train ``--model`` with optimizer ``name`` for ``args.steps`` steps (or to ``--stop-at``);
     ``then`` names the ``--compare`` run that follows (for the time estimate).
 
-    A Ctrl-C or a SIGTERM from here on stops the run after a whole step (see
-    :mod:`muonfx.cli.interrupt`): with ``--save`` the checkpoint is the state after that
-    step, and ``--resume`` goes on exactly as an uninterrupted run would; then
+    A Ctrl-C, SIGTERM or SIGHUP from here on stops the run at the last completed step
+    (see :mod:`muonfx.cli.interrupt`): a step still in its forward or backward pass is
+    abandoned (its gradients dropped, its batch drawn again by the resumed run), a step
+    inside ``opt.step()`` is finished (under ``--fsdp`` every rank finishes the current
+    step). With ``--save`` the checkpoint is the state after that step, and ``--resume``
+    goes on exactly as an uninterrupted run would; then
     :class:`~muonfx.cli.interrupt.Interrupted` (a ``KeyboardInterrupt``) is raised."""
 
     def on_signal(signum: int) -> None:  # in the handler: an unbuffered write (print could re-enter its buffer)
         if rt.is_main:
             what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-            os.write(2, (f"\n[{name}] {what}: finishing the current step{' on all ranks' if rt.fsdp else ''}, then "
+            how = ("finishing the current step on all ranks" if rt.fsdp else
+                   "stopping at the last completed step (a step in its forward or backward pass is abandoned, "
+                   "one inside opt.step() finishes first)")
+            os.write(2, (f"\n[{name}] {what}: {how}, then "
                          f"{'saving to ' + str(args.save) if args.save else 'stopping (no --save: nothing is saved)'}"
                          f"{'' if rt.fsdp else f'; {what} again quits now without saving'}\n").encode())
 
@@ -204,16 +210,46 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
                 return
             say(f"[{name}] saved step {step} to {args.save}")
 
+    def record(got: torch.Tensor) -> list[float]:  # the synced losses of the completed steps
+        losses = got[:, 0].tolist()
+        history["train"].extend([step - len(losses) + 1 + i, v] for i, v in enumerate(losses))
+        return losses
+
+    def abandon(where: str) -> bool:
+        """A signal came during the step's forward or backward pass: drop the step (its
+        gradients; the data generator back to before its batch). Not under --fsdp, whose
+        ranks would have to agree on it in the middle of FSDP2's collectives."""
+        nonlocal pending
+        if not ctrl_c.requested or rt.fsdp:
+            return False
+        opt.zero_grad(set_to_none=True)
+        gen.set_state(data_rng)
+        torch.set_rng_state(torch_rng)
+        if pending:
+            losses = record(torch.stack(pending))
+            log.update(step, losses[-1], len(losses) * B * T, "")
+            pending = []
+        say(f"[{name}] step {step + 1} abandoned {where}: the parameters and optimizer state are those of "
+            f"step {step}")
+        return True
+
     interrupted = False
     while step < stop:
         timing = not clock.reported
         ts = time.perf_counter()
+        data_rng, torch_rng = gen.get_state(), torch.get_rng_state()  # what a checkpoint of the last step holds
         x, y = sample_batch(corpus.train, B, T, gen)
         with _autocast(rt):
             loss = model.loss(_rows(x, rt).to(rt.device), _rows(y, rt).to(rt.device))
+        if abandon("after its forward pass"):
+            interrupted = True
+            break
         loss.backward()
         if args.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        if abandon("after its backward pass"):  # from here on, the step is finished (opt.step() is waited for)
+            interrupted = True
+            break
         if timing:
             _sync(rt)
             tb = time.perf_counter()
@@ -237,9 +273,8 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
                 or (ctrl_c.requested and not rt.fsdp):  # under --fsdp every rank syncs at the same steps
             got = torch.stack(pending)
             pending = []
-            losses = got[:, 0].tolist()
+            losses = record(got)
             interrupted = bool(got[:, 1].max() > 0)
-            history["train"].extend([step - len(losses) + 1 + i, v] for i, v in enumerate(losses))
             if not all(math.isfinite(v) for v in losses):
                 say(f"[{name}] step {step}: the loss is {losses[-1]}; stopping (lower --lr / --adamw-lr?)")
                 break
@@ -266,10 +301,14 @@ def _train(args, name: str, corpus: Corpus, rt: Runtime, lr: float | None, check
             break
     if interrupted and step < stop:
         log.close()
+        if step == 0:  # no step completed: nothing to save or lose
+            say(f"[{name}] interrupted before step 1 completed; nothing is saved")
+            raise Interrupted(ctrl_c.signum)
         save()
         say(f"[{name}] interrupted after step {step}" + (
             f"; continue exactly with: {getattr(args, 'prog', 'muonfx train')} --resume {args.save}" if args.save else
-            f"; steps {start + 1}-{step} are lost (pass --save PATH to keep them on Ctrl-C)"))
+            f"; steps {start + 1}-{step} are lost (pass --save PATH to keep them on Ctrl-C)" if step > start else
+            "; no step of this run completed (the checkpoint it resumed from is as it was)"))
         raise Interrupted(ctrl_c.signum)
     log.close()
     seconds = time.perf_counter() - t0

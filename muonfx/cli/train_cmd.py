@@ -243,7 +243,7 @@ def train_command(args, argv: list[str], prog: str = "muonfx train") -> int:
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (the run stopped at a step boundary)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM or SIGHUP (the run stopped at its last completed step)
         signum = getattr(e, "signum", signal.SIGINT)
         if os.environ.get("RANK", "0") == "0":  # under torchrun: once, not once per rank
             print(f"{prog}: {'interrupted' if signum == signal.SIGINT else f'terminated ({signal.Signals(signum).name})'}",

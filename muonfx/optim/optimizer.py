@@ -190,7 +190,13 @@ class TransformOptimizer(torch.optim.Optimizer):
         A group too large for one piece is checked before its first
         piece is written (:mod:`muonfx.optim.step.pieces`); only an error a transform of
         your own raises in a later piece ends the step part-way, with
-        :class:`~muonfx.optim.PartialStepError` naming the parameters stepped.
+        :class:`~muonfx.optim.PartialStepError` naming the parameters stepped. A compiled
+        group in pieces traces each piece when it comes to it: an error of your transform
+        there, after other groups were written, raises it too. A ``KeyboardInterrupt``
+        between two groups' or pieces' writes goes on as it is, with a note naming the
+        parameters stepped; each keeps its state and counts with it. A Ctrl-C inside one
+        group's or piece's write is held until that write is whole (a second one goes at
+        once).
         """
         loss = None
         if closure is not None:

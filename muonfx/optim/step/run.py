@@ -15,6 +15,12 @@
    pieces write their first piece and compute and write the rest, one by one
    (:mod:`.pieces`).
 
+A step that stops once something was written (an error of a transform in a later piece,
+a compiled piece's tracing, a ``KeyboardInterrupt`` between two writes) keeps each
+written group's state and counts with its parameters and says exactly what moved
+(:func:`.pieces.stops_part_way`); a Ctrl-C inside one write waits for it
+(:class:`.pieces.held_interrupts`).
+
 The extra arguments of a step (``opt.step(**extra_args)``, see
 :mod:`muonfx.core.contract`) reach every group's transform, whole, in pieces and in the
 compiled graph (as its inputs); the fused kernels take none and ignore them. The
@@ -24,10 +30,9 @@ argument ``matrix_settings``: nothing is written to a module while a step runs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections import OrderedDict
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from tensordict import TensorDictBase
@@ -42,7 +47,7 @@ from ...linalg.settings import EXTRA_ARG
 from ...wrappers import hyperparam_values
 from ..groups import GroupRecord, GroupWork, gather, static_key
 from .compiled import CompiledSteps
-from .pieces import PartialStepError
+from .pieces import finish_all, held_interrupts, interrupted_keeps, merged, partial, stops_part_way
 from .plan import GroupPlan, Settings, StepPlan, checked, group_plan
 from .writeback import commit
 
@@ -268,33 +273,36 @@ class Runner:
             else:
                 subs = splits[x.plan.index] = tree.split(x.state, [[x.plan.keys[j] for j in pc] for pc in x.plan.pieces])
                 results[x.plan.index] = x.compute(x.plan.pieces[0], subs[0])
-        written: list[tuple] = []  # (group, positions) written so far: named only for an error
         if compiled:
-            whole = [x for x in compiled if x.plan.pieces is None]
             for x in compiled:  # what the graphs' tracing would raise, raised now, as eagerly
                 _check_hyperparameters(x)
-            if whole and not self._compiled(whole, param_groups, extra):
-                return False
-            written += [(x, range(len(x.plan.keys))) for x in whole]
-            for x in compiled:
+        written: list[tuple] = []  # (group, positions) written so far: named where the step stops part-way
+        with stops_part_way(groups, written):
+            if compiled:
+                whole = [x for x in compiled if x.plan.pieces is None]
+                if whole and not self._compiled(whole, param_groups, extra, written):
+                    return False
+                for x in compiled:
+                    if x.plan.pieces is not None:
+                        self._compiled_pieces(x, param_groups, written)
+            for x, vals in fused:  # the kernel writes the parameters and the state in place
+                with held_interrupts():
+                    written.append((x, range(len(x.plan.keys))))
+                    x.finish(x.plan.kernel.step(x.state, vals, x.work.params, x.work.grads, x.plan.keys,
+                                                x.plan.memo))
+            for x in eager:
+                if x.plan.pieces is None and x.plan.index in results:
+                    us, new = results.pop(x.plan.index)
+                    with held_interrupts(), torch.no_grad():
+                        x.finish(x.write(x.state, new, x.work.params, us))
+                        written.append((x, range(len(x.plan.keys))))
+                    del us, new
+            for x in eager:
                 if x.plan.pieces is not None:
-                    self._compiled_pieces(x, param_groups, written)
-        for x, vals in fused:  # the kernel writes the parameters and the state in place
-            x.finish(x.plan.kernel.step(x.state, vals, x.work.params, x.work.grads, x.plan.keys, x.plan.memo))
-            written.append((x, range(len(x.plan.keys))))
-        for x in eager:
-            if x.plan.pieces is None and x.plan.index in results:
-                us, new = results.pop(x.plan.index)
-                with torch.no_grad():
-                    x.finish(x.write(x.state, new, x.work.params, us))
-                del us, new
-                written.append((x, range(len(x.plan.keys))))
-        for x in eager:
-            if x.plan.pieces is not None:
-                # the first piece handed over in a list: the callee holds its only reference
-                # and lets it go once written (an argument passed as it is stays alive until
-                # the call returns once a PEP 523 frame hook, dynamo's, has run in the process)
-                self._eager_pieces(x, splits[x.plan.index], [results.pop(x.plan.index)], written)
+                    # the first piece handed over in a list: the callee holds its only reference
+                    # and lets it go once written (an argument passed as it is stays alive until
+                    # the call returns once a PEP 523 frame hook, dynamo's, has run in the process)
+                    self._eager_pieces(x, splits[x.plan.index], [results.pop(x.plan.index)], written)
         self._settings_events(param_groups)
         return True
 
@@ -306,19 +314,21 @@ class Runner:
             self.compiled.off.clear()
             self.forget()
 
-    def _compiled(self, whole: list[_Group], param_groups: list[dict], extra: dict) -> bool:
+    def _compiled(self, whole: list[_Group], param_groups: list[dict], extra: dict, written: list[tuple]) -> bool:
         """The compiled groups run whole, in one graph; False (nothing written) where it
-        could not be built."""
+        could not be built. The graph has written every group: each takes its new state
+        (counts included) even where an interrupt lands while the first ones take theirs."""
         key = ("whole",) + tuple((x.plan.index, x.plan.positions, static_key(x.work.hp), id(x.rec.factory))
                                  for x in whole)
-        new = self.compiled.run(key, [(x.rec.factory, list(x.plan.keys)) for x in whole], [x.work.hp for x in whole],
-                                [x.work.grads for x in whole], [x.work.params for x in whole],
-                                [x.state for x in whole], self.compile_kwargs,
-                                [(x.plan.index, x.work.hp) for x in whole], extra)
-        if new is None:
-            return False
-        for x, st in zip(whole, new):
-            x.finish(st)
+        with held_interrupts(key in self.compiled.graphs):  # not while it compiles
+            new = self.compiled.run(key, [(x.rec.factory, list(x.plan.keys)) for x in whole],
+                                    [x.work.hp for x in whole], [x.work.grads for x in whole],
+                                    [x.work.params for x in whole], [x.state for x in whole], self.compile_kwargs,
+                                    [(x.plan.index, x.work.hp) for x in whole], extra)
+            if new is None:
+                return False
+            written += [(x, range(len(x.plan.keys))) for x in whole]
+            finish_all(list(zip(whole, new)))
         return True
 
     def _compiled_pieces(self, x: _Group, param_groups: list[dict], written: list[tuple]) -> None:
@@ -328,36 +338,36 @@ class Runner:
         subs = tree.split(x.state, [[g.keys[j] for j in pc] for pc in g.pieces])
         kept: list = []
         eager = False
-        with _interrupted_keeps(x, kept, written):
+        with interrupted_keeps(x, kept, written):
             self._compiled_piece_loop(x, g, subs, kept, eager, written)
-        x.finish(_merged(x.state, kept))
+        x.finish(merged(x.state, kept))
 
     def _compiled_piece_loop(self, x: _Group, g: GroupPlan, subs: list, kept: list, eager: bool,
                              written: list[tuple]) -> None:
         for n, pc in enumerate(g.pieces):
             keys = [g.keys[j] for j in pc]
             grads, params = [x.work.grads[j] for j in pc], [x.work.params[j] for j in pc]
-            try:
-                new = None
-                if not eager:
-                    key = ("piece", g.index, tuple(g.positions[j] for j in pc), static_key(x.work.hp),
-                           id(x.rec.factory))
-                    out = self.compiled.run(key, [(x.rec.factory, keys)], [x.work.hp], [grads], [params], [subs[n]],
-                                            self.compile_kwargs, [(g.index, x.work.hp)], x.extra)
-                    if out is None:
-                        eager = True  # this graph cannot be built: this piece on, eagerly
-                    else:
-                        new = out[0]
-                if new is None:
-                    us, state = x.compute(pc, subs[n])
-                    with torch.no_grad():
-                        new = commit(subs[n], state, params, us)
-            except Exception as e:
-                if n == 0 and not kept:
-                    raise  # nothing of this group written
-                self._partial(x, subs, kept, n, written, e)
-            kept.append(new)
-            written.append((x, pc))
+            key = ("piece", g.index, tuple(g.positions[j] for j in pc), static_key(x.work.hp), id(x.rec.factory))
+            with held_interrupts(eager or key in self.compiled.graphs):  # not while it compiles
+                try:
+                    new = None
+                    if not eager:
+                        out = self.compiled.run(key, [(x.rec.factory, keys)], [x.work.hp], [grads], [params],
+                                                [subs[n]], self.compile_kwargs, [(g.index, x.work.hp)], x.extra)
+                        if out is None:
+                            eager = True  # this graph cannot be built: this piece on, eagerly
+                        else:
+                            new = out[0]
+                    if new is None:
+                        us, state = x.compute(pc, subs[n])
+                        with torch.no_grad():
+                            new = commit(subs[n], state, params, us)
+                except Exception as e:
+                    if not written:
+                        raise  # nothing written by this step
+                    partial(x, kept, n, written, e)
+                kept.append(new)
+                written.append((x, pc))
 
     def _eager_pieces(self, x: _Group, subs: list, head: list, written: list[tuple]) -> None:
         """An eager group in pieces: the first piece (computed before anything was
@@ -365,57 +375,18 @@ class Runner:
         and written."""
         g = x.plan
         kept: list = []
-        with _interrupted_keeps(x, kept, written):
+        with interrupted_keeps(x, kept, written):
             for n, pc in enumerate(g.pieces):
                 params = [x.work.params[j] for j in pc]
                 try:
                     us, new = head.pop() if n == 0 else x.compute(pc, subs[n])
                 except Exception as e:
-                    self._partial(x, subs, kept, n, written, e)
-                with torch.no_grad():
+                    partial(x, kept, n, written, e)
+                with held_interrupts(), torch.no_grad():
                     kept.append(x.write(subs[n], new, params, us, pc))
+                    written.append((x, pc))
                 del us, new
-                written.append((x, pc))
-        x.finish(_merged(x.state, kept))
-
-    @staticmethod
-    def _partial(x: _Group, subs: list, kept: list, n: int, written: list[tuple], e: Exception) -> None:
-        """Piece ``n`` of ``x`` raised ``e`` after earlier pieces (and groups) were written:
-        keep what was written, raise :class:`PartialStepError` naming it."""
-        if kept:
-            x.finish(_merged(x.state, kept))
-        pending = [name for pc in x.plan.pieces[n:] for name in x.names(pc)]
-        stepped = [name for y, pos in written for name in y.names(pos)]
-        raise PartialStepError(f"param group {x.plan.index}, piece {n + 1} of {len(x.plan.pieces)}: "
-                               f"{type(e).__name__}: {e}", stepped, pending) from e
-
-
-@contextlib.contextmanager
-def _interrupted_keeps(x: _Group, kept: list, written: list[tuple]) -> Iterator[None]:
-    """Around a group's pieces: a ``KeyboardInterrupt`` (or any other ``BaseException``
-    that is not an error of a transform: those raise :class:`PartialStepError`) between two
-    pieces keeps the state of the pieces written so far, counts included, so each
-    parameter's state and count moved with it; the exception goes on, a note naming what
-    was stepped."""
-    try:
-        yield
-    except Exception:
-        raise
-    except BaseException as e:
-        if kept:
-            x.finish(_merged(x.state, kept))
-        stepped = [name for y, pos in written for name in y.names(pos)]
-        if stepped and hasattr(e, "add_note"):
-            e.add_note(f"muonfx: the step was interrupted between pieces; stepped (state and counts with them): "
-                       f"{', '.join(stepped[:10])}{' ...' if len(stepped) > 10 else ''}")
-        raise
-
-
-def _merged(state: Any, parts: list) -> Any:
-    """``state`` with every part (the pieces written so far) merged back."""
-    for part in parts:
-        state = tree.merge(state, part)
-    return state
+        x.finish(merged(x.state, kept))
 
 
 def _check_hyperparameters(x: _Group) -> None:
