@@ -18,7 +18,7 @@ from . import seam, tree
 from .core import (GradientTransformation, LeafwiseTransformation, aligned, build, is_leafwise, leafwise,
                    leafwise_if, leaves, takes_extra_args, td_items)
 from .counts import Counts, advance, by_count, common, from_values, zeros
-from .hyperparams import check, check_unmixed
+from .hyperparams import VALUES_ARG, Slot, check, check_unmixed, late_bound_names
 from .ops import foreach
 from .schedules import evaluate
 
@@ -278,8 +278,15 @@ def inject_hyperparams(
     as ``betas``) and callable (read as a schedule ``step -> value``) not named in
     ``static_args`` is stored in
     ``state.hyperparams``; at each update the schedules are evaluated at
-    ``state.count`` and the inner transform is rebuilt with the current values, so
-    values written into the state between steps take effect. ``state.count`` is per
+    ``state.count`` and the inner transform runs with the current values, so values
+    written into the state between steps take effect. For a factory declared
+    :func:`muonfx.hyperparams.late_bound` (:func:`muonfx.muon`, :func:`muonfx.adamw`,
+    :func:`muonfx.muon_adamw`) the inner transform is built once, with a
+    :class:`muonfx.hyperparams.Slot` for each late-bound hyperparameter, and the values
+    reach it at each update as the extra argument
+    :data:`muonfx.hyperparams.VALUES_ARG`: a new value calls the factory no more (only a
+    change of one of its other numbers, such as ``ns_steps``, builds it again); any
+    other factory is called again whenever a value changes. ``state.count`` is per
     parameter: where parameters have different counts (one was left out of an update)
     the schedules are evaluated at each count, and the inner transform updates each set
     of parameters that share a count with that count's values. Every value is checked by
@@ -320,13 +327,34 @@ def inject_hyperparams(
                 for n in injected
             }
 
+        # The late-bound hyperparameters (see late_bound): a Slot each (one per element of a
+        # tuple such as betas) in the transform built once; their values reach it at each
+        # update. The other numbers build it again when they change (the last one kept).
+        names = late_bound_names(factory)
+        late = {n: (tuple(f"{n}[{i}]" for i in range(len(v))) if isinstance(v, (tuple, list)) else None)
+                for n, v in injected.items() if n in names}
+        fixed = tuple(n for n in injected if n not in late)
+        slots = {n: Slot(n) if keys is None else tuple(Slot(k) for k in keys) for n, keys in late.items()}
+        last: list = []  # [values of `fixed`, the transform built for them]
+
+        def with_slots(hp: dict) -> GradientTransformation:
+            return factory(**static, **{n: hp[n] for n in fixed}, **slots)
+
         # Leafwise iff the factory's transform is, decided once on the one built from the
         # initial values. Initial values the factory refuses declare nothing: init raises
         # that error itself, naming the hyperparameter.
         try:
-            declared = is_leafwise(factory(**static, **values_at(0, injected)))
+            first = values_at(0, injected)
+            if late:
+                try:
+                    last[:] = [tuple(map(first.__getitem__, fixed)), with_slots(first)]
+                except Exception:  # refused with slots: built from the values, as any factory
+                    late = {}
+            declared = is_leafwise(last[1] if last else factory(**static, **first))
         except Exception:
             declared = False
+        late_items = tuple(late.items())
+        takes = bool(last) and takes_extra_args(last[1])
 
         def not_leafwise(hp: dict) -> ValueError:
             return ValueError(
@@ -342,10 +370,67 @@ def inject_hyperparams(
                 raise not_leafwise(hp)
             return tx
 
+        def slotted(hp: dict) -> dict | None:
+            """The values of the slots (``{key: value}``), or None where a value no longer
+            fits its slots (a pair become a number): then built from the values."""
+            vals: dict = {}
+            for n, keys in late_items:
+                v = hp[n]
+                if keys is None:
+                    if isinstance(v, (tuple, list)):
+                        return None
+                    vals[n] = v
+                elif isinstance(v, (tuple, list)) and len(v) == len(keys):
+                    vals.update(zip(keys, v))
+                else:
+                    return None
+            return vals
+
+        def same(key: tuple) -> bool:
+            try:
+                return bool(key == last[0])
+            except (RuntimeError, TypeError, ValueError):  # e.g. multi-element tensors
+                return False
+
+        def rebuilt(hp: dict, key: tuple) -> GradientTransformation:
+            """The transform with slots, built again for the values ``key`` of ``fixed``."""
+            tx = with_slots(hp)
+            if declared and not isinstance(tx, LeafwiseTransformation):
+                raise not_leafwise(hp)
+            last[:] = [key, tx]
+            return tx
+
+        def run(hp: dict, updates, inner, params, extra_args: dict):
+            """The inner transform's update with the values ``hp`` (in a step: no call
+            more than one of the values needs)."""
+            vals = slotted(hp) if late_items else None
+            if vals is None:
+                tx = built(hp)
+                if extra_args and takes_extra_args(tx):
+                    return tx.update(updates, inner, params, **extra_args)
+                return tx.update(updates, inner, params)
+            tx = last[1]
+            if fixed:
+                key = tuple(map(hp.__getitem__, fixed))
+                try:  # (same(key), inline: every step)
+                    stale = bool(key != last[0])
+                except (RuntimeError, TypeError, ValueError):
+                    stale = True
+                if stale:
+                    tx = rebuilt(hp, key)
+            if takes:
+                return tx.update(updates, inner, params, **extra_args, **{VALUES_ARG: vals})
+            return tx.update(updates, inner, params)
+
         def init_fn(params):
             hp = values_at(0, injected)
             keys = td_items(params)[0] if isinstance(params, TensorDictBase) else []
-            return InjectHyperparamsState(zeros(keys), hp, built(hp).init(params))
+            if late_items and slotted(hp) is not None:
+                key = tuple(map(hp.__getitem__, fixed))
+                tx = last[1] if same(key) else rebuilt(hp, key)
+            else:
+                tx = built(hp)
+            return InjectHyperparamsState(zeros(keys), hp, tx.init(params))
 
         def update_fn(updates, state, params=None, **extra_args):
             missing = set(injected) - set(state.hyperparams)
@@ -356,11 +441,7 @@ def inject_hyperparams(
             current = state.hyperparams
             if len(groups) <= 1 or not (scheduled or any([is_schedule(v) for v in current.values()])):
                 hp = values_at(groups[0][0] if groups else common(state.count), current)
-                tx = built(hp)
-                if extra_args and takes_extra_args(tx):
-                    new_u, new_inner = tx.update(updates, state.inner_state, params, **extra_args)
-                else:
-                    new_u, new_inner = tx.update(updates, state.inner_state, params)
+                new_u, new_inner = run(hp, updates, state.inner_state, params, extra_args)
                 return new_u, InjectHyperparamsState(advance(state.count), hp, new_inner)
             # parameters with step counts of their own and a schedule: each count has its
             # own values, so each set of parameters sharing a count gets its own update
@@ -371,14 +452,12 @@ def inject_hyperparams(
                 ks = [keys[j] for j in pos]
                 hp = values_at(t, current)
                 sub_p = None if params is None else _pick(params, ks)
-                tx = built(hp)
-                u, new_sub = tx.update(build(ks, [us[j] for j in pos]), tree.restrict(inner, ks), sub_p,
-                                       **(extra_args if takes_extra_args(tx) else {}))
+                u, new_sub = run(hp, build(ks, [us[j] for j in pos]), tree.restrict(inner, ks), sub_p, extra_args)
                 inner = tree.merge(inner, new_sub)
                 outs.update(zip(*td_items(u)))
-            last = max(groups)[0]  # the values of the most advanced parameters, for the record
+            last_count = max(groups)[0]  # the values of the most advanced parameters, for the record
             return (build(keys, [outs[k] for k in keys]),
-                    InjectHyperparamsState(advance(state.count), values_at(last, current), inner))
+                    InjectHyperparamsState(advance(state.count), values_at(last_count, current), inner))
 
         tx = GradientTransformation(init_fn, update_fn)
         return leafwise(tx) if declared else tx
