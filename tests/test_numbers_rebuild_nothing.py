@@ -11,7 +11,7 @@ import torch
 
 import muonfx as mfx
 import muonfx.presets.standard as standard
-import muonfx.wrappers as wrappers
+import muonfx.inject as inject
 
 STEPS = 20
 
@@ -94,7 +94,7 @@ def _rebuilding(make, monkeypatch, change=None):
     """The same training, each group's preset called again whenever a number changes (no
     late-bound hyperparameters: how the optimizer stepped before they existed)."""
     with monkeypatch.context() as m:
-        m.setattr(wrappers, "late_bound_names", lambda factory: frozenset())
+        m.setattr(inject, "late_bound_names", lambda factory: frozenset())
         return _train(make, change)[1]
 
 

@@ -188,6 +188,8 @@ class GroupRecord:
             no more; any other factory is called again with the new numbers (equal
             numbers reuse the last inner transform). Rebuilt after a copy or an
             unpickling.
+        checked: the arguments other than the late-bound numbers that the factory last
+            accepted in a DTensor step's checks (:mod:`muonfx.optim.agreement`), or None.
     """
 
     factory: Callable[..., GradientTransformation]
@@ -195,6 +197,7 @@ class GroupRecord:
     base_lr: float | None
     state: Any = None
     transforms: dict[Any, GradientTransformation] = field(default_factory=lambda: LRU(GroupRecord.TRANSFORMS))
+    checked: Any = None
 
     #: transforms kept per group (one per set of static hyperparameters; a new schedule
     #: object at every step would otherwise add one each step)
@@ -207,6 +210,7 @@ class GroupRecord:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.transforms = LRU(GroupRecord.TRANSFORMS)
+        self.checked = None
 
     @classmethod
     def create(cls, factory: Callable[..., GradientTransformation], names: list[str],
