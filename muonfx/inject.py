@@ -240,7 +240,8 @@ def inject_hyperparams(
                 if stale:
                     tx = rebuilt(hp, key)
             if takes:
-                return tx.update(updates, inner, params, **extra_args, **{VALUES_ARG: vals})
+                # (this transform's values replace those of an enclosing one)
+                return tx.update(updates, inner, params, **{**extra_args, VALUES_ARG: vals})
             return tx.update(updates, inner, params)
 
         def init_fn(params):
