@@ -215,3 +215,21 @@ def test_a_factory_without_late_bound_numbers_is_called_again_for_new_numbers():
         opt.step()
         sched.step()
     assert len(calls) == 1 and opt.transform_state(0).hyperparams == {"lr": 0.1 * 0.5 ** 3, "momentum": 0.9 - 0.1 * 3}
+
+
+def test_a_compiled_step_builds_its_chains_once_and_follows_the_numbers(builds, monkeypatch):
+    """``opt.compile()``: the graph's chains are built when it is (once), and the
+    scheduler's lr, the new momentum and weight decay reach it as inputs: no chain built,
+    nothing recompiled, the eager training's parameters."""
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = lambda m: MAKERS["hybrid"](m).compile(backend=counter)  # noqa: E731
+    want = _rebuilding(MAKERS["hybrid"], monkeypatch)
+    builds[0] = 0
+    _, got, seen = _train(compiled, counts=builds)
+    assert counter.frame_count == 1
+    assert seen[1:] == [seen[1]] * STEPS, seen  # built with the optimizer and with its graph, then never
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
