@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from . import seam, tree
 from .core import GradientTransformation, aligned, build, leafwise, leafwise_if, leaves, takes_extra_args, td_items
 from .counts import Counts, by_count, common, from_values, zeros
-from .inject import InjectHyperparamsState, hyperparam_values, inject_hyperparams, is_schedule, signature
+from .inject import InjectHyperparamsState, _pick, hyperparam_values, inject_hyperparams, is_schedule, signature
 from .ops import foreach
 
 __all__ = ["apply_if_finite", "ApplyIfFiniteState", "accumulate", "AccumulateState",
