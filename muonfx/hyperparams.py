@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["check", "check_args", "check_betas", "check_unmixed", "check_group_values", "rule", "check_float_dtype"]
+__all__ = ["check", "check_args", "check_betas", "check_unmixed", "check_group_values", "rule", "check_float_dtype",
+           "Slot", "VALUES_ARG", "late_bound", "late_bound_names"]
 
 #: "finite" is written as ``<= the largest float32`` (the same for every number), never as
 #: ``< inf``: traced with a symbolic float built from a schedule's own floats (a cosine
@@ -117,6 +118,8 @@ def check(name: str, value: Any, count: Any = None, source: Any = None) -> float
         v = value.item()
     elif isinstance(value, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(value, bool):
         v = value  # subclasses (numpy floats), and symbolic numbers inside torch.compile
+    elif type(value) is Slot:
+        return value  # a value read at each update (checked there, by its own name)
     else:
         what = (f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
                 if isinstance(value, torch.Tensor) else f"{value!r} (a {type(value).__name__})")
@@ -229,3 +232,91 @@ def check_float_dtype(name: str, dtype: Any) -> None:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"{name} must be a floating-point torch dtype (e.g. torch.float32, torch.bfloat16) "
                         f"or None, got {dtype!r}")
+
+
+#: The extra argument (:mod:`muonfx.core.contract`) that carries the values of the
+#: :class:`Slot` s of a transform's hyperparameters: ``{slot key: value}``, passed by
+#: :func:`muonfx.inject_hyperparams` to the transform it built from a :func:`late_bound`
+#: factory, at each update.
+VALUES_ARG = "hyperparam_values"
+
+
+class Slot:
+    """A numeric hyperparameter given to a transform by name, its value read at each
+    update from the extra argument :data:`VALUES_ARG` (``extra_args[VALUES_ARG][slot.key]``;
+    an update without it raises ``KeyError``).
+
+    :func:`muonfx.inject_hyperparams` builds the transform of a :func:`late_bound`
+    factory once, with a slot in place of each late-bound number (``Slot("lr")``, and
+    ``Slot("betas[0]")``, ``Slot("betas[1]")`` for a pair), and passes the current
+    values at every update: a new learning rate, momentum or weight decay (a scheduler,
+    a hand edit, a schedule) runs the same transform with other numbers, and never calls
+    the factory again. :func:`check` lets a slot through (its value is checked where it
+    is read). The transforms that read slots: :func:`muonfx.momentum` (``beta``),
+    :func:`muonfx.newton_schulz` (``eps``), :func:`muonfx.decoupled_decay`,
+    :func:`muonfx.scale_by_learning_rate`, :func:`muonfx.scale_by_adam` (``b1``, ``b2``,
+    ``eps``) and :func:`muonfx.lr_multiplier`'s factory (``lr``).
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from tensordict import TensorDict
+        >>> from muonfx.hyperparams import Slot, VALUES_ARG
+        >>> tx = mfx.scale_by_learning_rate(Slot("lr"))
+        >>> u = TensorDict({"w": torch.ones(1)}, [])
+        >>> tx.update(u, tx.init(u), None, **{VALUES_ARG: {"lr": 0.5}})[0]["w"].item()
+        -0.5
+    """
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __repr__(self) -> str:
+        return f"Slot({self.key!r})"
+
+
+def late_bound(*names: str) -> Any:
+    """Declare that a transform factory's numeric arguments ``names`` may be
+    :class:`Slot` s: the factory passes them on to transforms that read slots, unchanged
+    (no arithmetic, no branch on their values), so the transform it builds is the same
+    for every value of them. :func:`muonfx.inject_hyperparams` (hence
+    :class:`muonfx.TransformOptimizer`) then builds it once per set of the other
+    arguments and passes those numbers at each update; a factory without the
+    declaration is called again whenever a number changes.
+
+    :func:`muonfx.muon`, :func:`muonfx.adamw` and :func:`muonfx.muon_adamw` are
+    declared for their learning rates, momentum, betas, epsilons and weight decays.
+
+    Example::
+
+        >>> import muonfx as mfx
+        >>> from muonfx.hyperparams import late_bound, late_bound_names
+        >>> @late_bound("lr", "momentum")
+        ... def heavy_ball(lr=0.1, momentum=0.9):
+        ...     return mfx.chain(mfx.momentum(momentum), mfx.scale_by_learning_rate(lr))
+        >>> sorted(late_bound_names(heavy_ball))
+        ['lr', 'momentum']
+    """
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"late_bound takes hyperparameter names, got {n!r}")
+
+    def declare(factory: Any) -> Any:
+        factory.__late_bound__ = frozenset(names)
+        return factory
+
+    return declare
+
+
+def late_bound_names(factory: Any) -> frozenset:
+    """The names :func:`late_bound` declared for ``factory`` (followed through
+    ``__wrapped__``), or an empty set."""
+    seen = 0
+    while factory is not None and seen < 16:
+        names = getattr(factory, "__late_bound__", None)
+        if names is not None:
+            return names
+        factory, seen = getattr(factory, "__wrapped__", None), seen + 1
+    return frozenset()

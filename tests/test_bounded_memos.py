@@ -38,4 +38,4 @@ def test_a_compiled_group_keeps_a_bounded_number_of_graphs(monkeypatch):
             p.grad = None if i == step % 4 else torch.ones(2, 2)
         opt.step()
         assert opt.plan.groups[0].path == "compiled"
-        assert len(opt._runner.compiled.graphs) <= 2
+        assert len(opt.compiled_graphs) <= 2

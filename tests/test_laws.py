@@ -312,7 +312,8 @@ def test_inject_hyperparams_constant_equals_factory(pg, fk):
     assert {n: v for n, v in state.hyperparams.items() if n in numeric} == numeric
     if which == "muon":  # muon needs matrices: run both on the matrix leaves only
         plain, injected = mfx.mask_by_ndim(plain, MATRIX_DIMS), mfx.mask_by_ndim(injected, MATRIX_DIMS)
-    # the injected transform rebuilds factory(**same values) each step: bitwise the same
+    # the injected transform runs the same arithmetic on the same values (its chain built
+    # once, with the late-bound numbers passed at each step): bitwise the same
     assert_same_outputs(injected, plain, params, grads)
 
 

@@ -61,8 +61,8 @@ def _imports(path: Path) -> set[str]:
 
 
 # the layers above the ground floor: core and _compat import none of them
-_ABOVE_OPS = ("muonfx.optim", "muonfx.transforms", "muonfx.wrappers", "muonfx.combine", "muonfx.presets",
-              "muonfx.tree", "muonfx.counts", "muonfx.hyperparams", "muonfx.schedules", "muonfx.distributed",
+_ABOVE_OPS = ("muonfx.optim", "muonfx.transforms", "muonfx.wrappers", "muonfx.inject", "muonfx.combine",
+              "muonfx.presets", "muonfx.tree", "muonfx.counts", "muonfx.hyperparams", "muonfx.schedules", "muonfx.distributed",
               "muonfx.seam", "muonfx.linalg", "muonfx.testing", "muonfx.cli")
 _ABOVE_CORE = _ABOVE_OPS + ("muonfx.ops",)
 _ABOVE_COMPAT = _ABOVE_CORE + ("muonfx.core",)
@@ -72,9 +72,11 @@ _NEVER = {
     "muonfx/_compat": _ABOVE_COMPAT,
     "muonfx/core": _ABOVE_CORE,
     "muonfx/ops.py": _ABOVE_OPS,
-    "muonfx/counts.py": ("muonfx.optim", "muonfx.transforms", "muonfx.wrappers", "muonfx.tree", "muonfx.distributed"),
-    "muonfx/tree.py": ("muonfx.optim", "muonfx.transforms", "muonfx.wrappers", "muonfx.distributed"),
-    "muonfx/linalg": ("muonfx.optim", "muonfx.transforms", "muonfx.wrappers", "muonfx.distributed", "muonfx.tree"),
+    "muonfx/counts.py": ("muonfx.optim", "muonfx.transforms", "muonfx.wrappers", "muonfx.inject", "muonfx.tree",
+                         "muonfx.distributed"),
+    "muonfx/tree.py": ("muonfx.optim", "muonfx.transforms", "muonfx.wrappers", "muonfx.inject", "muonfx.distributed"),
+    "muonfx/linalg": ("muonfx.optim", "muonfx.transforms", "muonfx.wrappers", "muonfx.inject", "muonfx.distributed",
+                      "muonfx.tree"),
     "muonfx/transforms": ("muonfx.optim", "muonfx.distributed", "torch.distributed"),
     "muonfx/presets": ("muonfx.optim", "muonfx.distributed", "muonfx.cli", "torch.distributed"),
     "muonfx/distributed": ("muonfx.optim", "muonfx.cli"),

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..core import check_like, key_str
 from ..counts import Counts
 from ..distributed.agree import agree_counts, who_has
-from ..hyperparams import check_group_values
+from ..hyperparams import check_group_values, late_bound_names
 from ..wrappers import hyperparam_values, signature
 from .groups import gather
 
@@ -87,9 +87,23 @@ def _check_work(rec, w) -> None:
                if isinstance(p.default, (int, float, tuple)) and not isinstance(p.default, bool)}
     check_group_values(w.hp, numeric)
     count = getattr(rec.state, "count", 0)
+    late = late_bound_names(rec.factory)
     # a static setting the transform refuses raises here (at each count its parameters are at)
     for c in (sorted(set(count.values)) or [0]) if isinstance(count, Counts) else [count]:
-        rec.factory(**hyperparam_values(w.hp, c))
+        vals = hyperparam_values(w.hp, c)
+        if late:
+            # the late-bound numbers were checked just now, by their rules; the factory is
+            # called for the other arguments only when one of them changes
+            others = [(n, v) for n, v in vals.items() if n not in late]
+            try:
+                if others == rec.checked:
+                    continue
+            except (RuntimeError, TypeError, ValueError):  # e.g. multi-element tensors
+                pass
+            rec.factory(**vals)
+            rec.checked = others
+        else:
+            rec.factory(**vals)
     for i, p, g in zip(w.idx, w.params, w.grads):
         key = rec.keys[i]
         check_like(key, g, p, "gradient", "the parameter")

@@ -11,6 +11,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from ..core import GradientTransformation
+from ..hyperparams import late_bound
 from ..logs import say_once
 from ..presets import adamw
 from ..presets.options import MeaningChangedWarning, MuonOptions, takes_muon_options
@@ -26,6 +27,7 @@ from .step.fused_muon import FusedMuon
 __all__ = ["FSDPMuonOptimizer", "unshard"]
 
 
+@late_bound("lr", "betas", "eps", "weight_decay")
 def _adamw_accumulated(
     lr: float = 1e-3,
     betas: tuple[float, float] = (0.9, 0.95),

@@ -12,6 +12,7 @@ import torch
 
 from ..core.cache import LRU
 from ..core import GradientTransformation, Key, build, key_str, leafwise_if, leaves, takes_extra_args
+from ..hyperparams import VALUES_ARG, Slot, late_bound
 from ..ops import foreach
 from ..wrappers import InjectHyperparamsState, inject_hyperparams, signature
 
@@ -31,7 +32,8 @@ def lr_multiplier(tx: GradientTransformation) -> Callable[..., GradientTransform
     :class:`muonfx.TransformOptimizer` uses it for pre-built transforms, so that
     ``group["lr"]`` (and any lr scheduler) scales the whole update: ``out = lr * tx(u)``.
     With ``lr == 1`` the update is exactly ``tx``'s. Leafwise (:func:`muonfx.leafwise`)
-    when ``tx`` is; the extra arguments of a call reach ``tx`` when it takes them.
+    when ``tx`` is; the extra arguments of a call reach ``tx`` when it takes them. ``lr``
+    is late-bound (:func:`muonfx.hyperparams.late_bound`): an lr scheduler builds nothing.
 
     Example::
 
@@ -45,13 +47,17 @@ def lr_multiplier(tx: GradientTransformation) -> Callable[..., GradientTransform
 
     takes = takes_extra_args(tx)
 
+    @late_bound("lr")
     def with_lr(lr: float = 1.0) -> GradientTransformation:
+        late = type(lr) is Slot
+
         def update_fn(updates, state, params=None, **extra_args):
+            value = extra_args[VALUES_ARG][lr.key] if late else lr
             out, state = tx.update(updates, state, params, **(extra_args if takes else {}))
-            if lr == 1.0:
+            if value == 1.0:
                 return out, state
             keys, us = leaves(out)
-            return type(out)(dict(zip(keys, foreach("mul", us, float(lr)))), batch_size=[]), state
+            return type(out)(dict(zip(keys, foreach("mul", us, float(value)))), batch_size=[]), state
 
         return leafwise_if(GradientTransformation(tx.init, update_fn), tx)
 
@@ -139,9 +145,10 @@ def numeric_values(hp: dict[str, Any]) -> tuple:
 def _reuse_last(factory: Callable[..., GradientTransformation]) -> Callable[..., GradientTransformation]:
     """``factory``, returning its last transform again when called with equal arguments.
 
-    :func:`muonfx.inject_hyperparams` builds its inner transform from the current
-    hyperparameters at every update; between steps they rarely change, and a factory
-    is a pure function of its arguments, so the last transform serves as it is.
+    :func:`muonfx.inject_hyperparams` builds the inner transform of a factory that is
+    not :func:`muonfx.hyperparams.late_bound` from the current hyperparameters at every
+    update; between steps they rarely change, and a factory is a pure function of its
+    arguments, so the last transform serves as it is.
     """
     last: list = []
 
@@ -173,9 +180,16 @@ class GroupRecord:
             gradient in a step keeps them, as torch keeps ``state[p]["step"]``.
         transforms: the group's injected transforms, one per set of static
             hyperparameters (numbers live in the state: a new lr or momentum selects
-            the same one, whose :func:`muonfx.inject_hyperparams` calls the factory
-            again with the new numbers at its next update; equal numbers reuse the last
-            inner transform); rebuilt after a copy or an unpickling.
+            the same one). For a factory declared
+            :func:`muonfx.hyperparams.late_bound` (:func:`muonfx.muon`,
+            :func:`muonfx.adamw`, :func:`muonfx.muon_adamw`, a pre-built transform's
+            :func:`lr_multiplier`) its :func:`muonfx.inject_hyperparams` built the inner
+            transform once and passes the new numbers at each update, calling the factory
+            no more; any other factory is called again with the new numbers (equal
+            numbers reuse the last inner transform). Rebuilt after a copy or an
+            unpickling.
+        checked: the arguments other than the late-bound numbers that the factory last
+            accepted in a DTensor step's checks (:mod:`muonfx.optim.agreement`), or None.
     """
 
     factory: Callable[..., GradientTransformation]
@@ -183,6 +197,7 @@ class GroupRecord:
     base_lr: float | None
     state: Any = None
     transforms: dict[Any, GradientTransformation] = field(default_factory=lambda: LRU(GroupRecord.TRANSFORMS))
+    checked: Any = None
 
     #: transforms kept per group (one per set of static hyperparameters; a new schedule
     #: object at every step would otherwise add one each step)
@@ -195,6 +210,7 @@ class GroupRecord:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.transforms = LRU(GroupRecord.TRANSFORMS)
+        self.checked = None
 
     @classmethod
     def create(cls, factory: Callable[..., GradientTransformation], names: list[str],

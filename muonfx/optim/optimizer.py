@@ -267,6 +267,16 @@ class TransformOptimizer(torch.optim.Optimizer):
         return dataclasses.replace(plan, routing=tuple(routing)) if routing else plan
 
     @property
+    def compiled_graphs(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The compiled step graphs this optimizer holds, least recently used first (at
+        most :attr:`CompiledSteps.GRAPHS <muonfx.optim.step.compiled.CompiledSteps.GRAPHS>`):
+        per graph its kind, ``"whole"`` (the compiled groups stepped whole, in one graph)
+        or ``"piece"`` (one piece of a group in pieces), and the param groups it steps.
+        Empty until a compiled step ran (:meth:`compile`)."""
+        return tuple((k[0], tuple(e[0] for e in k[1:]) if k[0] == "whole" else (k[1],))
+                     for k in self._runner.compiled.graphs)
+
+    @property
     def comm_stats(self) -> Any:
         """This optimizer's own counters of the DTensor matrix exchange
         (:class:`muonfx.distributed.CommStats`: bytes, all-to-alls, buckets, plans, matrices

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..combine import named_chain
 from ..core import GradientTransformation
+from ..hyperparams import late_bound
 from ..transforms import row_normalize, scale
 from ..wrappers import accumulate
 from .options import MuonOptions, insert_step, takes_muon_options
@@ -14,6 +15,7 @@ from .options import MuonOptions, insert_step, takes_muon_options
 __all__ = ["fsdp_muon"]
 
 
+@late_bound("lr", "momentum", "weight_decay", "eps")
 @takes_muon_options(defaults={"weight_decay": 0.01})
 def fsdp_muon(
     *,
@@ -32,7 +34,8 @@ def fsdp_muon(
 
     wrapped in ``accumulate(..., gradient_accumulation_steps)`` when that is > 1.
     ``eps`` is the Newton-Schulz floor (as in ``muon``); ``row_eps`` the row
-    normaliser's (used when ``beta2`` is given).
+    normaliser's (used when ``beta2`` is given). ``lr``, ``momentum``, ``weight_decay``
+    and ``eps`` are late-bound (:func:`muonfx.hyperparams.late_bound`).
     """
     opts = MuonOptions(**muon_options)
     steps = opts.steps()

@@ -13,7 +13,7 @@ import torch
 
 from ..combine import named_chain, partition
 from ..core import GradientTransformation
-from ..hyperparams import check_args, check_betas
+from ..hyperparams import check_args, check_betas, late_bound
 from ..schedules import ScalarOrSchedule
 from ..transforms import decoupled_decay, scale_by_adam, scale_by_learning_rate
 from .options import MuonOptions, takes_muon_options
@@ -21,6 +21,7 @@ from .options import MuonOptions, takes_muon_options
 __all__ = ["muon", "adamw", "muon_adamw", "default_muon_labels", "ADAMW_KEY_PATTERN"]
 
 
+@late_bound("lr", "momentum", "weight_decay", "eps")
 @takes_muon_options(positional=True)
 def muon(**options: Any) -> GradientTransformation:
     """Muon for matrix parameters (2-D, 3-D expert stacks, conv weights).
@@ -47,7 +48,9 @@ def muon(**options: Any) -> GradientTransformation:
     iteration, the same function in fewer flops on rectangular matrices, at up to 4x
     bf16's rounding error (see :func:`newton_schulz` and ``docs/evidence.md``).
     State: one momentum buffer per matrix, in ``mu_dtype`` (e.g. ``torch.bfloat16`` to
-    halve it) or the parameter's dtype.
+    halve it) or the parameter's dtype. ``lr``, ``momentum``, ``weight_decay`` and
+    ``eps`` are late-bound (:func:`muonfx.hyperparams.late_bound`): an lr scheduler or a
+    momentum change runs the same chain with the new numbers, without building it again.
 
     Example::
 
@@ -57,6 +60,7 @@ def muon(**options: Any) -> GradientTransformation:
     return named_chain(*MuonOptions(**options).steps().items())
 
 
+@late_bound("lr", "betas", "eps", "weight_decay")
 def adamw(
     lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -73,7 +77,8 @@ def adamw(
     with ``amsgrad=True`` ``v_hat`` is the bias-corrected largest second moment so far
     (state ``adam.nu_max``), with ``maximize=True`` the moments are those of ``-g``
     (torch's arithmetic for both). ``betas`` are two numbers, or two one-element
-    tensors (not one of each, as in torch).
+    tensors (not one of each, as in torch). ``lr``, ``betas``, ``eps`` and
+    ``weight_decay`` are late-bound (:func:`muonfx.hyperparams.late_bound`).
 
     Example::
 
@@ -106,6 +111,7 @@ def default_muon_labels(key: str, tensor: torch.Tensor) -> str:
     return "muon"
 
 
+@late_bound("lr", "momentum", "weight_decay", "eps", "adamw_lr", "adamw_betas", "adamw_eps", "adamw_weight_decay")
 @takes_muon_options()
 def muon_adamw(
     *,
@@ -128,7 +134,9 @@ def muon_adamw(
     ``position*``; the head: ``lm_head``,
     ``head``, ``output``, ``unembed*``, ``classifier``) to AdamW. Pass your own
     ``labels(key, tensor) -> "muon" | "adamw"`` to override. AdamW betas default to
-    (0.9, 0.95), the usual companion setting for Muon.
+    (0.9, 0.95), the usual companion setting for Muon. The numbers of both parts (the
+    learning rates, momentum, betas, epsilons and weight decays) are late-bound
+    (:func:`muonfx.hyperparams.late_bound`).
 
     Example::
 

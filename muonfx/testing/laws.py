@@ -249,7 +249,8 @@ def _law_inject(tx, params, grads, cfg: _Config) -> None:
                      lambda: _inject_hyperparams(cfg.factory, cfg.static_args)(**hp))
     label = "inject_hyperparams(factory)(**hyperparams)"
     ref = _run(plain, params, grads, cfg.steps, "factory(**hyperparams)")
-    # A schedule is evaluated by inject_hyperparams and passed to the factory as a number,
+    # A schedule is evaluated by inject_hyperparams and passed as a number (to the factory,
+    # or at each update to a late-bound factory's transform: muonfx.hyperparams.late_bound),
     # so the inner state may legitimately lack the schedule's own step counter: then only
     # the updates are compared.
     scheduled = any(callable(v) and n not in cfg.static_args for n, v in hp.items())

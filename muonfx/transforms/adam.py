@@ -10,7 +10,7 @@ from tensordict import TensorDict
 
 from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves, zeros_like_leaves
 from ..counts import Counts, advance, per_count, zeros
-from ..hyperparams import check, check_float_dtype
+from ..hyperparams import VALUES_ARG, Slot, check, check_float_dtype
 from ..ops import foreach
 from ._dtypes import narrow, widen
 
@@ -53,7 +53,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         out = m_hat / (sqrt(v) / sqrt(1 - b2^t) + eps),    m_hat = m / (1 - b1^t)
 
     ``t`` is each parameter's own count (a parameter left out of an update keeps it, as
-    torch's ``state[p]["step"]``). Defaults are torch's. ``mu_dtype`` stores both moments
+    torch's ``state[p]["step"]``). Defaults are torch's; ``b1``, ``b2`` and ``eps`` may be
+    :class:`muonfx.hyperparams.Slot` s, read at each update. ``mu_dtype`` stores both moments
     in that dtype; each moment's arithmetic runs in the wider of it and the update's dtype
     (float32 moments of bf16 parameters accumulate in float32), the output has the
     update's dtype. Two
@@ -86,6 +87,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         1.0
     """
     b1, b2, eps = check("b1", b1), check("b2", b2), check("eps", eps)
+    late = Slot in (type(b1), type(b2), type(eps))  # values read at each update
     check_float_dtype("mu_dtype", mu_dtype)
     for name, flag in (("amsgrad", amsgrad), ("maximize", maximize)):
         if not isinstance(flag, bool):
@@ -97,7 +99,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         return ScaleByAdamState(count=zeros(keys), mu=moments(), nu=moments(),
                                 nu_max=moments() if amsgrad else TensorDict({}, []))
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        if late:
+            vals = extra_args[VALUES_ARG]
+            b1_ = vals[b1.key] if type(b1) is Slot else b1
+            b2_ = vals[b2.key] if type(b2) is Slot else b2
+            eps_ = vals[eps.key] if type(eps) is Slot else eps
+        else:
+            b1_, b2_, eps_ = b1, b2, eps
         keys, gs = leaves(updates)
         ms = aligned(state.mu, keys, "adam state (mu)", like=gs)
         vs = aligned(state.nu, keys, "adam state (nu)")
@@ -112,9 +121,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         # moments of bf16 gradients accumulate in float32); the output in the update's
         ms_c, gs_c, back = widen(ms, gs)
         vs_c = vs if back is None else narrow(vs, [m.dtype for m in ms_c])
-        new_m = foreach("lerp", ms_c, gs_c, 1.0 - b1)
-        new_v = foreach("mul", vs_c, b2)
-        foreach("addcmul_", new_v, gs_c, gs_c, value=1.0 - b2)  # new_v is this update's own tensor
+        new_m = foreach("lerp", ms_c, gs_c, 1.0 - b1_)
+        new_v = foreach("mul", vs_c, b2_)
+        foreach("addcmul_", new_v, gs_c, gs_c, value=1.0 - b2_)  # new_v is this update's own tensor
         if amsgrad:
             new_x = foreach("maximum", xs if back is None else narrow(xs, [v.dtype for v in new_v]), new_v)
         den = foreach("sqrt", new_x if amsgrad else new_v)
@@ -122,11 +131,11 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
         # out = (m / bc1) / (sqrt(v) / sqrt(bc2) + eps) = (sqrt(bc2) / bc1) * m / (sqrt(v) + eps * sqrt(bc2))
         def corrected(count, m_, d_, g_):
             t = count + 1
-            bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
-            foreach("add_", d_, eps if eps_before_bias_correction else eps * math.sqrt(bc2))
+            bc1, bc2 = 1.0 - b1_**t, 1.0 - b2_**t
+            foreach("add_", d_, eps_ if eps_before_bias_correction else eps_ * math.sqrt(bc2))
             if nesterov:  # bc1 * m_hat = b1 * m * bc1 / (1 - b1^(t+1)) + (1 - b1) * g
-                num = foreach("mul", m_, b1 * bc1 / (1.0 - b1 ** (t + 1)))
-                foreach("add_", num, g_, alpha=1.0 - b1)
+                num = foreach("mul", m_, b1_ * bc1 / (1.0 - b1_ ** (t + 1)))
+                foreach("add_", num, g_, alpha=1.0 - b1_)
             else:
                 num = m_
             o = foreach("div", num, d_)

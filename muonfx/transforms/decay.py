@@ -4,34 +4,39 @@ from __future__ import annotations
 
 from ..combine import MaskSpec, masked
 from ..core import EmptyState, GradientTransformation, LeafwiseTransformation, aligned, build, leaves
-from ..hyperparams import check
+from ..hyperparams import VALUES_ARG, Slot, check
 from ..ops import foreach
 
 
 def _decay(weight_decay: float, mask: MaskSpec | None, cautious: bool, who: str) -> GradientTransformation:
     """The decoupled decay of :func:`decoupled_decay` and :func:`cautious_decay`: one
-    validation (the shared rule of ``weight_decay``), one mask, one update."""
-    weight_decay = float(check("weight_decay", weight_decay))
+    validation (the shared rule of ``weight_decay``), one mask, one update.
+    ``weight_decay`` may be a :class:`muonfx.hyperparams.Slot`, read at each update."""
+    weight_decay = check("weight_decay", weight_decay)
+    late = type(weight_decay) is Slot
+    if not late:
+        weight_decay = float(weight_decay)
     if mask is not None:
         return masked(_decay(weight_decay, None, cautious, who), mask)
 
     def init_fn(params):
         return EmptyState()
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        wd = float(extra_args[VALUES_ARG][weight_decay.key]) if late else weight_decay
         keys, us = leaves(updates)
         ps = aligned(params, keys, f"params (needed by {who})", like=us)
-        if weight_decay == 0.0:
+        if wd == 0.0:
             return updates, state
         if not cautious:
-            return build(keys, foreach("add", us, ps, alpha=weight_decay)), state
+            return build(keys, foreach("add", us, ps, alpha=wd)), state
         # gate = sign(p) * sign(u) in {-1, 0, 1} -> [signs agree and u != 0] -> p * gate,
         # all in p's dtype, so the decay term is exactly wd * p where it applies
         gated = foreach("sign", ps)
         foreach("mul_", gated, foreach("sign", us))
         foreach("clamp_min_", gated, 0.0)
         foreach("mul_", gated, ps)
-        return build(keys, foreach("add", us, gated, alpha=weight_decay)), state
+        return build(keys, foreach("add", us, gated, alpha=wd)), state
 
     return LeafwiseTransformation(init_fn, update_fn)
 

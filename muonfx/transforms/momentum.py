@@ -9,7 +9,7 @@ from tensordict import TensorDict
 
 from ..core import GradientTransformation, LeafwiseTransformation, aligned, build, leaves, zeros_like_leaves
 from ..counts import Counts, advance, per_count, zeros
-from ..hyperparams import check, check_float_dtype
+from ..hyperparams import VALUES_ARG, Slot, check, check_float_dtype
 from ..ops import foreach
 from ._dtypes import narrow, widen
 
@@ -39,7 +39,8 @@ def momentum(beta: float = 0.95, nesterov: bool = False, mu_dtype: torch.dtype |
     dtype: ``torch.float32`` with bf16 parameters accumulates in float32 (a bf16 EMA
     stops moving once ``(1 - beta) (g - m)`` is below half a bf16 step);
     ``torch.bfloat16`` with float32 parameters halves the buffer, computed in float32
-    and rounded once when stored. The output has the update's dtype.
+    and rounded once when stored. The output has the update's dtype. ``beta`` may be a
+    :class:`muonfx.hyperparams.Slot`, read at each update.
 
     Example::
 
@@ -53,18 +54,20 @@ def momentum(beta: float = 0.95, nesterov: bool = False, mu_dtype: torch.dtype |
     """
     beta = check("beta", beta)
     check_float_dtype("mu_dtype", mu_dtype)
+    late = type(beta) is Slot
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
         return MomentumState(zeros_like_leaves(keys, ps, mu_dtype))
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        b = extra_args[VALUES_ARG][beta.key] if late else beta
         keys, gs = leaves(updates)
         ms = aligned(state.mu, keys, "momentum state (mu)", like=gs)
         # the buffer's arithmetic in the wider dtype (float32 mu of bf16 grads: float32)
         ms_c, gs_c, back = widen(ms, gs)
-        new_m = foreach("ema", ms_c, gs_c, beta)  # lerp(m, g, 1 - beta)
-        out = foreach("lerp", gs_c, new_m, beta) if nesterov else new_m
+        new_m = foreach("ema", ms_c, gs_c, b)  # lerp(m, g, 1 - beta)
+        out = foreach("lerp", gs_c, new_m, b) if nesterov else new_m
         if back is not None:  # the buffer in its dtype, the output in the update's
             out, new_m = narrow(out, back[1]), narrow(new_m, back[0])
         return build(keys, out), MomentumState(build(keys, new_m))

@@ -7,7 +7,7 @@ import torch
 from .. import seam
 from .._compat.dtensor import unstack_like
 from ..core import Dims, EmptyState, GradientTransformation, LeafwiseTransformation, build, leaves
-from ..hyperparams import check, check_float_dtype
+from ..hyperparams import VALUES_ARG, Slot, check, check_float_dtype
 from ..linalg import CoefficientSpec, NewtonSchulz, resolve
 from ..linalg.newton_schulz import METHODS
 from ..linalg.precision import device_ns_dtype, pinned_ns_dtype
@@ -57,7 +57,8 @@ def newton_schulz(
         coefficients: a preset name (``"keller"``, ``"you"``, ``"polar_express"``,
             ``"cubic"``), one ``(a, b, c)`` triple, or a sequence of per-step triples
             (a short sequence repeats its last triple).
-        eps: floor of the normaliser (torch.optim.Muon: 1e-7).
+        eps: floor of the normaliser (torch.optim.Muon: 1e-7); a number, or a
+            :class:`muonfx.hyperparams.Slot` read at each update.
         dtype: compute dtype; ``None`` means the device's default
             (:func:`muonfx.linalg.ns_dtype_for`): bfloat16 on CUDA and on CPUs with
             native bf16 matmul, float32 elsewhere, float64 for float64 input;
@@ -131,6 +132,7 @@ def newton_schulz(
         True
     """
     eps = check("eps", eps)
+    late = type(eps) is Slot  # a number read at each update
     check_float_dtype("dtype", dtype)
     schedule = resolve(coefficients, steps, safety)
     if method not in METHODS:
@@ -154,7 +156,7 @@ def newton_schulz(
             # float64 stays float64; else the pinned dtype or the device's own (a fact of
             # the machine), once per update rather than per batch
             one = torch.float64 if gs[0].dtype == torch.float64 else pinned or device_ns_dtype(gs[0].device)
-        run = NewtonSchulz(schedule, eps, one, method, accuracy=accuracy,
+        run = NewtonSchulz(schedule, extra_args[VALUES_ARG][eps.key] if late else eps, one, method, accuracy=accuracy,
                            triton=None if settings is None else settings.triton)
         if one is None:  # leaves on several devices or of several dtypes: per batch
             run = _PerBatch(run, pinned)

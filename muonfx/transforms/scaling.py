@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import torch
+
 from ..core import Dims, EmptyState, GradientTransformation, LeafwiseTransformation, build, leaves
 from ..counts import Counts, advance, by_count, common, zeros
+from ..hyperparams import VALUES_ARG, Slot
 from ..ops import foreach
 from ..schedules import ScalarOrSchedule, evaluate
 from ._matrix import leaf_views, matrix_shapes
@@ -54,7 +57,8 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     ``lr`` is a float or a schedule ``step -> float`` (see :mod:`muonfx.schedules`),
     evaluated at the number of updates already made (each parameter's own count: one
     left out of an update keeps it). A schedule value that is NaN or infinite raises
-    ``ValueError``.
+    ``ValueError``. ``lr`` may also be a :class:`muonfx.hyperparams.Slot`, a number read
+    at each update.
 
     Example::
 
@@ -70,6 +74,15 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     """
     # "neg_mul": -lr * u, with lr reaching a compiled graph as it is (not negated in
     # Python first: torch 2.10 / 2.11 would then recompile the graph for every new lr)
+    if type(lr) is Slot:  # a number read at each update (checked where it was given)
+        def read_fn(updates, state, params=None, **extra_args):
+            value = extra_args[VALUES_ARG][lr.key]
+            if type(value) is not float and not isinstance(value, torch.Tensor):
+                value = float(value)  # as evaluate gives it
+            keys, us = leaves(updates)
+            return build(keys, foreach("neg_mul", us, value)), state
+
+        return LeafwiseTransformation(lambda params: EmptyState(), read_fn)
     if not callable(lr):
         value = evaluate("lr", lr, 0)
 

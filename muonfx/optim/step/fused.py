@@ -121,11 +121,14 @@ class FusedAdamW:
     def check(factory: Callable, hp: dict[str, Any], state: Any) -> dict[str, Any]:
         """The hyperparameter values of this step (the group's ``hp`` with the state's
         injected numbers), checked as the chain checks them: the same errors, raised
-        before anything is written."""
+        before anything is written. The factory is not called: its numbers are checked
+        by the rules of :mod:`muonfx.hyperparams` (the ones it checks them by: betas in
+        range, lr, eps and weight decay finite and ``>= 0``) and the rest of what it
+        takes (two betas, ``amsgrad`` and ``maximize`` booleans) by :meth:`why_not` when
+        the plan was built."""
         count = state.count
         counts = [t for t, _ in by_count(count, list(count.keys))] if isinstance(count, Counts) else [0]
         vals = {**hp, **hyperparam_values(state.hyperparams, counts[0] if counts else 0)}
-        factory(**vals)  # the preset's own argument checks (betas in range, ...)
         kept = getattr(state.inner_state["adam"], "nu_max", None)
         if vals.get("amsgrad") and (kept is None or not kept.keys()):
             raise ValueError(AMSGRAD_WITHOUT_STATE)  # the chain's error, before anything is written

@@ -1,0 +1,235 @@
+"""Numbers change, nothing rebuilds: an lr scheduler, a momentum (or betas) change and a
+weight-decay change between steps run a group's chain with the new values, without
+calling its preset again (Muon, AdamW, the hybrid optimizer); a change of a static
+setting (``nesterov``, ``ns_steps``) builds the chain again. Every step computes what
+the optimizer computed when it called the preset again at each change, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import muonfx as mfx
+import muonfx.presets.standard as standard
+import muonfx.inject as inject
+
+STEPS = 20
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """How many chains :func:`muonfx.muon` and :func:`muonfx.adamw` have built (each
+    build of either, and of :func:`muonfx.muon_adamw`, goes through ``named_chain``)."""
+    n = [0]
+    real = standard.named_chain
+
+    def counted(*named):
+        n[0] += 1
+        return real(*named)
+
+    monkeypatch.setattr(standard, "named_chain", counted)
+    return n
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.embed = torch.nn.Parameter(torch.randn(16, 8, generator=gen))
+        self.w1 = torch.nn.Parameter(torch.randn(12, 8, generator=gen))
+        self.w2 = torch.nn.Parameter(torch.randn(2, 8, 12, generator=gen))
+        self.b1 = torch.nn.Parameter(torch.randn(12, generator=gen))
+
+
+def _grads(model: torch.nn.Module, step: int) -> None:
+    gen = torch.Generator().manual_seed(1000 + step)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def _matrices(model):
+    return [(n, p) for n, p in model.named_parameters() if p.ndim >= 2]
+
+
+MAKERS = {
+    "muon": lambda m: mfx.TransformOptimizer(_matrices(m), mfx.muon, lr=0.02, momentum=0.95, weight_decay=0.01),
+    "adamw": lambda m: mfx.TransformOptimizer(m.named_parameters(), mfx.adamw, lr=1e-2, weight_decay=0.01),
+    "adamw_chain": lambda m: mfx.TransformOptimizer(
+        [{"params": [p for _, p in m.named_parameters()], "param_names": [n for n, _ in m.named_parameters()],
+          "fused": False}], mfx.adamw, lr=1e-2, weight_decay=0.01),
+    "hybrid": lambda m: mfx.create_hybrid_optimizer(m, muon_lr=0.02, adamw_lr=1e-2, muon_weight_decay=0.01),
+    "muon_optimizer": lambda m: mfx.MuonOptimizer(m.named_parameters(), lr=0.02, momentum=0.95, weight_decay=0.01),
+}
+
+
+def _train(make, change=None, counts=None):
+    """20 steps under an lr scheduler, the momentum (Adam's betas) changed at step 6 and
+    the weight decay at step 11 (and ``change(step, group)`` if given); the parameters
+    after them, and (``counts``: the build counter) the builds after construction and
+    after every step."""
+    model = Net()
+    opt = make(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    seen = [counts[0]] if counts is not None else []
+    for step in range(STEPS):
+        for group in opt.param_groups:
+            if step == 6:
+                if "momentum" in group:
+                    group["momentum"] = 0.9
+                if "betas" in group:
+                    group["betas"] = (0.85, 0.99)
+            if step == 11:
+                group["weight_decay"] = 0.05
+            if change is not None:
+                change(step, group)
+        _grads(model, step)
+        opt.step()
+        sched.step()
+        if counts is not None:
+            seen.append(counts[0])
+    return opt, [p.detach().clone() for p in model.parameters()], seen
+
+
+def _rebuilding(make, monkeypatch, change=None):
+    """The same training, each group's preset called again whenever a number changes (no
+    late-bound hyperparameters: how the optimizer stepped before they existed)."""
+    with monkeypatch.context() as m:
+        m.setattr(inject, "late_bound_names", lambda factory: frozenset())
+        return _train(make, change)[1]
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+def test_a_schedule_and_changed_numbers_build_no_chain(name, builds, monkeypatch):
+    want = _rebuilding(MAKERS[name], monkeypatch)
+    builds[0] = 0
+    opt, got, seen = _train(MAKERS[name], counts=builds)
+    # the groups' chains were built with the optimizer (one per Muon or AdamW group), never again
+    assert seen[0] == len(opt.param_groups), seen
+    assert seen == [seen[0]] * (STEPS + 1), seen
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), (a - b).abs().max()
+    for group in opt.param_groups:  # the numbers each step used are the group's
+        assert group["weight_decay"] == 0.05
+    if name in ("adamw", "hybrid", "muon_optimizer"):  # AdamW groups still run torch's fused kernel
+        paths = {g.index: g.path for g in opt.plan.groups}
+        adamw_groups = [i for i, r in enumerate(opt.records) if "betas" in opt.param_groups[i]]
+        assert adamw_groups and all(paths[i] == "fused" for i in adamw_groups), opt.plan
+
+
+def test_the_fused_adamw_path_under_changing_numbers_is_torch_fused_adamw(builds):
+    model, ref = Net(), Net()
+    opt = mfx.TransformOptimizer(model.named_parameters(), mfx.adamw, lr=1e-2, weight_decay=0.01)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.9) for o in (opt, torch_opt)]
+    built = builds[0]
+    for step in range(STEPS):
+        for o in (opt, torch_opt):
+            if step == 6:
+                o.param_groups[0]["betas"] = (0.85, 0.99)
+            if step == 11:
+                o.param_groups[0]["weight_decay"] = 0.05
+        _grads(model, step)
+        _grads(ref, step)
+        opt.step()
+        torch_opt.step()
+        for s in scheds:
+            s.step()
+    assert builds[0] == built
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def _nesterov_off(step, group):
+    if step == 5 and "nesterov" in group:
+        group["nesterov"] = False
+
+
+def _fewer_ns_steps(step, group):
+    if step == 5 and "ns_steps" in group:
+        group["ns_steps"] = 3  # a number, but one the chain's structure depends on
+
+
+@pytest.mark.parametrize("change", [_nesterov_off, _fewer_ns_steps], ids=["nesterov", "ns_steps"])
+@pytest.mark.parametrize("name", ["muon", "hybrid"])
+def test_a_static_setting_change_builds_the_chain_again_and_steps_by_it(name, change, builds, monkeypatch):
+    want = _rebuilding(MAKERS[name], monkeypatch, change)
+    builds[0] = 0
+    opt, got, seen = _train(MAKERS[name], change, counts=builds)
+    # the Muon group's chain built once more, at step 5; the numbers after it built nothing
+    assert seen[:6] == [seen[0]] * 6 and seen[6:] == [seen[0] + 1] * (STEPS - 5), seen
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_a_static_setting_change_steps_as_the_chain_built_for_it():
+    """The functional loop, the chain built again for the new setting on the same state:
+    what the optimizer computes after ``nesterov`` changes."""
+    model = Net()
+    named = _matrices(model)
+    params = [p for _, p in named]
+    opt = mfx.TransformOptimizer(named, mfx.muon, lr=0.02, weight_decay=0.01)
+    ref = [p.detach().clone() for p in params]
+    keys = [n for n, _ in named]
+    td = lambda ts: mfx.core.build([(k,) for k in keys], list(ts))  # noqa: E731
+    state = mfx.muon(lr=0.02, weight_decay=0.01).init(td(ref))
+    for step in range(8):
+        nesterov = step < 4
+        opt.param_groups[0]["nesterov"] = nesterov
+        opt.param_groups[0]["lr"] = 0.02 * 0.9 ** step
+        _grads(model, step)
+        opt.step()
+        tx = mfx.muon(lr=0.02 * 0.9 ** step, weight_decay=0.01, nesterov=nesterov)
+        upd, state = tx.update(td([p.grad for p in params]), state, td(ref))
+        ref = [r + upd[(k,)] for r, k in zip(ref, keys)]
+    for p, r in zip(params, ref):
+        assert torch.equal(p.detach(), r)
+
+
+def test_a_factory_without_late_bound_numbers_is_called_again_for_new_numbers():
+    """A factory of one's own (not :func:`muonfx.hyperparams.late_bound`) builds its
+    transform from the numbers: called again when one changes, not when none does."""
+    calls = []
+
+    def my_sgd(lr=0.1, momentum=0.9):
+        calls.append((lr, momentum))
+        return mfx.chain(mfx.momentum(momentum), mfx.scale_by_learning_rate(lr))
+
+    model = Net()
+    opt = mfx.TransformOptimizer(_matrices(model), my_sgd)
+    for step in range(3):
+        _grads(model, step)
+        opt.step()
+    assert len(calls) == 1  # the transform of the initial values, reused while they stay
+    opt.param_groups[0]["lr"] = 0.05
+    _grads(model, 3)
+    opt.step()
+    assert len(calls) == 2 and calls[-1] == (0.05, 0.9)
+    declared = mfx.hyperparams.late_bound("lr", "momentum")(my_sgd)
+    calls.clear()
+    model = Net()
+    opt = mfx.TransformOptimizer(_matrices(model), declared)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(4):
+        _grads(model, step)
+        opt.param_groups[0]["momentum"] = 0.9 - 0.1 * step
+        opt.step()
+        sched.step()
+    assert len(calls) == 1 and opt.transform_state(0).hyperparams == {"lr": 0.1 * 0.5 ** 3, "momentum": 0.9 - 0.1 * 3}
+
+
+def test_a_compiled_step_builds_its_chains_once_and_follows_the_numbers(builds, monkeypatch):
+    """``opt.compile()``: the graph's chains are built when it is (once), and the
+    scheduler's lr, the new momentum and weight decay reach it as inputs: no chain built,
+    nothing recompiled, the eager training's parameters."""
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = lambda m: MAKERS["hybrid"](m).compile(backend=counter)  # noqa: E731
+    want = _rebuilding(MAKERS["hybrid"], monkeypatch)
+    builds[0] = 0
+    _, got, seen = _train(compiled, counts=builds)
+    assert counter.frame_count == 1
+    assert seen[1:] == [seen[1]] * STEPS, seen  # built with the optimizer and with its graph, then never
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
