@@ -73,8 +73,9 @@ def test_fused_muon_is_torch_optim_muon_bit_for_bit(nesterov, adjust_lr):
 @pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("budget", [None, 16 << 10], ids=["whole", "pieces"])
 def test_fused_muon_equals_the_chain(ns_dtype, budget):
-    """20 steps with an lr scheduler, a momentum and a weight-decay change, a parameter
-    without a gradient for a few steps, whole and in pieces: the momentum and the counts
+    """20 steps with an lr scheduler, a momentum and a weight-decay change, fewer
+    Newton-Schulz steps from step 15, a parameter without a gradient for a few steps,
+    whole and in pieces: the momentum and the counts
     are the chain's bit for bit, the parameters within the update's float32 rounding."""
     a, b = _params(MIXED), _params(MIXED)
     held = set_batch_bytes(budget, "cpu") if budget else None
@@ -83,10 +84,12 @@ def test_fused_muon_equals_the_chain(ns_dtype, budget):
         chain = mfx.TransformOptimizer(b, mfx.muon, lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, fused=False)
         scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.7) for o in (fused, chain)]
         for step in range(20):
-            if step == 10:
-                for o in (fused, chain):
+            for o in (fused, chain):
+                if step == 10:
                     o.param_groups[0]["momentum"] = 0.9
                     o.param_groups[0]["weight_decay"] = 0.05
+                if step == 15:
+                    o.param_groups[0]["ns_steps"] = 4  # read as a value by the lowering
             _grads([a, b], step, skip=2 if 6 <= step < 9 else None)
             fused.step()
             chain.step()

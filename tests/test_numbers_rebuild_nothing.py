@@ -149,12 +149,24 @@ def _fewer_ns_steps(step, group):
         group["ns_steps"] = 3  # a number, but one the chain's structure depends on
 
 
+def _chain(make):
+    """``make`` with every group on its chain (``"fused": False``): Muon's lowering
+    (tests/test_fused_muon.py) reads a changed ``ns_steps`` as a value and builds no chain."""
+    def made(m):
+        opt = make(m)
+        for g in opt.param_groups:
+            g["fused"] = False
+        return opt
+    return made
+
+
 @pytest.mark.parametrize("change", [_nesterov_off, _fewer_ns_steps], ids=["nesterov", "ns_steps"])
 @pytest.mark.parametrize("name", ["muon", "hybrid"])
 def test_a_static_setting_change_builds_the_chain_again_and_steps_by_it(name, change, builds, monkeypatch):
-    want = _rebuilding(MAKERS[name], monkeypatch, change)
+    make = _chain(MAKERS[name])
+    want = _rebuilding(make, monkeypatch, change)
     builds[0] = 0
-    opt, got, seen = _train(MAKERS[name], change, counts=builds)
+    opt, got, seen = _train(make, change, counts=builds)
     # the Muon group's chain built once more, at step 5; the numbers after it built nothing
     assert seen[:6] == [seen[0]] * 6 and seen[6:] == [seen[0] + 1] * (STEPS - 5), seen
     for a, b in zip(got, want):
@@ -167,7 +179,7 @@ def test_a_static_setting_change_steps_as_the_chain_built_for_it():
     model = Net()
     named = _matrices(model)
     params = [p for _, p in named]
-    opt = mfx.TransformOptimizer(named, mfx.muon, lr=0.02, weight_decay=0.01)
+    opt = mfx.TransformOptimizer(named, mfx.muon, lr=0.02, weight_decay=0.01, fused=False)  # the chain
     ref = [p.detach().clone() for p in params]
     keys = [n for n, _ in named]
     td = lambda ts: mfx.core.build([(k,) for k in keys], list(ts))  # noqa: E731
