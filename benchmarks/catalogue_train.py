@@ -2,15 +2,16 @@
 one or more seeds: for each optimizer, the step where it reaches AdamW's final validation
 loss (of the same seed) and its wall time per training step.
 
-    python benchmarks/catalogue_train.py                          # every optimizer, seeds 0 and 1, 150 steps
+    python benchmarks/catalogue_train.py                          # every optimizer, seeds 0 and 1, 100 steps
     python benchmarks/catalogue_train.py --names lion,soap --seeds 0
-    python benchmarks/catalogue_train.py --steps 300 --out /tmp/cat300
+    python benchmarks/catalogue_train.py --steps 300 --batch-size 32 --eval-every 50   # the main job's defaults
     python benchmarks/catalogue_train.py --table-only --out DIR   # the table of runs already in DIR
 
-Each run is ``python -m muonfx train --optimizer NAME --seed S --steps N --eval-every E
---threads 1 --no-progress --out OUT/NAME-sS`` in a process of its own (``--lr`` not given:
+Each run is ``python -m muonfx train --optimizer NAME --seed S --steps N --batch-size B
+--eval-every E --threads 1 --no-progress --out OUT/NAME-sS`` (the tiny model) in a process of its own (``--lr`` not given:
 each optimizer's default, see ``muonfx/cli/optimizers.py``); for each seed, ``adamw`` runs
-first, then the others in the order given. A run whose ``summary.json`` is already in
+first, then the others in the order given (default: the catalogue, then ``muon`` and
+``muon_adamw``). A run whose ``summary.json`` is already in
 ``--out`` is not run again (an interrupted sweep resumes).
 
 Columns: ``final val``, the run's final validation loss (mean of the seeds);
@@ -40,13 +41,15 @@ import _common  # noqa: E402  (sets ONEDNN_MAX_CPU_ISA before torch)
 
 from muonfx.cli.optimizers import optimizer_names  # noqa: E402
 from muonfx.cli.report import steps_to_reach  # noqa: E402
+from muonfx.presets import catalogue  # noqa: E402
 
 
 def run(name: str, seed: int, args, out: Path) -> dict:
     summary = out / f"{name}-s{seed}" / "summary.json"
     if not summary.exists():
         cmd = [sys.executable, "-m", "muonfx", "train", "--optimizer", name, "--seed", str(seed),
-               "--steps", str(args.steps), "--eval-every", str(args.eval_every), "--threads", "1",
+               "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--eval-every", str(args.eval_every),
+               "--threads", "1",
                "--no-progress", "--out", str(summary.parent), *args.extra]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         t0 = time.perf_counter()
@@ -60,11 +63,13 @@ def run(name: str, seed: int, args, out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--names", default=",".join(n for n in optimizer_names() if n != "adamw"),
+    order = [*catalogue.__all__, *(n for n in optimizer_names() if n not in catalogue.__all__)]
+    p.add_argument("--names", default=",".join(n for n in order if n != "adamw"),
                    help="comma-separated --optimizer names (adamw, the baseline, always runs)")
     p.add_argument("--seeds", default="0,1")
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--out", default="/tmp/muonfx-catalogue-train")
     p.add_argument("--table-only", action="store_true", help="no new runs: the table of the runs in --out")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more options of muonfx train")
