@@ -26,8 +26,9 @@ Dion2 (those rows show muonfx alone). The matrix optimizers (``muon``, ``mars_mu
 ``first``: seconds from building the optimizer to the end of its first ``step()``;
 ``steady``: the median of the next ``--steps`` steps; ``mean``: their mean (SOAP's basis
 refresh every 10 steps shows there). The gradients are given again before every step,
-outside the timed call (HeavyBall sets ``p.grad = None`` after its step). ``/ heavyball``: muonfx's time over HeavyBall's
-(default, compiled) in the same run; below 1 is muonfx faster.
+outside the timed call (HeavyBall sets ``p.grad = None`` after its step). ``/ heavyball``:
+muonfx's time over HeavyBall's (default, compiled) in the same run; below 1 is muonfx
+faster.
 """
 
 from __future__ import annotations

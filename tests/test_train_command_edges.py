@@ -1,7 +1,7 @@
 """``muonfx train`` and ``muonfx bench`` at their edges: every catalogue optimizer trains
 next to AdamW (``--optimizer NAME --compare adamw``) and an unknown name is refused with the
-valid ones; paths that cannot be used are refused before training, a checkpoint that cannot be written costs the checkpoint and
-nothing else, SIGHUP stops a run as SIGTERM does, a damaged corpus cache is rebuilt."""
+valid ones; paths that cannot be used are refused before training, a checkpoint that
+cannot be written costs the checkpoint and nothing else, SIGHUP stops a run as SIGTERM does, a damaged corpus cache is rebuilt."""
 
 from __future__ import annotations
 

@@ -2,25 +2,24 @@
 one or more seeds: for each optimizer, the step where it reaches AdamW's final validation
 loss (of the same seed) and its wall time per training step.
 
-    python benchmarks/catalogue_train.py                          # every optimizer, seeds 0 and 1, 100 steps
-    python benchmarks/catalogue_train.py --names lion,soap --seeds 0
-    python benchmarks/catalogue_train.py --steps 300 --batch-size 32 --eval-every 50   # the main job's defaults
-    python benchmarks/catalogue_train.py --table-only --out DIR   # the table of runs already in DIR
+    python scripts/catalogue_train.py                          # every optimizer, seeds 0 and 1, 100 steps
+    python scripts/catalogue_train.py --names lion,soap --seeds 0
+    python scripts/catalogue_train.py --steps 300 --batch-size 32 --eval-every 50   # the main job's defaults
+    python scripts/catalogue_train.py --table-only --out DIR   # the table of runs already in DIR
 
 Each run is ``python -m muonfx train --optimizer NAME --seed S --steps N --batch-size B
---eval-every E --threads 1 --no-progress --out OUT/NAME-sS`` (the tiny model) in a process of its own (``--lr`` not given:
-each optimizer's default, see ``muonfx/cli/optimizers.py``); for each seed, ``adamw`` runs
-first, then the others in the order given (default: the catalogue, then ``muon`` and
-``muon_adamw``). A run whose ``summary.json`` is already in
-``--out`` is not run again (an interrupted sweep resumes).
+--eval-every E --threads 1 --no-progress --out OUT/NAME-sS`` (the tiny model) in a process
+of its own (``--lr`` not given: each optimizer's default, see
+``muonfx/cli/optimizers.py``); for each seed, ``adamw`` runs first, then the others in the
+order given (default: the catalogue, then ``muon`` and ``muon_adamw``). A run whose
+``summary.json`` is already in ``--out`` is not run again (an interrupted sweep resumes).
 
-Columns: ``final val``, the run's final validation loss (mean of the seeds);
-``steps to AdamW's final val``, the step where the validation curve reaches the ``adamw``
-run's final loss of the same seed (interpolated between evaluations; ``-`` where it does
-not within the run), per seed; ``x AdamW``, that step over the run's length (mean of the
-seeds that reach it); ``s/step``, the training wall time per step (evaluations excluded,
-first step included; mean of the seeds) and its ratio to ``adamw``'s, measured in the same
-sweep.
+Columns: ``final val``, the run's final validation loss (mean of the seeds); ``steps to
+AdamW's final val``, the step where the validation curve reaches the ``adamw`` run's final
+loss of the same seed (interpolated between evaluations; ``-`` where it does not within
+the run), per seed; ``x AdamW``, that step over the run's length, per seed; ``s/step``,
+the training wall time per step (evaluations excluded, first step included; mean of the
+seeds) and its ratio to ``adamw``'s, measured in the same sweep.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import _common  # noqa: E402  (sets ONEDNN_MAX_CPU_ISA before torch)
 
@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     names = [n for n in args.names.split(",") if n and n != "adamw"]
     seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.out)
+    import torch
+
+    torch.set_num_threads(1)  # as every run: the machine line says so
     print(f"# {_common.machine()}")
     runs: dict[tuple[str, int], dict] = {}
     for seed in seeds:
@@ -96,11 +99,10 @@ def main(argv: list[str] | None = None) -> None:
             rec = runs[name, s]
             hit = steps_to_reach(rec["val_curve"], runs["adamw", s]["final_val_loss"])
             hits.append("-" if hit is None else f"{hit['interpolated']:.0f}")
-            if hit is not None:
-                fracs.append(hit["interpolated"] / rec["steps"])
+            fracs.append("-" if hit is None else f"{hit['interpolated'] / rec['steps']:.2f}")
         per_step = statistics.mean(_per_step(runs[name, s]) for s in done)
         rows.append([name, f"{statistics.mean(runs[name, s]['final_val_loss'] for s in done):.3f}",
-                     " / ".join(hits), f"{statistics.mean(fracs):.2f}x" if fracs else "-",
+                     " / ".join(hits), " / ".join(fracs),
                      f"{per_step:.3f}", f"{per_step / base_s:.2f}x"])
     print(f"seeds {', '.join(map(str, seeds))}; {args.steps} steps")
     print(_common.table(["optimizer", "final val", "steps to AdamW's final val", "x AdamW", "s/step",
