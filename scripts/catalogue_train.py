@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--out", default="/tmp/muonfx-catalogue-train")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at a time (default 1: back to back); more only where that many cores are idle")
     p.add_argument("--table-only", action="store_true", help="no new runs: the table of the runs in --out")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more options of muonfx train")
     args = p.parse_args(argv)
@@ -82,12 +84,17 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)  # as every run: the machine line says so
     print(f"# {_common.machine()}")
-    runs: dict[tuple[str, int], dict] = {}
-    for seed in seeds:
-        for name in ["adamw", *names]:
-            if args.table_only and not (out / f"{name}-s{seed}" / "summary.json").exists():
-                continue
-            runs[name, seed] = run(name, seed, args, out)
+    todo = [(name, seed) for seed in seeds for name in ["adamw", *names]]
+    if args.table_only:
+        todo = [(n, s) for n, s in todo if (out / f"{n}-s{s}" / "summary.json").exists()]
+    if args.jobs > 1:  # on a machine with cores to spare: runs side by side, one thread each
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(args.jobs) as pool:
+            done = list(pool.map(lambda ns: run(*ns, args, out), todo))
+    else:
+        done = [run(n, s, args, out) for n, s in todo]
+    runs: dict[tuple[str, int], dict] = dict(zip(todo, done))
     rows = []
     base_s = statistics.mean(_per_step(runs["adamw", s]) for s in seeds if ("adamw", s) in runs)
     for name in ["adamw", *names]:
@@ -104,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         rows.append([name, f"{statistics.mean(runs[name, s]['final_val_loss'] for s in done):.3f}",
                      " / ".join(hits), " / ".join(fracs),
                      f"{per_step:.3f}", f"{per_step / base_s:.2f}x"])
-    print(f"seeds {', '.join(map(str, seeds))}; {args.steps} steps")
+    print(f"seeds {', '.join(map(str, seeds))}; {args.steps} steps, batch {args.batch_size}; "
+          f"{args.jobs} run(s) at a time, one thread each")
     print(_common.table(["optimizer", "final val", "steps to AdamW's final val", "x AdamW", "s/step",
                          "s/step x AdamW"], rows))
 
