@@ -17,7 +17,9 @@ order given (default: the catalogue, then ``muon`` and ``muon_adamw``). A run wh
 Columns: ``final val``, the run's final validation loss (mean of the seeds); ``steps to
 AdamW's final val``, the step where the validation curve reaches the ``adamw`` run's final
 loss of the same seed (interpolated between evaluations; ``-`` where it does not within
-the run), per seed; ``x AdamW``, that step over the run's length, per seed; ``s/step``,
+the run), per seed; ``x AdamW``, that step over the run's length, per seed; ``AdamW's step
+at this final val``, the other way round: the step where ``adamw``'s curve reaches this
+run's final loss (``-``: never, the run ends below AdamW's curve), per seed; ``s/step``,
 the training wall time per step (evaluations excluded, first step included; mean of the
 seeds) and its ratio to ``adamw``'s, measured in the same sweep.
 """
@@ -101,19 +103,22 @@ def main(argv: list[str] | None = None) -> None:
         done = [s for s in seeds if (name, s) in runs and ("adamw", s) in runs]
         if not done:
             continue
-        hits, fracs = [], []
+        hits, fracs, back = [], [], []
         for s in done:
             rec = runs[name, s]
+            mirror = steps_to_reach(runs["adamw", s]["val_curve"], rec["final_val_loss"])
+            back.append("-" if mirror is None else f"{mirror['interpolated']:.0f}")
             hit = steps_to_reach(rec["val_curve"], runs["adamw", s]["final_val_loss"])
             hits.append("-" if hit is None else f"{hit['interpolated']:.0f}")
             fracs.append("-" if hit is None else f"{hit['interpolated'] / rec['steps']:.2f}")
         per_step = statistics.mean(_per_step(runs[name, s]) for s in done)
         rows.append([name, f"{statistics.mean(runs[name, s]['final_val_loss'] for s in done):.3f}",
-                     " / ".join(hits), " / ".join(fracs),
+                     " / ".join(hits), " / ".join(fracs), " / ".join(back),
                      f"{per_step:.3f}", f"{per_step / base_s:.2f}x"])
     print(f"seeds {', '.join(map(str, seeds))}; {args.steps} steps, batch {args.batch_size}; "
           f"{args.jobs} run(s) at a time, one thread each")
-    print(_common.table(["optimizer", "final val", "steps to AdamW's final val", "x AdamW", "s/step",
+    print(_common.table(["optimizer", "final val", "steps to AdamW's final val", "x AdamW",
+                         "AdamW's step at this final val", "s/step",
                          "s/step x AdamW"], rows))
 
 
