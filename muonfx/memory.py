@@ -30,7 +30,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["AllocatorPeak", "FreshMemory", "step_memory"]
+__all__ = ["AllocatorPeak", "FreshMemory", "step_memory", "state_bytes", "state_per_element"]
 
 
 class FreshMemory(TorchDispatchMode):
@@ -150,3 +150,36 @@ def step_memory(step: Callable[[], object], device: torch.device) -> int:
     with counter:
         step()
     return counter.peak
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor an optimizer holds in ``opt.state`` (its buffers: moments,
+    previous gradients, Shampoo factors and bases, ...; step counters kept as Python
+    numbers count 0). Works for any ``torch.optim.Optimizer``; muonfx's create their
+    state when they are built, torch's at their first step.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from muonfx.memory import state_bytes
+        >>> w = torch.nn.Parameter(torch.zeros(16, 8))
+        >>> state_bytes(mfx.TransformOptimizer([("w", w)], mfx.adamw))   # two float32 moments
+        1024
+    """
+    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+
+
+def state_per_element(opt: torch.optim.Optimizer) -> float:
+    """:func:`state_bytes` over the number of parameter elements of ``opt``'s groups: 8.0
+    for AdamW's two float32 moments, 4.0 for Muon's or Lion's one buffer.
+
+    Example::
+
+        >>> import torch, muonfx as mfx
+        >>> from muonfx.memory import state_per_element
+        >>> w = torch.nn.Parameter(torch.zeros(16, 8))
+        >>> state_per_element(mfx.TransformOptimizer([("w", w)], mfx.lion))
+        4.0
+    """
+    elements = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    return state_bytes(opt) / elements

@@ -315,3 +315,46 @@ def test_the_step_memory_benchmark_prints_each_path():
                           "--paths", "whole,eager"], capture_output=True, text=True, timeout=300, check=True).stdout
     mib = {path: int(n) for path, n in re.findall(r"^\|\s*moe\s*\|[^|]*\|\s*(whole|eager)\s*\|\s*(\d+) MiB", out, re.M)}
     assert set(mib) == {"whole", "eager"} and mib["eager"] < mib["whole"], out
+
+
+# ---------------------------------------------------------------------------
+# docs/api.md's table of state per parameter element, measured
+# ---------------------------------------------------------------------------
+
+#: the "parameter" column of the table: the shapes measured and the preset's options
+_TABLE_PARAMS = {
+    "any": ([(16, 32), (32,)], {}),
+    "a matrix": ([(16, 32), (8, 8)], {}),
+    "a square matrix": ([(16, 16)], {}),
+    "an `m x 2m` matrix": ([(16, 32)], {}),
+    "an `m x 4m` matrix": ([(8, 32)], {}),
+    "an `m x 4m` matrix, `4m > max_precond_dim` (one-sided)": ([(8, 32)], {"max_precond_dim": 16}),
+    "a vector (`precondition_1d=False`, the default)": ([(32,)], {}),
+}
+
+
+def _state_table():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    section = text.split("#### State memory per parameter element", 1)[1].split("\n\n|", 1)[1]
+    rows = []
+    for line in ("|" + section).split("\n\n", 1)[0].splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows.append((cells[0].strip("`"), cells[1], float(cells[3]), float(cells[4])))
+    return rows
+
+
+def test_the_documented_state_per_element_is_what_each_optimizer_holds():
+    from muonfx.memory import state_bytes, state_per_element
+
+    rows = _state_table()
+    from muonfx.presets import catalogue
+    assert {"adamw", "muon", *catalogue.__all__} <= {r[0] for r in rows}
+    for name, param, copies, nbytes in rows:
+        shapes, kw = _TABLE_PARAMS[param]
+        params = [(f"p{i}", torch.nn.Parameter(torch.zeros(s))) for i, s in enumerate(shapes)]
+        opt = mfx.TransformOptimizer(params, getattr(mfx, name), **kw)
+        measured = state_per_element(opt)
+        assert (measured, measured / 4) == (nbytes, copies), (name, param, measured)
+        assert state_bytes(opt) == nbytes * sum(p.numel() for _, p in params)

@@ -1,6 +1,7 @@
-"""``muonfx train`` and ``muonfx bench`` at their edges: paths that cannot be used are
-refused before training, a checkpoint that cannot be written costs the checkpoint and
-nothing else, SIGHUP stops a run as SIGTERM does, a damaged corpus cache is rebuilt."""
+"""``muonfx train`` and ``muonfx bench`` at their edges: every catalogue optimizer trains
+next to AdamW (``--optimizer NAME --compare adamw``) and an unknown name is refused with the
+valid ones; paths that cannot be used are refused before training, a checkpoint that
+cannot be written costs the checkpoint and nothing else, SIGHUP stops a run as SIGTERM does, a damaged corpus cache is rebuilt."""
 
 from __future__ import annotations
 
@@ -18,10 +19,33 @@ from muonfx.cli import checkpoint as cli_checkpoint
 from muonfx.cli.checkpoint import CheckpointError, content_sha256, load_checkpoint, write_atomically
 from muonfx.cli.corpus import load_corpus
 from muonfx.cli.interrupt import StepInterrupt
+from muonfx.cli.optimizers import optimizer_names
+from muonfx.presets import catalogue
 
 FAST = ["--model", "tiny", "--batch-size", "2", "--context", "16", "--threads", "1", "--eval-batches", "1",
         "--device", "cpu", "--no-progress"]
 TWO = ["train", "--steps", "2", "--eval-every", "2", *FAST]
+
+
+@pytest.mark.parametrize("name", catalogue.__all__)
+def test_each_catalogue_optimizer_trains_next_to_adamw(name, env, tmp_path):
+    assert run_main([*TWO, "--optimizer", name, "--compare", "adamw", "--out", str(tmp_path)]) == 0
+    runs = json.loads((tmp_path / "summary.json").read_text())["runs"]
+    assert set(runs) == {name, "adamw"}
+    for rec in runs.values():
+        assert rec["steps"] == 2 and all(torch.isfinite(torch.tensor(v)) for _, v in rec["val_curve"])
+    assert runs[name]["final_val_loss"] != runs["adamw"]["final_val_loss"]  # it stepped, and not as AdamW
+
+
+def test_every_optimizer_name_is_in_the_help_and_an_unknown_one_lists_them(env, capsys):
+    assert set(catalogue.__all__) <= set(optimizer_names())
+    with pytest.raises(SystemExit):
+        run_main(["train", "--help"])
+    helptext = " ".join(capsys.readouterr().out.split())
+    assert all(n in helptext for n in optimizer_names()), helptext
+    assert run_main([*TWO, "--optimizer", "lamb", "--compare", "adamw"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown optimizer 'lamb'; choose one of: " + ", ".join(optimizer_names()) in err
 
 
 @pytest.mark.parametrize("option", ["--save", "--resume", "--out", "--cache-dir"])

@@ -35,7 +35,9 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = DEFAULTS
     g = p.add_argument_group("what to train")
     g.add_argument("--optimizer", metavar="NAME",
-                   help="muon_adamw (default), adamw, muon or any preset in muonfx.presets.standard")
+                   help="muon_adamw (default), adamw, muon, or one of the catalogue: lion, adopt, laprop, "
+                        "cautious_adamw, mars_adamw, mars_muon, schedule_free_adamw, soap, dion2 (mars_muon, "
+                        "dion2 and muon take the matrices, AdamW the rest; the others take every parameter)")
     g.add_argument("--model", choices=sorted(MODELS),
                    help="tiny: 4x128, 4 heads, ctx 128 (default, CPU); small: 6x256, 8 heads, ctx 256; "
                         "gpt2: the GPT-2 124M configuration 12x768, ctx 1024 (GPUs)")

@@ -38,8 +38,9 @@ HEARTBEAT_S = 10.0
 #: 2026-11-26, 49 min 51 s in all; a quiet machine takes less (``adamw_step`` alone 177 s
 #: on a quiet 2-core Intel VM; ``host_cost`` and ``fsdp_scale`` were timed on the AMD VM at
 #: load 0.5-1). The estimate scales them by the pace of the scripts run so far.
-#: ``first_step``: 152 s on the AMD VM at load 2-3, 2026-11-28.
-MEASURED_S = {"adamw_step": 361.0, "first_step": 152.0, "fsdp_scale": 12.0, "fsdp_step": 43.0, "host_cost": 6.0,
+#: ``first_step``: 152 s on the AMD VM at load 2-3, 2026-11-28. ``catalogue_step``: 392 s on the AMD VM
+#: at load 10-12, heavyball not installed (muonfx alone), 2026-11-28.
+MEASURED_S = {"adamw_step": 361.0, "catalogue_step": 392.0, "first_step": 152.0, "fsdp_scale": 12.0, "fsdp_step": 43.0, "host_cost": 6.0,
               "muon_step": 1618.0, "newton_schulz": 574.0, "step_memory": 396.0}
 
 #: lines of the profiler itself, not of the benchmark (``torch.profiler`` start and stop,

@@ -10,8 +10,8 @@
   parameter of 2 or more dimensions (embeddings and head included: the "Muon on
   everything it can take" ablation) and AdamW (``--adamw-lr``) the 0-D/1-D rest.
 * a preset of :mod:`muonfx.presets.catalogue`: ``mars_muon`` and ``dion2`` as ``muon`` above; the
-  elementwise ones (``lion``, ``adopt``, ``laprop``, ``cautious_adamw``, ``mars_adamw``)
-  on every parameter, with ``--lr`` (else the preset's own default lr) and
+  elementwise ones (``lion``, ``adopt``, ``laprop``, ``cautious_adamw``, ``mars_adamw``,
+  ``schedule_free_adamw``, ``soap``) on every parameter, with ``--lr`` (else the preset's own default lr) and
   ``--weight-decay``.
 """
 
