@@ -456,3 +456,13 @@ def test_compiled_step_clips_as_the_eager_one():
         results.append({n: p.detach().clone() for n, p in a.named_parameters()})
     for n in results[0]:
         torch.testing.assert_close(results[1][n], results[0][n], rtol=1e-5, atol=1e-5)
+
+
+def test_a_fused_layout_under_tensor_parallelism_is_refused():
+    """ColwiseParallel cuts a fused QKV matrix into contiguous row blocks, not per head:
+    refused up front, naming the layer, rather than clipping the wrong rows."""
+    rec = mfx.QKLogitRecorder()
+    layout = {"attn": mfx.QKLayout.fused("c_attn.weight", heads=2, head_dim=8)}
+    with pytest.raises(ValueError, match=r"fused QKV layout under tensor parallelism.*\['attn'\]"):
+        mfx.QKClip(rec, layout, tau=5.0, tp_mesh=object())
+    mfx.QKClip(rec, layout, tau=5.0)  # without tensor parallelism: accepted

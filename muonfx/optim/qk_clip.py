@@ -76,6 +76,14 @@ class QKClip:
             raise TypeError(f"QKClip: recorder must be a muonfx.QKLogitRecorder, got {type(self.recorder).__name__}")
         object.__setattr__(self, "layout", dict(self.layout))
         self.transform()  # checks tau, alpha and the layout now
+        if self.tp_mesh is not None:
+            fused = sorted(name for name, lay in self.layout.items() if lay.qkv is not None)
+            if fused:
+                # ColwiseParallel cuts a fused QKV matrix into contiguous row blocks, not per
+                # head: a tp rank's rows are not its heads' q and k rows
+                raise ValueError(f"QKClip: a fused QKV layout under tensor parallelism (tp_mesh) is not supported "
+                                 f"({fused}); give the model separate q and k projections "
+                                 "(QKLayout.separate) to clip under tensor parallelism")
 
     def transform(self) -> GradientTransformation:
         """The ``qk_clip`` transform the groups' chains end with."""
