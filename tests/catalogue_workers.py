@@ -86,19 +86,14 @@ def _layout_4(layout: str, world: int):
     """A ResMLP with 9 inputs laid out as ``layout`` on 4 ranks (``fsdp``: FSDP2 over the
     4; ``hsdp``: 2 x 2 replicate x shard; ``fsdp_tp``: 2 x 2, tensor parallel inside,
     FSDP2 across), and (data part, parts) of this rank."""
-    from fsdp_workers import ResMLP, _tp
+    from fsdp_workers import ResMLP, fsdp_tp_2x2
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = ResMLP(d_in=9, h=30)
     if layout == "fsdp_tp":
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
-        for b in model.blocks:
-            _tp(b, mesh["tp"])
-            fully_shard(b, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-        return model, mesh["dp"].get_local_rank(), 2
+        return fsdp_tp_2x2(model, world)
     if layout == "fsdp":
         mesh = init_device_mesh("cpu", (world,))
     else:

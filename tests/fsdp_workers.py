@@ -723,6 +723,17 @@ RES_H = {"fsdp_tp": 30, "tp": 32, "hsdp": 30, "offload": 30}
 RES_LAYOUTS = tuple(RES_H)
 
 
+def fsdp_tp_2x2(model: nn.Module, world: int):
+    """``model``'s blocks tensor parallel inside a 2 x (world / 2) mesh, FSDP2 across;
+    ``(model, data part, parts)`` of this rank."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    for b in model.blocks:
+        _tp(b, mesh["tp"])
+        fully_shard(b, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model, mesh["dp"].get_local_rank(), 2
+
+
 def _res_layout(layout: str, world: int):
     """A ResMLP laid out as ``layout``, and (data part, parts) of this rank."""
     from torch.distributed.fsdp import CPUOffloadPolicy
@@ -730,12 +741,7 @@ def _res_layout(layout: str, world: int):
     torch.manual_seed(0)
     model = ResMLP(h=RES_H[layout])
     if layout == "fsdp_tp":  # 2 x 2: tensor parallel inside, FSDP2 across
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
-        for b in model.blocks:
-            _tp(b, mesh["tp"])
-            fully_shard(b, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-        return model, mesh["dp"].get_local_rank(), 2
+        return fsdp_tp_2x2(model, world)
     if layout == "tp":  # tensor parallel alone over every rank: every rank sees the whole batch
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         for b in model.blocks:

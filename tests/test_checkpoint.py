@@ -629,8 +629,8 @@ def test_checkpoints_with_the_old_epsilon_names_load_into_the_renamed_options():
 @pytest.mark.slow
 def test_a_model_of_2_24_elements_resumes_bit_for_bit_with_every_default():
     """MuonOptimizer with every default on a model of 2^24 matrix elements (and biases): its
-    Muon group runs eagerly in pieces (larger than the CPU's batch budget; nothing is
-    compiled unless asked), its AdamW group (the biases) in torch's fused kernel. Stopped
+    Muon group runs Muon's lowering in pieces (larger than the CPU's batch budget; nothing
+    is compiled unless asked), its AdamW group (the biases) in torch's fused kernel. Stopped
     after two steps and resumed from ``torch.save`` / ``torch.load(weights_only=True)``
     into a new model and optimizer, the next two steps end bit for bit where the
     uninterrupted run does: no timing decides any path."""
@@ -653,7 +653,7 @@ def test_a_model_of_2_24_elements_resumes_bit_for_bit_with_every_default():
         grads(whole, step)
         opt.step()
     g = opt.plan.groups[0]
-    assert g.path == "eager" and g.pieces is not None, opt.plan
+    assert g.path == "fused" and g.pieces is not None, opt.plan
     assert opt.plan.groups[1].path == "fused"  # the biases' AdamW group
 
     first = model()
@@ -666,7 +666,7 @@ def test_a_model_of_2_24_elements_resumes_bit_for_bit_with_every_default():
     for step in range(2, 4):
         grads(again, step)
         o2.step()
-    assert o2.plan.groups[0].path == "eager" and o2.plan.groups[1].path == "fused"
+    assert o2.plan.groups[0].path == "fused" and o2.plan.groups[1].path == "fused"
     for (n, a), (_, b) in zip(whole.named_parameters(), again.named_parameters()):
         assert torch.equal(a, b), n
     sa, sb = opt.state_dict()["state"], o2.state_dict()["state"]
