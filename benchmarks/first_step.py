@@ -126,12 +126,17 @@ def child(set_name: str, layers: int, contender: str, steps: int, device: torch.
     _common.sync(device)
     t0 = time.perf_counter()
     opts, _ = make(contender, model)
+    # every parameter an optimizer holds and its gradient: given again before each steady
+    # step, outside the timing (HeavyBall sets p.grad to None after a step)
+    pairs = [(p, p.grad) for o in opts for g in o.param_groups for p in g["params"]]
     for o in opts:
         o.step()
     _common.sync(device)
     first = time.perf_counter() - t0
     times = []
     for _ in range(steps):
+        for p, g in pairs:
+            p.grad = g
         _common.sync(device)
         t = time.perf_counter()
         for o in opts:

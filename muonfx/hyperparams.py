@@ -287,7 +287,9 @@ def late_bound(*names: str) -> Any:
     declaration is called again whenever a number changes.
 
     :func:`muonfx.muon`, :func:`muonfx.adamw` and :func:`muonfx.muon_adamw` are
-    declared for their learning rates, momentum, betas, epsilons and weight decays.
+    declared for their learning rates, momentum, betas, epsilons and weight decays; the
+    catalogue's presets and the Muon recipes for their learning rate and weight decay
+    (the recipes also for momentum).
 
     Example::
 

@@ -245,3 +245,55 @@ def test_a_compiled_step_builds_its_chains_once_and_follows_the_numbers(builds, 
     assert seen[1:] == [seen[1]] * STEPS, seen  # built with the optimizer and with its graph, then never
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+#: the catalogue presets and Muon variants whose lr and weight decay (and, where their
+#: transforms read them at update time, momentum, betas, eps) are late-bound
+LATE_PRESETS = {
+    "lion": {"lr": 1e-3, "weight_decay": 0.1}, "adopt": {"lr": 1e-3, "weight_decay": 0.1},
+    "laprop": {"lr": 1e-3, "weight_decay": 0.1}, "cautious_adamw": {"lr": 1e-3, "weight_decay": 0.1},
+    "mars_adamw": {"lr": 1e-3, "weight_decay": 0.1},
+    "dion2": {"lr": 1e-2, "weight_decay": 0.1}, "soap": {"lr": 1e-3, "weight_decay": 0.1},
+    "mars_muon": {"lr": 0.02, "weight_decay": 0.1}, "moonlight": {"lr": 1e-3, "weight_decay": 0.1},
+    "normuon": {"lr": 0.02, "weight_decay": 0.1}, "muon_cautious": {"lr": 0.02, "weight_decay": 0.1},
+    "muon_per_head": {"lr": 0.02, "weight_decay": 0.1, "split_sizes": 4, "qkv_pattern": "w1"},
+    "optax_muon": {"lr": 0.02, "weight_decay": 0.1},
+}
+
+
+@pytest.mark.parametrize("name", sorted(LATE_PRESETS))
+def test_late_bound_presets_build_once_under_a_scheduler_and_a_new_weight_decay(name, monkeypatch):
+    """The preset is called once (when the optimizer is built) for 10 steps under an lr
+    scheduler with the weight decay changed at step 5, and the steps are bit for bit what
+    calling it again at each change computes."""
+    import functools
+
+    real = getattr(mfx, name)
+    calls = [0]
+
+    @functools.wraps(real)
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    def run(factory):
+        model = Net()
+        opt = mfx.TransformOptimizer(_matrices(model), factory, **LATE_PRESETS[name])
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
+        built = calls[0]
+        for step in range(10):
+            if step == 5:
+                opt.param_groups[0]["weight_decay"] = 0.02
+            _grads(model, step)
+            opt.step()
+            sched.step()
+        return [p.detach().clone() for p in model.parameters()], calls[0] - built
+
+    got, more = run(counted)
+    assert more == 0, f"{name}: called {more} more times after the optimizer was built"
+    with monkeypatch.context() as m:
+        m.setattr(inject, "late_bound_names", lambda factory: frozenset())
+        want, rebuilt = run(counted)
+    assert rebuilt > 0  # the comparison is with a path that did call it again
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), (name, (a - b).abs().max())

@@ -13,7 +13,7 @@ import torch
 
 from ..combine import chain, named_chain
 from ..core import GradientTransformation
-from ..hyperparams import check_args
+from ..hyperparams import check_args, late_bound
 from ..schedules import ScalarOrSchedule
 from ..transforms import (cautious, decoupled_decay, scale_by_dion2, scale_by_shape, scale_by_soap, mars_correction, scale_by_adam, scale_by_adopt, scale_by_laprop,
                           scale_by_learning_rate, scale_by_lion, schedule_free)
@@ -31,6 +31,7 @@ def _betas(name: str, betas: Any) -> tuple[float, float]:
     return betas[0], betas[1]
 
 
+@late_bound("lr", "weight_decay")
 def lion(lr: ScalarOrSchedule = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
          weight_decay: float = 0.0) -> GradientTransformation:
     """Lion (Chen et al., 2023), as ``lion_pytorch.Lion`` computes it (same defaults).
@@ -53,6 +54,7 @@ def lion(lr: ScalarOrSchedule = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                        ("lr", scale_by_learning_rate(lr)))
 
 
+@late_bound("lr", "weight_decay")
 def adopt(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.9999), eps: float = 1e-6,
           weight_decay: float = 0.0, decouple: bool = False) -> GradientTransformation:
     """ADOPT (Taniguchi et al., 2024), as the authors' ``adopt.py`` computes it (same defaults).
@@ -77,6 +79,7 @@ def adopt(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.9999
     return named_chain(*steps, ("lr", scale_by_learning_rate(lr)))
 
 
+@late_bound("lr", "weight_decay")
 def laprop(lr: ScalarOrSchedule = 4e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-15,
            weight_decay: float = 0.0) -> GradientTransformation:
     """LaProp (Ziyin et al., 2020), as the authors' ``laprop.py`` computes it at a constant lr.
@@ -99,6 +102,7 @@ def laprop(lr: ScalarOrSchedule = 4e-4, betas: tuple[float, float] = (0.9, 0.999
                        ("lr", scale_by_learning_rate(lr)))
 
 
+@late_bound("lr", "weight_decay")
 def cautious_adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                    weight_decay: float = 0.0) -> GradientTransformation:
     """C-AdamW (Liang et al., 2024), as the authors' C-Optim ``AdamW`` computes it.
@@ -120,6 +124,7 @@ def cautious_adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.
                        ("weight_decay", decoupled_decay(weight_decay)), ("lr", scale_by_learning_rate(lr)))
 
 
+@late_bound("lr", "weight_decay")
 def mars_adamw(lr: ScalarOrSchedule = 3e-3, betas: tuple[float, float] = (0.95, 0.99), eps: float = 1e-8,
                weight_decay: float = 0.0, gamma: float = 0.025, max_norm: float | None = 1.0) -> GradientTransformation:
     """MARS-AdamW (Yuan et al., 2024), as AGI-Arena/MARS's ``mars.py`` computes it
@@ -142,6 +147,7 @@ def mars_adamw(lr: ScalarOrSchedule = 3e-3, betas: tuple[float, float] = (0.95, 
                        ("weight_decay", decoupled_decay(weight_decay)), ("lr", scale_by_learning_rate(lr)))
 
 
+@late_bound("lr", "weight_decay", "eps")
 @takes_muon_options()
 def mars_muon(*, gamma: float = 0.025, max_norm: float | None = None, **options: Any) -> GradientTransformation:
     """MARS-M: Muon on the MARS-corrected gradient (AGI-Arena/MARS's ``MARS_M``).
@@ -199,6 +205,7 @@ def schedule_free_adamw(lr: float = 0.0025, betas: tuple[float, float] = (0.9, 0
 _DION_SHAPES = {"spectral_norm": "spectral", "rms_norm": "match_rms_adamw", None: "none"}
 
 
+@late_bound("lr", "weight_decay")
 def dion2(lr: ScalarOrSchedule = 0.01, fraction: float = 0.25, ef_decay: float = 0.95, weight_decay: float = 0.01,
           adjust_lr: str | None = "spectral_norm", eps: float = 1e-7,
           ns_dtype: torch.dtype | None = None) -> GradientTransformation:
@@ -228,6 +235,7 @@ def dion2(lr: ScalarOrSchedule = 0.01, fraction: float = 0.25, ef_decay: float =
                        ("weight_decay", decoupled_decay(weight_decay)), ("lr", scale_by_learning_rate(lr)))
 
 
+@late_bound("lr", "weight_decay")
 def soap(lr: ScalarOrSchedule = 3e-3, betas: tuple[float, float] = (0.95, 0.95), shampoo_beta: float = -1.0,
          eps: float = 1e-8, weight_decay: float = 0.01, precondition_frequency: int = 10, max_precond_dim: int = 10000,
          merge_dims: bool = False, precondition_1d: bool = False,

@@ -39,6 +39,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from ..hyperparams import late_bound
 from ..combine import SplitSizes, blockwise, chain, named_chain, partition
 from ..core import GradientTransformation
 from ..schedules import momentum_warmup
@@ -57,6 +58,7 @@ __all__ = ["moonlight", "normuon", "muon_cautious", "muon_with_momentum_warmup",
 # ---------------------------------------------------------------------------
 
 
+@late_bound("lr", "momentum", "weight_decay")
 @takes_muon_options(defaults={"lr": 1e-3, "weight_decay": 0.1, "adjust_lr": "match_rms_adamw"},
                     changed={"eps": "eps is the Newton-Schulz floor here (torch.optim.Muon's eps, default 1e-7); "
                                     "it was Adam's epsilon in earlier muonfx versions, which is adamw_eps now "
@@ -119,6 +121,7 @@ def moonlight(
 # ---------------------------------------------------------------------------
 
 
+@late_bound("lr", "momentum", "weight_decay")
 @takes_muon_options(changed={"eps": "eps is the Newton-Schulz floor here (torch.optim.Muon's eps, default "
                                     "1e-7); it was the row normaliser's epsilon in earlier muonfx versions, which "
                                     "is row_eps now (default 1e-10). Pass row_eps= for that."})
@@ -163,6 +166,7 @@ def normuon(*, beta2: float = 0.95, row_eps: float = 1e-10, **muon_options: Any)
 # ---------------------------------------------------------------------------
 
 
+@late_bound("lr", "momentum", "weight_decay", "eps")
 @takes_muon_options(defaults={"weight_decay": 0.01})
 def muon_cautious(**muon_options: Any) -> GradientTransformation:
     """Muon with Cautious Weight Decay (Chen et al., 2025).
@@ -245,6 +249,7 @@ def split_newton_schulz(split_sizes: SplitSizes, dim: int = 0, **ns_kwargs) -> G
     return blockwise(newton_schulz(**ns_kwargs), split_sizes, dim)
 
 
+@late_bound("lr", "momentum", "weight_decay")
 @takes_muon_options()
 def muon_per_head(
     split_sizes: SplitSizes,
@@ -295,6 +300,7 @@ def optax_labels(key: str, tensor: torch.Tensor) -> str:
     return "muon" if tensor.ndim == 2 else "adam"
 
 
+@late_bound("lr", "weight_decay")
 @takes_muon_options(defaults={"eps": 1e-8})
 def optax_muon(
     *,
