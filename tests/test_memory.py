@@ -116,8 +116,8 @@ def test_adamw_fused_step_allocates_nothing_per_parameter():
 
 #: the bound of the step's extra memory in budgets, by path and Newton-Schulz dtype: the
 #: measured figures of the docstring below with a margin
-MUON_PIECE_BOUND = {("chain", torch.float32): 7, ("chain", torch.bfloat16): 4.5,
-                    ("lowered", torch.float32): 6, ("lowered", torch.bfloat16): 3.5}
+MUON_PIECE_BOUND = {("chain", torch.float32): 6, ("chain", torch.bfloat16): 4.5,
+                    ("lowered", torch.float32): 5, ("lowered", torch.bfloat16): 3.5}
 
 
 @pytest.mark.parametrize("path", ["lowered", "chain"])
@@ -133,7 +133,10 @@ def test_muon_step_memory_is_a_few_budgets_whatever_the_model(ns_dtype, path):
     runs whole: the pure update (new momentum and two links of the chain: 3 P) plus the
     Newton-Schulz batches; without the budget (all 32 matrices in one batch and one
     piece) 6.3 P and 4.2 P. The plan's Muon lowering (the default path; ``fused=False``
-    runs the chain) keeps no second momentum buffer: 5.3 B and 3.2 B."""
+    runs the chain) keeps no second momentum buffer: 5.3 B and 3.2 B; and since
+    Newton-Schulz on the CPU runs one matrix's products at a time (in a batch it holds
+    alone): chain 4.8 B and 3.5 B, lowered 3.8 B and 2.5 B (without the budget 4.1 P,
+    3.5 P, 3.1 P, 2.5 P)."""
     mat = 64 * 96 * 4
     budget = 4 * mat
     kw = {"ns_dtype": ns_dtype, "fused": None if path == "lowered" else False}
@@ -147,7 +150,7 @@ def test_muon_step_memory_is_a_few_budgets_whatever_the_model(ns_dtype, path):
         mfx.linalg.set_batch_bytes(None, "cpu")
     assert peak <= MUON_PIECE_BOUND[path, ns_dtype] * budget, peak / budget
     assert twice <= peak + 4096, (twice, peak)  # twice the model, the same peak
-    assert unbounded >= 3 * model  # the whole model in one batch: the budget is what bounds it
+    assert unbounded >= 2 * model  # the whole model in one batch: the budget is what bounds it
     # 32 matrices of other shapes, all within the CPU's budget: one piece, whole
     peak, model = _step_peak(mfx.muon, _distinct_shapes(32), **kw)
     assert model <= mfx.linalg.batch_bytes("cpu")
