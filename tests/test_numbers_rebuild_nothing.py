@@ -255,7 +255,7 @@ LATE_PRESETS = {
     "mars_adamw": {"lr": 1e-3, "weight_decay": 0.1},
     "dion2": {"lr": 1e-2, "weight_decay": 0.1}, "soap": {"lr": 1e-3, "weight_decay": 0.1},
     "mars_muon": {"lr": 0.02, "weight_decay": 0.1}, "moonlight": {"lr": 1e-3, "weight_decay": 0.1},
-    "normuon": {"lr": 0.02, "weight_decay": 0.1}, "muon_cautious": {"lr": 0.02, "weight_decay": 0.1},
+    "muon_cautious": {"lr": 0.02, "weight_decay": 0.1},
     "muon_per_head": {"lr": 0.02, "weight_decay": 0.1, "split_sizes": 4, "qkv_pattern": "w1"},
     "optax_muon": {"lr": 0.02, "weight_decay": 0.1},
 }

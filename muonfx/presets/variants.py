@@ -121,7 +121,6 @@ def moonlight(
 # ---------------------------------------------------------------------------
 
 
-@late_bound("lr", "momentum", "weight_decay")
 @takes_muon_options(changed={"eps": "eps is the Newton-Schulz floor here (torch.optim.Muon's eps, default "
                                     "1e-7); it was the row normaliser's epsilon in earlier muonfx versions, which "
                                     "is row_eps now (default 1e-10). Pass row_eps= for that."})
