@@ -56,11 +56,12 @@ def _standard(x: "torch.Tensor | list[torch.Tensor]", steps) -> torch.Tensor:
     alive at the peak; not relying on how the interpreter passes a temporary argument,
     which changes once a PEP 523 frame hook has run in the process)."""
     x = x.pop() if isinstance(x, list) else x
-    if x.device.type == "cpu" and x.shape[0] > 1 and not torch.compiler.is_compiling():
-        # on the CPU each matrix's own 2-D products (torch.optim.Muon's mm and addmm):
-        # measured 5-7 % faster than the batched ones on 2-core AMD EPYC (bf16, 512 x 1024 to
-        # 768 x 2304), torch's bits, and one matrix's work space at a time; written back
-        # into the batch, which this function holds alone
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+        # on the CPU each matrix's own 2-D products (torch.optim.Muon's mm and addmm), a
+        # batch of one too: measured 5-7 % faster than the batched ones on 2-core AMD EPYC
+        # (bf16, 512 x 1024 to 768 x 2304; a batch of one through bmm/baddbmm copies its
+        # transposed operands), torch's bits, and one matrix's work space at a time; written
+        # back into the batch, which this function holds alone
         for i in range(x.shape[0]):
             xi = x[i]
             for a, b, c in steps:
