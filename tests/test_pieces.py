@@ -350,7 +350,8 @@ def test_a_compiled_step_leaves_a_running_profiler_alone_and_prints_nothing(budg
     assert "profiler_start" not in out.err and "CPUAllocator" not in out.err, out.err[-500:]
     with profile() as prof:
         _steps([(a, comp), (b, ref)], 2, first=1)
-    assert any(e.name == "aten::bmm" for e in prof.events())  # the profile survived
+    # the profile survived (Newton-Schulz's products: 2-D on the CPU, batched elsewhere)
+    assert any(e.name in ("aten::bmm", "aten::mm", "aten::addmm") for e in prof.events())
     _same(a, b, comp, ref, exact=False)
 
 
