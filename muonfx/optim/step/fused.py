@@ -55,6 +55,15 @@ def _locals(ts: list[Any]) -> list[Any]:
     return list(ts) if cls is None else shards(ts, cls)
 
 
+def step_values(hp: dict[str, Any], state: Any) -> dict[str, Any]:
+    """The group's hyperparameters ``hp`` with the numbers injected in ``state`` (an
+    :class:`muonfx.InjectHyperparamsState`) at the first count of its parameters: the
+    values a lowered step computes with."""
+    count = state.count
+    counts = [t for t, _ in by_count(count, list(count.keys))] if isinstance(count, Counts) else [0]
+    return {**hp, **hyperparam_values(state.hyperparams, counts[0] if counts else 0)}
+
+
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -126,9 +135,7 @@ class FusedAdamW:
         range, lr, eps and weight decay finite and ``>= 0``) and the rest of what it
         takes (two betas, ``amsgrad`` and ``maximize`` booleans) by :meth:`why_not` when
         the plan was built."""
-        count = state.count
-        counts = [t for t, _ in by_count(count, list(count.keys))] if isinstance(count, Counts) else [0]
-        vals = {**hp, **hyperparam_values(state.hyperparams, counts[0] if counts else 0)}
+        vals = step_values(hp, state)
         kept = getattr(state.inner_state["adam"], "nu_max", None)
         if vals.get("amsgrad") and (kept is None or not kept.keys()):
             raise ValueError(AMSGRAD_WITHOUT_STATE)  # the chain's error, before anything is written

@@ -40,13 +40,12 @@ import torch
 from ..._compat.dtensor import is_dtensor
 from ...core import EmptyState, build
 from ...core.cache import LRU
-from ...counts import Counts, advance, by_count
+from ...counts import Counts, advance
 from ...presets import muon
 from ...presets.options import MuonOptions
 from ...transforms.momentum import MomentumState
 from ...transforms.scaling import shape_factors
-from ...wrappers import hyperparam_values
-from .fused import _leaves, _number, register
+from .fused import _leaves, _number, register, step_values
 
 __all__ = ["FusedMuon"]
 
@@ -131,9 +130,7 @@ class FusedMuon:
         """The hyperparameter values of this step (the group's ``hp`` with the state's
         injected numbers), checked by Muon's own rules (:class:`muonfx.MuonOptions`): the
         same errors as the chain, raised before anything is written."""
-        count = state.count
-        counts = [t for t, _ in by_count(count, list(count.keys))] if isinstance(count, Counts) else [0]
-        vals = {**hp, **hyperparam_values(state.hyperparams, counts[0] if counts else 0)}
+        vals = step_values(hp, state)
         MuonOptions(**{n: vals[n] for n in _OPTIONS if n in vals})
         return vals
 
