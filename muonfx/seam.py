@@ -123,21 +123,32 @@ def _split_by_backend(tensors: Sequence[torch.Tensor]):
     return list(groups.values())
 
 
-def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor],
-                       settings: MatrixSettings | None = None) -> list[torch.Tensor]:
-    """Apply ``fn`` to same-shape matrices in batches bounded in bytes; results in input order.
+#: ``inputs(batch) -> tensors``: the inputs of one batch's parts, made when the batch runs
+#: (``batch``: its ``(stack, start, stop)`` parts); see :func:`local_map_parts`
+Inputs = Callable[[list], list]
+
+
+def local_map_parts(fn: MatrixFn, stacks: Sequence[torch.Tensor], settings: MatrixSettings | None = None, *,
+                    cast_back: bool = True, inputs: Inputs | None = None) -> list[tuple[int, int, int, torch.Tensor]]:
+    """Apply ``fn`` to same-shape matrices in batches bounded in bytes: the result of each
+    batch's part, ``(stack, start, stop, result)`` (matrices ``start:stop`` of stack
+    ``stack``), in the order the batches ran.
 
     Stacks of the same ``(m, n)``, dtype and device are cut into batches of at most
     ``settings.budget(device type)`` bytes (:class:`~muonfx.linalg.MatrixSettings`; without
     settings the process's :func:`muonfx.linalg.batch_bytes`; see
-    :func:`muonfx.linalg.plan_batches`).
-    A batch that is one whole stack goes as it is (no copy); other batches are
-    concatenated along dim 0, and a stack cut over several batches is put back
-    together. Batches of several parts are put together in ``fn``'s
-    :func:`compute_dtype`, and their results cast back to the stacks' own dtype; a batch
-    of one part goes as it is (``fn`` casts it itself). Inputs are never modified.
+    :func:`muonfx.linalg.plan_batches`). A batch of one part goes as it is (no copy; ``fn``
+    casts it itself); a batch of several parts is concatenated along dim 0 in ``fn``'s
+    :func:`compute_dtype`, and its results cast back to the stacks' own dtype, or, with
+    ``cast_back=False``, left in ``fn``'s (for a caller that reads them once in a wider
+    dtype: the plan's lowered Muon step).
+
+    ``inputs`` makes a batch's inputs when the batch runs, from its parts (the stacks then
+    only give shapes, dtypes and devices): a caller whose input is itself computed (the
+    lowered Muon step's Nesterov momentum) holds one batch of it at a time, not all.
+    Inputs are never modified.
     """
-    out: list = [None] * len(stacks)
+    done: list[tuple[int, int, int, torch.Tensor]] = []
     groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(stacks):
         if s.ndim != 3:
@@ -155,30 +166,55 @@ def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor],
             counts.append(stacks[i].shape[0])
         if device not in budgets:
             budgets[device] = batch_bytes(device) if settings is None else settings.budget(device.type)
-        pieces: dict[int, list[torch.Tensor]] = {}
         for batch in plan_batches(counts, mat_bytes, budgets[device]):
-            parts, sizes = [], []
-            for j, a, b in batch:
-                parts.append(stacks[idx[j]] if (a, b) == (0, counts[j]) else stacks[idx[j]][a:b])
-                sizes.append(b - a)
+            where = [(idx[j], a, b) for j, a, b in batch]
+            if inputs is not None:
+                parts = list(inputs(where))
+            else:
+                parts = [stacks[i] if (a, b) == (0, stacks[i].shape[0]) else stacks[i][a:b] for i, a, b in where]
             if len(parts) == 1:
                 # one part goes as it is: fn casts it itself, and frees its own copy
                 # sooner than a cast made here could be freed
-                res = (fn(parts[0]),)
-            elif cdtype != dtype:
-                # put together in the dtype fn reads: no float32 copy of a batch that fn
-                # casts to bfloat16 first; the results come back as they would have
-                # (fn's own results hold no more than cdtype)
-                res = fn(torch.cat([p.to(cdtype) for p in parts])).to(dtype).split(sizes, dim=0)
+                res: Sequence[torch.Tensor] = (fn(parts.pop()),)
             else:
-                res = fn(torch.cat(parts, dim=0)).split(sizes, dim=0)
-            for (j, _, _), r in zip(batch, res):
-                pieces.setdefault(idx[j], []).append(r)
-        for i, ps in pieces.items():
-            out[i] = ps[0] if len(ps) == 1 else torch.cat(ps, dim=0)
-        for i in idx:
-            if out[i] is None:  # a stack of zero matrices: nothing to compute
-                out[i] = stacks[i].clone()
+                if cdtype != dtype:
+                    # put together in the dtype fn reads: no float32 copy of a batch that fn
+                    # casts to bfloat16 first; the results come back as they would have
+                    # (fn's own results hold no more than cdtype)
+                    low = []
+                    while parts:  # each input freed once cast (inputs made for this batch)
+                        low.append(parts.pop(0).to(cdtype))
+                    joined = torch.cat(low)
+                    del low
+                    out = fn(joined)
+                    del joined
+                    out = out.to(dtype) if cast_back else out
+                else:
+                    joined = torch.cat(parts, dim=0)
+                    del parts
+                    out = fn(joined)
+                    del joined
+                res = out.split([b - a for _, a, b in where], dim=0)
+            for (i, a, b), r in zip(where, res):
+                done.append((i, a, b, r))
+    return done
+
+
+def local_map_matrices(fn: MatrixFn, stacks: Sequence[torch.Tensor],
+                       settings: MatrixSettings | None = None) -> list[torch.Tensor]:
+    """Apply ``fn`` to same-shape matrices in batches bounded in bytes (:func:`local_map_parts`);
+    results in input order, a stack cut over several batches put back together. Inputs
+    are never modified."""
+    pieces: dict[int, list[torch.Tensor]] = {}
+    for i, _, _, r in local_map_parts(fn, stacks, settings):
+        pieces.setdefault(i, []).append(r)
+    out = []
+    for i, s in enumerate(stacks):
+        ps = pieces.get(i)
+        if ps is None:  # a stack of zero matrices: nothing to compute
+            out.append(s.clone())
+        else:
+            out.append(ps[0] if len(ps) == 1 else torch.cat(ps, dim=0))
     return out
 
 

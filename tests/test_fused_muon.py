@@ -108,6 +108,33 @@ def test_fused_muon_equals_the_chain(ns_dtype, budget):
     assert sa[2]["count"] == 17 and sa[0]["count"] == 20
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_fused_muon_in_cut_batches_equals_the_chain(nesterov):
+    """A budget of two matrices: expert stacks cut over several Newton-Schulz batches,
+    batches of several parameters, each batch's Nesterov input made when it runs and its
+    outputs added in bfloat16: the momentum is the chain's bit for bit, the parameters
+    within the update's rounding, over 8 steps."""
+    shapes = [(5, 16, 24), (16, 24), (16, 24), (3, 24, 16), (24, 16)]
+    a, b = _params(shapes), _params(shapes)
+    held = set_batch_bytes(2 * 16 * 24 * 4, "cpu")
+    try:
+        fused = mfx.TransformOptimizer(a, mfx.muon, lr=0.02, weight_decay=0.1, nesterov=nesterov,
+                                       ns_dtype=torch.bfloat16)
+        chain = mfx.TransformOptimizer(b, mfx.muon, lr=0.02, weight_decay=0.1, nesterov=nesterov,
+                                       ns_dtype=torch.bfloat16, fused=False)
+        for step in range(8):
+            _grads([a, b], step)
+            fused.step()
+            chain.step()
+        assert fused.plan.groups[0].path == "fused" and fused.plan.groups[0].pieces is not None
+    finally:
+        set_batch_bytes(held, "cpu")
+    sa, sb = fused.state_dict()["state"], chain.state_dict()["state"]
+    for i, ((n, p), (_, q)) in enumerate(zip(a, b)):
+        assert rel_err(p, q) < CHAIN_TOL, (n, rel_err(p, q))
+        assert torch.equal(sa[i]["momentum.mu"], sb[i]["momentum.mu"]), n
+
+
 def test_fused_muon_state_round_trips_with_the_chain():
     """A checkpoint of the lowered step loads into the chain and the other way round: the
     state keeps the chain's layout."""

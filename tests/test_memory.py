@@ -116,8 +116,8 @@ def test_adamw_fused_step_allocates_nothing_per_parameter():
 
 #: the bound of the step's extra memory in budgets, by path and Newton-Schulz dtype: the
 #: measured figures of the docstring below with a margin
-MUON_PIECE_BOUND = {("chain", torch.float32): 6, ("chain", torch.bfloat16): 4.5,
-                    ("lowered", torch.float32): 5, ("lowered", torch.bfloat16): 3.5}
+MUON_PIECE_BOUND = {("chain", torch.float32): 7, ("chain", torch.bfloat16): 4.75,
+                    ("lowered", torch.float32): 5, ("lowered", torch.bfloat16): 2.75}
 
 
 @pytest.mark.parametrize("path", ["lowered", "chain"])
@@ -127,16 +127,13 @@ def test_muon_step_memory_is_a_few_budgets_whatever_the_model(ns_dtype, path):
     """32 same-shape matrices, budget B = 4 of them (one knob,
     muonfx.linalg.set_batch_bytes): the group is larger than B, so it runs in pieces of
     at most B bytes, each written before the next, and the step's extra memory is a few
-    B whatever the number of matrices (measured: float32 6.3 B, bf16 4.2 B, for 32 and
-    for 64 matrices alike; 7.3 B and 5.2 B before the seam put bf16 batches together in
-    bf16 and Newton-Schulz let go of its normalised input). A group within the budget
-    runs whole: the pure update (new momentum and two links of the chain: 3 P) plus the
-    Newton-Schulz batches; without the budget (all 32 matrices in one batch and one
-    piece) 6.3 P and 4.2 P. The plan's Muon lowering (the default path; ``fused=False``
-    runs the chain) keeps no second momentum buffer: 5.3 B and 3.2 B; and since
-    Newton-Schulz on the CPU runs one matrix's products at a time (in a batch it holds
-    alone): chain 4.8 B and 3.5 B, lowered 3.8 B and 2.5 B (without the budget 4.1 P,
-    3.5 P, 3.1 P, 2.5 P)."""
+    B whatever the number of matrices. Measured (64 x 96 matrices: Newton-Schulz's
+    batched products): the chain 6.3 B (float32) and 4.2 B (bf16), for 32 and for 64
+    matrices alike; the plan's Muon lowering (the default path; ``fused=False`` runs the
+    chain), which keeps no second momentum buffer, makes each batch's Nesterov input
+    when the batch runs and keeps the outputs in their compute dtype until the piece
+    writes: 4.3 B and 2.2 B. Without the budget (all 32 matrices in one batch and one
+    piece) the same multiples of the model's bytes P."""
     mat = 64 * 96 * 4
     budget = 4 * mat
     kw = {"ns_dtype": ns_dtype, "fused": None if path == "lowered" else False}

@@ -42,6 +42,13 @@ METHODS = ("auto", "standard", "gram", "spectral")
 SPECTRAL_MIN_DIM = 320
 
 
+#: the elements from which a CPU batch's matrices take their own 2-D products (one at a
+#: time) rather than the batched ones: 256 x 512. Measured on 2-core AMD EPYC in bf16, one
+#: thread, the standard iteration, per-matrix over batched: 31x (32 x 32), 5.1x (64 x 64),
+#: 1.4x (128 x 256), 1.05x (192 x 384), 0.98x (256 x 512), 0.96x (512 x 1024)
+CPU_PER_MATRIX_MIN = 256 * 512
+
+
 def default_compute_dtype(t: torch.Tensor) -> torch.dtype:
     """The compute dtype used for ``t`` when none is given: see :mod:`muonfx.linalg.precision`
     (bfloat16 on CUDA and on CPUs with native bf16 matmul, float32 elsewhere, float64 for
@@ -56,18 +63,22 @@ def _standard(x: "torch.Tensor | list[torch.Tensor]", steps) -> torch.Tensor:
     alive at the peak; not relying on how the interpreter passes a temporary argument,
     which changes once a PEP 523 frame hook has run in the process)."""
     x = x.pop() if isinstance(x, list) else x
-    if x.device.type == "cpu" and not torch.compiler.is_compiling():
-        # on the CPU each matrix's own 2-D products (torch.optim.Muon's mm and addmm), a
-        # batch of one too: measured 5-7 % faster than the batched ones on 2-core AMD EPYC
-        # (bf16, 512 x 1024 to 768 x 2304; a batch of one through bmm/baddbmm copies its
-        # transposed operands), torch's bits, and one matrix's work space at a time; written
-        # back into the batch, which this function holds alone
+    if x.device.type == "cpu" and not torch.compiler.is_compiling() and (
+            x.shape[0] == 1 or x.shape[-2] * x.shape[-1] >= CPU_PER_MATRIX_MIN):
+        # on the CPU each large matrix's own 2-D products (torch.optim.Muon's mm and addmm),
+        # and a batch of one: 1-5 % faster than the batched ones from 256 x 512 on (2-core
+        # AMD EPYC, bf16; a batch of one through bmm/baddbmm copies its transposed
+        # operands), torch's bits, and one matrix's work space at a time; written back into
+        # the batch, which this function holds alone. Small matrices take the batched
+        # products: one matrix at a time costs 1.4x at 128 x 256 and 31x at 32 x 32
         for i in range(x.shape[0]):
             xi = x[i]
             for a, b, c in steps:
                 gram = xi @ xi.mT
                 poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
                 xi = torch.addmm(xi, poly, xi, beta=a)
+            if x.shape[0] == 1 and steps:
+                return xi[None]  # a batch of one: its last iterate is the batch
             x[i].copy_(xi)
         return x
     for a, b, c in steps:
@@ -355,20 +366,17 @@ class NewtonSchulz:
             products = "torch"
         return str(cdtype).removeprefix("torch."), method, products
 
-    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+    def polar(self, g: torch.Tensor) -> torch.Tensor:
+        """The polar factors of the ``[N, m, n]`` batch ``g`` in the compute dtype, as the
+        iteration leaves them (a tall batch's as a transposed view): what :meth:`__call__`
+        casts back to ``g``'s dtype. For a caller that reads the result once in a wider
+        dtype (a lowered step adds it to float32 parameters, as torch.optim.Muon adds its
+        bfloat16 update), which then needs no float32 copy of it."""
         if g.ndim != 3:
             raise ValueError(f"newton_schulz_batched takes [N, m, n], got {tuple(g.shape)}")
         schedule = self.schedule
         cdtype, method, restart = self._choose(g.shape[-2], g.shape[-1], g.dtype, g.device)
         low = cdtype in (torch.bfloat16, torch.float16)
-        if torch.compiler.is_compiling() and g.device.type == "cpu" and not triton_ns.available(g):
-            # traced on the CPU (a compiled step): normalisation, iteration and cast are one
-            # opaque operator that runs the eager code, so the compiled step computes what
-            # the eager one does, bit for bit (inductor would keep the norm in float32 and
-            # split the fused products: 1e-2 apart in bf16, not torch's)
-            return torch.ops.muonfx.newton_schulz(g, [float(c) for abc in schedule.steps for c in abc],
-                                                  float(schedule.safety), float(self.eps), cdtype, method,
-                                                  int(restart or 0))
         # one batched call; the normalised input is handed over in a list (see _standard), so
         # the iteration holds the only reference and frees it with its first new iterate
         tall = g.shape[-2] > g.shape[-1]
@@ -384,8 +392,22 @@ class NewtonSchulz:
                 x = _gram([_normalized(g, safety, eps, cdtype, tall)], steps, restart)
             else:
                 x = _standard([_normalized(g, safety, eps, cdtype, tall)], steps)
-        if tall:
-            x = x.mT
+        return x.mT if tall else x
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        if g.ndim != 3:
+            raise ValueError(f"newton_schulz_batched takes [N, m, n], got {tuple(g.shape)}")
+        schedule = self.schedule
+        if torch.compiler.is_compiling() and g.device.type == "cpu" and not triton_ns.available(g):
+            cdtype, method, restart = self._choose(g.shape[-2], g.shape[-1], g.dtype, g.device)
+            # traced on the CPU (a compiled step): normalisation, iteration and cast are one
+            # opaque operator that runs the eager code, so the compiled step computes what
+            # the eager one does, bit for bit (inductor would keep the norm in float32 and
+            # split the fused products: 1e-2 apart in bf16, not torch's)
+            return torch.ops.muonfx.newton_schulz(g, [float(c) for abc in schedule.steps for c in abc],
+                                                  float(schedule.safety), float(self.eps), cdtype, method,
+                                                  int(restart or 0))
+        x = self.polar(g)
         if torch.compiler.is_compiling():
             # traced (the executor's compiled step on CUDA): the cast stays a pointwise op that
             # the compiler fuses into whatever reads the result (scale, decay, the parameter

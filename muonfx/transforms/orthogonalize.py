@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .. import seam
@@ -32,6 +34,61 @@ class _PerBatch:
         ns = self.ns
         return NewtonSchulz(ns.schedule, ns.eps, self.compute_dtype(g), ns.method, ns.restart, ns.accuracy,
                             ns.triton)(g)
+
+
+    def polar(self, g: torch.Tensor) -> torch.Tensor:
+        ns = self.ns
+        return NewtonSchulz(ns.schedule, ns.eps, self.compute_dtype(g), ns.method, ns.restart, ns.accuracy,
+                            ns.triton).polar(g)
+
+
+class _Polar:
+    """A matrix function's polar factors left in its compute dtype (``fn.polar``)."""
+
+    def __init__(self, fn: "NewtonSchulz | _PerBatch") -> None:
+        self.fn, self.compute_dtype = fn, fn.compute_dtype
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        return self.fn.polar(g)
+
+
+class NSRule:
+    """What :func:`newton_schulz` computes with, fixed when it is built: the schedule, the
+    compute dtype asked for (or the process's pin read then), the method. The transform
+    and the plan's lowered Muon step (:mod:`muonfx.optim.step.fused_muon`) both take
+    their matrix function from :meth:`matrix_fn`, so they run the same code."""
+
+    def __init__(self, steps: int = 5, coefficients: CoefficientSpec = "keller", dtype: torch.dtype | None = None,
+                 safety: float | None = None, method: str = "standard") -> None:
+        check_float_dtype("dtype", dtype)
+        self.schedule = resolve(coefficients, steps, safety)
+        if method not in METHODS:
+            raise ValueError(f"newton_schulz: unknown method {method!r}; use 'auto', 'standard', 'gram' or 'spectral'")
+        self.dtype, self.method = dtype, method
+        # a process-wide override (set_default_ns_dtype, MUONFX_NS_DTYPE) is read now, once:
+        # the transform computes the same thing at every step whatever the setting later says
+        self.built_pin = pinned_ns_dtype() if dtype is None else None
+
+    def matrix_fn(self, gs: list[torch.Tensor], eps: float, settings: Any = None,
+                  polar: bool = False) -> Any:
+        """The matrix function for the leaves ``gs`` of one update (``settings``: the
+        step's :class:`muonfx.linalg.MatrixSettings`, or None); with ``polar`` its results
+        stay in the compute dtype (:meth:`muonfx.linalg.NewtonSchulz.polar`)."""
+        dtype = self.dtype
+        pinned = self.built_pin if settings is None or dtype is not None else settings.ns_dtype
+        # no dtype asked for: the device's default, which promises bf16's accuracy (what
+        # torch.optim.Muon computes), so "auto" (asked for) may take the Gram form in float32 too
+        accuracy = "bf16" if dtype is None and pinned is None else "dtype"
+        one = dtype
+        if one is None and gs and len({(g.device, g.dtype) for g in gs}) == 1:
+            # float64 stays float64; else the pinned dtype or the device's own (a fact of
+            # the machine), once per update rather than per batch
+            one = torch.float64 if gs[0].dtype == torch.float64 else pinned or device_ns_dtype(gs[0].device)
+        run: Any = NewtonSchulz(self.schedule, eps, one, self.method, accuracy=accuracy,
+                                triton=None if settings is None else settings.triton)
+        if one is None:  # leaves on several devices or of several dtypes: per batch
+            run = _PerBatch(run, pinned)
+        return _Polar(run) if polar else run
 
 
 def newton_schulz(
@@ -133,33 +190,15 @@ def newton_schulz(
     """
     eps = check("eps", eps)
     late = type(eps) is Slot  # a number read at each update
-    check_float_dtype("dtype", dtype)
-    schedule = resolve(coefficients, steps, safety)
-    if method not in METHODS:
-        raise ValueError(f"newton_schulz: unknown method {method!r}; use 'auto', 'standard', 'gram' or 'spectral'")
-    # a process-wide override (set_default_ns_dtype, MUONFX_NS_DTYPE) is read now, once:
-    # the transform computes the same thing at every step whatever the setting later says
-    built_pin = pinned_ns_dtype() if dtype is None else None
+    rule = NSRule(steps, coefficients, dtype, safety, method)
 
     def init_fn(params):
         return EmptyState()
 
     def update_fn(updates, state, params=None, **extra_args):
         settings = extra_args.get(EXTRA_ARG)
-        pinned = built_pin if settings is None or dtype is not None else settings.ns_dtype
-        # no dtype asked for: the device's default, which promises bf16's accuracy (what
-        # torch.optim.Muon computes), so "auto" (asked for) may take the Gram form in float32 too
-        accuracy = "bf16" if dtype is None and pinned is None else "dtype"
         keys, gs = leaves(updates)
-        one = dtype
-        if one is None and gs and len({(g.device, g.dtype) for g in gs}) == 1:
-            # float64 stays float64; else the pinned dtype or the device's own (a fact of
-            # the machine), once per update rather than per batch
-            one = torch.float64 if gs[0].dtype == torch.float64 else pinned or device_ns_dtype(gs[0].device)
-        run = NewtonSchulz(schedule, extra_args[VALUES_ARG][eps.key] if late else eps, one, method, accuracy=accuracy,
-                           triton=None if settings is None else settings.triton)
-        if one is None:  # leaves on several devices or of several dtypes: per batch
-            run = _PerBatch(run, pinned)
+        run = rule.matrix_fn(gs, extra_args[VALUES_ARG][eps.key] if late else eps, settings)
         views = None if dims is None else leaf_views(dims, keys, gs, "newton_schulz")
         outs = seam.map_matrices(run, as_stacks(keys, gs, "newton_schulz", views), settings)
         return build(keys, unstack_like(outs, gs) if views is None else from_stacks(outs, gs, views)), state

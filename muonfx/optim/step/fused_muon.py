@@ -6,20 +6,27 @@ with plain numbers for ``lr``, ``momentum``, ``weight_decay`` and ``eps``, no ``
 and no ``dims``, on plain tensors (not DTensor shards), steps as torch.optim.Muon writes
 it, per piece of the plan (:mod:`.pieces`)::
 
-    compute (nothing written)        m' = lerp(m, g, 1 - beta); u = lerp(g, m', beta)   (Nesterov; else u = m')
-                                     o = NS(u)                  (the group's own newton_schulz link)
-    write                            m <- lerp(m, g, 1 - beta)  (in place: the same op, the same bits as m')
+    compute (nothing written)        u = lerp(m, g, 1 - beta); u <- lerp(g, u, beta)   (Nesterov, in u's buffer)
+                                     o = NS(u)                  (the group's own newton_schulz rule, left in
+                                                                 its compute dtype: bfloat16 by default)
+    write                            m <- lerp(m, g, 1 - beta)  (in place: the same op, the same bits as u)
                                      W <- W * (1 - lr * wd)     (skipped where wd = 0: a product by 1)
-                                     W <- W - lr * s(A, B) * o  (one foreach add per shape scale)
+                                     W <- W - lr * s(A, B) * o  (one foreach add per shape scale, o as it is)
 
-The chain computes ``W + (-lr * (s * o + wd * W))`` in four passes after Newton-Schulz and
-copies the new momentum into its buffer (a fifth); the lowered step makes three, writes
-the momentum in place and keeps no second momentum buffer. The momentum, the Nesterov
-input and the Newton-Schulz output are the chain's bit for bit; the parameter update is
-torch.optim.Muon's form, which rounds differently from the chain's (a few float32 ulps of
-the update: ``tests/test_fused_muon.py`` measures it). Everything a step can detect is
-detected before a write, as for the chain: hyperparameters when the step starts, each
-piece's Newton-Schulz before that piece writes.
+The Nesterov input of a Newton-Schulz batch is made when the seam runs that batch
+(:func:`muonfx.seam.local_map_parts`): the step holds one batch of it at a time, never a
+whole group's. Fresh memory of a group's size at every step is expensive on the CPU,
+whose allocator caches nothing: the operating system hands it out page by page (before
+this, 56,000 page faults a step on two MoE layers, 8-10 % of the step).
+
+The chain computes ``W + (-lr * (s * o + wd * W))`` in four passes after Newton-Schulz,
+casts o back to float32 and copies the new momentum into its buffer; the lowered step
+makes three passes, writes the momentum in place, keeps no second momentum buffer and no
+float32 copy of o. The momentum, the Nesterov input and the Newton-Schulz output are the
+chain's bit for bit; the parameter update is torch.optim.Muon's form, which rounds
+differently from the chain's (a few float32 ulps of the update: ``tests/test_fused_muon.py``
+measures it). Everything a step can detect is detected before a write, as for the chain:
+hyperparameters when the step starts, each piece's Newton-Schulz before that piece writes.
 
 The same lowering runs :class:`muonfx.FSDPMuonOptimizer`'s matrices on plain tensors
 without ``beta2`` (row normalisation) and gradient accumulation: Muon's chain with the
@@ -38,12 +45,16 @@ from typing import Any
 import torch
 
 from ..._compat.dtensor import is_dtensor
-from ...core import EmptyState, build
+from ... import seam
+from ...core import EmptyState
 from ...core.cache import LRU
 from ...counts import Counts, advance
 from ...presets import muon
 from ...presets.options import MuonOptions
+from ...linalg.settings import EXTRA_ARG
+from ...transforms._matrix import as_stacks
 from ...transforms.momentum import MomentumState
+from ...transforms.orthogonalize import NSRule
 from ...transforms.scaling import shape_factors
 from .fused import _leaves, _number, register, step_values
 
@@ -54,21 +65,24 @@ _LINKS = ("momentum", "orthogonalize", "scale_by_shape", "weight_decay", "lr")
 #: Muon's with a constant scale (``ns_stepsize``) after the shape scale
 _STEPSIZE_LINKS = ("momentum", "orthogonalize", "scale_by_shape", "ns_stepsize", "weight_decay", "lr")
 _OPTIONS = tuple(f.name for f in dataclasses.fields(MuonOptions))
-_STATIC = ("ns_steps", "ns_coefficients", "eps", "ns_dtype", "ns_method")
+#: Muon's options that fix its ``newton_schulz`` link when it is built (``eps`` is read
+#: at each step)
+_STATIC = {"ns_steps": "steps", "ns_coefficients": "coefficients", "ns_dtype": "dtype", "ns_method": "method"}
 
-#: the Newton-Schulz links built for the lowered groups, by their options (a new lr or
-#: momentum builds nothing)
+#: the Newton-Schulz rules of the lowered groups, by their options (a new lr, momentum or
+#: eps builds nothing)
 _NS: LRU = LRU(16)
 
 
-def _ns_link(vals: dict[str, Any]):
-    """The group's ``newton_schulz`` link, as :func:`muonfx.muon` builds it."""
-    opts = {n: vals[n] for n in _STATIC if n in vals}
+def _ns_rule(vals: dict[str, Any]) -> NSRule:
+    """The rule of the group's ``newton_schulz`` link, as :func:`muonfx.muon` builds it
+    (:meth:`muonfx.MuonOptions.orthogonalize`)."""
+    opts = {_STATIC[n]: vals[n] for n in _STATIC if n in vals}
     key = repr(sorted(opts.items()))
-    link = _NS.get(key)
-    if link is None:
-        link = _NS[key] = MuonOptions(**opts).orthogonalize()
-    return link
+    rule = _NS.get(key)
+    if rule is None:
+        rule = _NS[key] = NSRule(**opts)
+    return rule
 
 
 class FusedMuon:
@@ -139,23 +153,38 @@ class FusedMuon:
                 vals: dict[str, Any], extra: dict[str, Any]) -> tuple:
         """The Newton-Schulz outputs of these parameters (nothing written): what
         :meth:`write` takes."""
-        beta = vals["momentum"]
+        beta, nesterov = vals["momentum"], vals.get("nesterov", True)
         ms = _leaves(state.inner_state["momentum"].mu, keys)
-        u = torch._foreach_lerp(ms, grads, 1.0 - beta)  # the chain's new momentum (foreach "ema")
-        if vals.get("nesterov", True):
-            u = torch._foreach_lerp(grads, u, beta)
-        upd = build(list(keys), u)
-        del u
-        out, _ = _ns_link(vals).update(upd, EmptyState(), None, **extra)
-        del upd
-        os_ = _leaves(out, keys)
-        return grads, os_, shape_factors(vals.get("adjust_lr") or "original", list(keys), os_)
+        settings = extra.get(EXTRA_ARG)
+        run = _ns_rule(vals).matrix_fn(grads, float(vals["eps"]), settings, polar=True)
+        factors = shape_factors(vals.get("adjust_lr") or "original", list(keys), params)
+        m3, g3 = as_stacks(list(keys), ms, "muon"), as_stacks(list(keys), grads, "muon")
+
+        def inputs(batch: list) -> list[torch.Tensor]:
+            # the Nesterov momentum of one batch's matrices, made when the batch runs: the
+            # step holds one batch of it at a time (a batch's bytes are bounded by the
+            # budget: fresh memory of a whole group at every step costs page faults on the
+            # CPU, whose allocator keeps nothing)
+            mb = [m3[i][a:b] for i, a, b in batch]
+            gb = [g3[i][a:b] for i, a, b in batch]
+            u = torch._foreach_lerp(mb, gb, 1.0 - beta)  # the chain's new momentum (foreach "ema")
+            if nesterov:
+                for g, v in zip(gb, u):  # the chain's lerp(g, m', beta), in m''s own buffer
+                    torch.lerp(g, v, beta, out=v)
+            return u
+
+        # the polar factors in the compute dtype: added to the float32 parameters as they
+        # are (torch.optim.Muon's add of its bfloat16 update), no float32 copy of them
+        parts = seam.local_map_parts(run, g3, settings, cast_back=False, inputs=inputs)
+        p3 = as_stacks(list(keys), params, "muon")
+        return (grads, [p3[i][a:b] for i, a, b, _ in parts], [o for *_, o in parts],
+                [factors[i] for i, *_ in parts])
 
     @staticmethod
     def write(state: Any, pending: tuple, params: list[torch.Tensor], keys: tuple, vals: dict[str, Any]) -> Any:
         """Write the momentum and the parameters in place; return the new state (the same
         buffers, the counts advanced)."""
-        grads, os_, factors = pending
+        grads, dests, os_, factors = pending
         inner = state.inner_state
         ms = _leaves(inner["momentum"].mu, keys)
         lr, wd, size = float(vals["lr"]), float(vals["weight_decay"]), float(vals.get("ns_stepsize", 1.0))
@@ -167,7 +196,7 @@ class FusedMuon:
             for j, f in enumerate(factors):
                 by_factor.setdefault(f, []).append(j)
             for f, js in by_factor.items():
-                torch._foreach_add_([params[j] for j in js], [os_[j] for j in js],
+                torch._foreach_add_([dests[j] for j in js], [os_[j] for j in js],
                                     alpha=-(lr * f) if size == 1.0 else -(lr * (f * size)))
         injected = {n: vals[n] for n in state.hyperparams}
         return state._replace(count=advance(state.count), hyperparams=injected)
