@@ -254,8 +254,11 @@ class Slot:
     the factory again. :func:`check` lets a slot through (its value is checked where it
     is read). The transforms that read slots: :func:`muonfx.momentum` (``beta``),
     :func:`muonfx.newton_schulz` (``eps``), :func:`muonfx.decoupled_decay`,
-    :func:`muonfx.scale_by_learning_rate`, :func:`muonfx.scale_by_adam` (``b1``, ``b2``,
-    ``eps``) and :func:`muonfx.lr_multiplier`'s factory (``lr``).
+    :func:`muonfx.cautious_decay`, :func:`muonfx.scale_by_learning_rate`,
+    :func:`muonfx.scale_by_adam` (``b1``, ``b2``, ``eps``), :func:`muonfx.row_normalize`
+    (``beta2``, ``eps``) and :func:`muonfx.lr_multiplier`'s factory (``lr``). An
+    :func:`muonfx.inject_hyperparams` transform inside another passes the enclosing
+    values on with its own (a slot given to its factory unchanged is read there).
 
     Example::
 
@@ -289,7 +292,9 @@ def late_bound(*names: str) -> Any:
     :func:`muonfx.muon`, :func:`muonfx.adamw` and :func:`muonfx.muon_adamw` are
     declared for their learning rates, momentum, betas, epsilons and weight decays; the
     catalogue's presets and the Muon recipes for their learning rate and weight decay
-    (the recipes also for momentum).
+    (the recipes also for momentum); :func:`muonfx.normuon`,
+    :func:`muonfx.modded_nanogpt_normuon` and :func:`muonfx.muon_with_momentum_warmup`
+    for every number.
 
     Example::
 

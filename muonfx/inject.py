@@ -18,7 +18,7 @@ from .core import GradientTransformation, LeafwiseTransformation, aligned, build
     takes_extra_args, td_items
 from .counts import Counts, advance, by_count, common, zeros
 from .hyperparams import VALUES_ARG, Slot, check, check_unmixed, late_bound_names
-from .schedules import evaluate
+from .schedules import constant, cosine_decay, evaluate, join, linear
 
 __all__ = ["inject_hyperparams", "InjectHyperparamsState", "is_schedule", "hyperparam_values", "signature"]
 
@@ -55,6 +55,10 @@ def signature(factory: Callable[..., Any]) -> inspect.Signature:
     return inspect.signature(factory)
 
 
+#: muonfx's own schedules (:mod:`muonfx.schedules`)
+OWN_SCHEDULES = (constant, linear, cosine_decay, join)
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
@@ -73,6 +77,8 @@ def is_schedule(v: Any) -> bool:
     """
     if not callable(v) or isinstance(v, (type, torch.Tensor)):
         return False
+    if isinstance(v, OWN_SCHEDULES):  # (no signature to read: also inside a compiled step)
+        return True
     try:
         inspect.signature(v).bind(0)
     except TypeError:
@@ -105,7 +111,8 @@ def inject_hyperparams(
     :func:`muonfx.muon_adamw`) the inner transform is built once, with a
     :class:`muonfx.hyperparams.Slot` for each late-bound hyperparameter, and the values
     reach it at each update as the extra argument
-    :data:`muonfx.hyperparams.VALUES_ARG`: a new value calls the factory no more (only a
+    :data:`muonfx.hyperparams.VALUES_ARG` (with those of an enclosing
+    ``inject_hyperparams`` transform, if any): a new value calls the factory no more (only a
     change of one of its other numbers, such as ``ns_steps``, builds it again); any
     other factory is called again whenever a value changes. ``state.count`` is per
     parameter: where parameters have different counts (one was left out of an update)
@@ -240,7 +247,9 @@ def inject_hyperparams(
                 if stale:
                     tx = rebuilt(hp, key)
             if takes:
-                # (this transform's values replace those of an enclosing one)
+                # (added to an enclosing one's: a slot of it given to the factory is read there)
+                outer = extra_args.get(VALUES_ARG)
+                vals = {**outer, **vals} if outer else vals
                 return tx.update(updates, inner, params, **{**extra_args, VALUES_ARG: vals})
             return tx.update(updates, inner, params)
 

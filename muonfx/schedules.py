@@ -68,8 +68,10 @@ class linear:
         else:
             # clipped as an integer, then divided: the same value as clip(t / steps, 0, 1);
             # traced (a compiled step), torch 2.10/2.11's C++ code of min/max on a float
-            # casts it to int64, freezing the schedule at its first value
-            frac = min(max(t, 0), self.transition_steps) / self.transition_steps
+            # casts it to int64, freezing the schedule at its first value. Divided as floats
+            # (the same value): traced, an int's true division added to a late-bound
+            # init/end value (muon_with_momentum_warmup's) would pin that value in the graph
+            frac = float(min(max(t, 0), self.transition_steps)) / float(self.transition_steps)
         return float(self.init_value + (self.end_value - self.init_value) * frac)
 
 

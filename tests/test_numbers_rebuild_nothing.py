@@ -248,7 +248,8 @@ def test_a_compiled_step_builds_its_chains_once_and_follows_the_numbers(builds, 
 
 
 #: the catalogue presets and Muon variants whose lr and weight decay (and, where their
-#: transforms read them at update time, momentum, betas, eps) are late-bound
+#: transforms read them at update time, momentum, betas, eps, NorMuon's beta2 and row_eps,
+#: the momentum warm-up's numbers) are late-bound
 LATE_PRESETS = {
     "lion": {"lr": 1e-3, "weight_decay": 0.1}, "adopt": {"lr": 1e-3, "weight_decay": 0.1},
     "laprop": {"lr": 1e-3, "weight_decay": 0.1}, "cautious_adamw": {"lr": 1e-3, "weight_decay": 0.1},
@@ -258,14 +259,39 @@ LATE_PRESETS = {
     "muon_cautious": {"lr": 0.02, "weight_decay": 0.1},
     "muon_per_head": {"lr": 0.02, "weight_decay": 0.1, "split_sizes": 4, "qkv_pattern": "w1"},
     "optax_muon": {"lr": 0.02, "weight_decay": 0.1},
+    "normuon": {"lr": 0.02, "weight_decay": 0.1},
+    "modded_nanogpt_normuon": {"lr": 0.02, "weight_decay": 0.1},
+    "muon_with_momentum_warmup": {"lr": 0.02, "weight_decay": 0.1, "warmup_steps": 4},
 }
 
 
+def _another(name, value):
+    """Another value of the number ``name``, as a user sets one between steps: an lr 10 %
+    lower, a weight decay 0.01 higher, a momentum or beta 0.02 lower, an epsilon ten
+    times larger, a step count two more."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_another(name, v) for v in value)
+    if isinstance(value, int):
+        return value + 2
+    if name == "lr":
+        return value * 0.9
+    if name == "weight_decay":
+        return value + 0.01
+    return value * 10 if "eps" in name else value - 0.02
+
+
+def _other_numbers(factory, group):
+    """The late-bound numbers of ``factory`` in ``group`` but lr and weight decay."""
+    return sorted(n for n in mfx.hyperparams.late_bound_names(factory)
+                  if n in group and n not in ("lr", "weight_decay") and not callable(group[n]))
+
+
+@pytest.mark.filterwarnings("ignore::muonfx.MeaningChangedWarning")  # a new eps, on purpose
 @pytest.mark.parametrize("name", sorted(LATE_PRESETS))
 def test_late_bound_presets_build_once_under_a_scheduler_and_a_new_weight_decay(name, monkeypatch):
     """The preset is called once (when the optimizer is built) for 10 steps under an lr
-    scheduler with the weight decay changed at step 5, and the steps are bit for bit what
-    calling it again at each change computes."""
+    scheduler with the weight decay changed at step 5 and every other late-bound number
+    at step 7, and the steps are bit for bit what calling it again at each change computes."""
     import functools
 
     real = getattr(mfx, name)
@@ -281,19 +307,129 @@ def test_late_bound_presets_build_once_under_a_scheduler_and_a_new_weight_decay(
         opt = mfx.TransformOptimizer(_matrices(model), factory, **LATE_PRESETS[name])
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
         built = calls[0]
+        group = opt.param_groups[0]
+        others = _other_numbers(real, group)
         for step in range(10):
             if step == 5:
-                opt.param_groups[0]["weight_decay"] = 0.02
+                group["weight_decay"] = 0.02
+            if step == 7:
+                changed.extend(others)
+                for n in others:
+                    group[n] = _another(n, group[n])
             _grads(model, step)
             opt.step()
             sched.step()
         return [p.detach().clone() for p in model.parameters()], calls[0] - built
 
+    changed: list = []
     got, more = run(counted)
-    assert more == 0, f"{name}: called {more} more times after the optimizer was built"
+    assert more == 0, f"{name}: called {more} more times after the optimizer was built (numbers changed: {changed})"
     with monkeypatch.context() as m:
         m.setattr(inject, "late_bound_names", lambda factory: frozenset())
         want, rebuilt = run(counted)
     assert rebuilt > 0  # the comparison is with a path that did call it again
     for a, b in zip(got, want):
         assert torch.equal(a, b), (name, (a - b).abs().max())
+
+
+#: the Muon variants whose every number is late-bound, with the numbers a compiled step
+#: must follow without compiling again; ``eps`` is left out: Newton-Schulz passes it to its
+#: operator as a float, which the compiler pins (a new eps compiles again for every Muon
+#: preset, ``muon`` too)
+COMPILED_NUMBERS = {
+    "normuon": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1, "beta2": 0.95, "row_eps": 1e-10},
+    "modded_nanogpt_normuon": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1, "beta2": 0.95, "row_eps": 1e-10},
+    "muon_with_momentum_warmup": {"lr": 0.02, "weight_decay": 0.1, "momentum_start": 0.85, "momentum_end": 0.95,
+                                  "warmup_steps": 6},
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPILED_NUMBERS))
+def test_a_compiled_variant_follows_every_new_number_without_compiling_again(name, monkeypatch):
+    """``opt.compile()`` with a new value of every late-bound number (lr and weight decay
+    included) at each step: the preset is called when the optimizer and its graph are
+    built, never again; the graph is compiled once (no recompilation, the group's
+    ``"compile"`` setting stays True) and steps as the eager optimizer does."""
+    import functools
+
+    import torch._dynamo.testing
+
+    real = getattr(mfx, name)
+    calls = [0]
+
+    @functools.wraps(real)
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    def run(compiled):
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        model = Net()
+        opt = mfx.TransformOptimizer(_matrices(model), counted, **COMPILED_NUMBERS[name])
+        if compiled:
+            opt.compile(backend=counter)
+        seen = []
+        for step in range(8):
+            if step >= 2:  # steps 0 and 1 with the first numbers, then a new value of each
+                for n in COMPILED_NUMBERS[name]:
+                    opt.param_groups[0][n] = _another(n, opt.param_groups[0][n])
+            _grads(model, step)
+            opt.step()
+            seen.append((calls[0], counter.frame_count))
+        return opt, [p.detach().clone() for p in model.parameters()], seen
+
+    want = run(compiled=False)[1]
+    calls[0] = 0
+    opt, got, seen = run(compiled=True)
+    assert seen[0][1] >= 1 and seen == [seen[0]] * len(seen), seen  # built and compiled at step 0, then nothing
+    assert opt.param_groups[0]["compile"] is True and opt.plan.groups[0].path == "compiled", opt.plan
+    assert len(opt.compiled_graphs) == 1, opt.compiled_graphs
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_number_of_normuon_that_once_meant_another_warns_from_the_optimizer_too():
+    """normuon's ``eps`` is late-bound, so the optimizer gives the preset a slot for it;
+    the warning of its changed meaning (the row epsilon is ``row_eps`` now) still comes,
+    once, when the group is made, and not for the default."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mfx.TransformOptimizer(_matrices(Net()), mfx.normuon)
+        assert not [w for w in caught if w.category is mfx.MeaningChangedWarning]
+        mfx.TransformOptimizer(_matrices(Net()), mfx.normuon, eps=1e-8)
+    said = [w for w in caught if w.category is mfx.MeaningChangedWarning]
+    assert len(said) == 1 and "normuon(eps=1e-08)" in str(said[0].message) and said[0].filename == __file__, said
+
+
+def test_the_momentum_warmup_steps_as_muon_with_its_momentum_set_by_hand():
+    """``muon_with_momentum_warmup`` under an lr scheduler, with its weight decay, ``eps``,
+    ``ns_steps`` and warm-up end changed between steps, steps bit for bit as ``muon`` whose
+    momentum is set by hand to the warm-up's value at each step: every number reaches it."""
+    def run(factory, **kw):
+        model = Net()
+        opt = mfx.TransformOptimizer(_matrices(model), factory, lr=0.02, weight_decay=0.01, fused=False, **kw)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
+        group, end = opt.param_groups[0], 0.95
+        for step in range(8):
+            if step == 2:
+                group["weight_decay"], group["eps"] = 0.05, 1e-3
+            if step == 3:
+                group["ns_steps"] = 3
+            if step == 4:
+                end = 0.9
+                if factory is mfx.muon_with_momentum_warmup:
+                    group["momentum_end"] = end
+            if factory is mfx.muon:
+                group["momentum"] = mfx.momentum_warmup(0.85, end, 6)(step)
+            _grads(model, step)
+            opt.step()
+            sched.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    got = run(mfx.muon_with_momentum_warmup, warmup_steps=6)
+    want = run(mfx.muon)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), (a - b).abs().max()

@@ -14,6 +14,8 @@ import torch
 
 from .._compat.dtensor import is_dtensor
 from ..core import key_str
+from ..hyperparams import late_bound_names
+from ..presets.options import warn_meaning_changed
 from ..wrappers import signature
 from . import checkpoint
 from .qk_clip import QKClip
@@ -155,6 +157,8 @@ class TransformOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()  # leave the optimizer as it was before this call
             raise
         self.records.append(rec)
+        # the late-bound numbers reach the factory as slots: what it would warn of, said here
+        warn_meaning_changed(factory, {n: group[n] for n in late_bound_names(factory) if n in group})
         self._torch_state = None
         if hasattr(self, "_runner"):
             self._runner.forget()

@@ -20,18 +20,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
+import sys
 import warnings
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import torch
 
 from ..core import Dims, GradientTransformation
-from ..hyperparams import check_args, check_float_dtype
+from ..hyperparams import Slot, check_args, check_float_dtype
 from ..linalg import CoefficientSpec
 from ..schedules import ScalarOrSchedule
 from ..transforms import decoupled_decay, momentum as _momentum, newton_schulz, scale_by_learning_rate, scale_by_shape
 
-__all__ = ["MuonOptions", "takes_muon_options", "muon_options_of", "insert_step", "MeaningChangedWarning"]
+__all__ = ["MuonOptions", "takes_muon_options", "muon_options_of", "insert_step", "MeaningChangedWarning",
+           "warn_meaning_changed"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -270,10 +273,8 @@ def takes_muon_options(
                         "here they are keyword-only, so that no argument silently changes meaning. Pass them by "
                         f"keyword: {fix}") from None
                 raise TypeError(f"{fn.__qualname__}() {e}") from None
-            for name, note in changed.items():
-                if name in kwargs and kwargs[name] != full.parameters[name].default:
-                    warnings.warn(f"{fn.__qualname__}({name}={kwargs[name]!r}): {note}", MeaningChangedWarning,
-                                  stacklevel=2)
+            if changed:
+                warn_meaning_changed(with_options, kwargs, stacklevel=2)
             bound.apply_defaults()
             given = bound.arguments
             return fn(*[given[n] for n in leading],
@@ -282,9 +283,55 @@ def takes_muon_options(
 
         with_options.__signature__ = full  # type: ignore[attr-defined]
         with_options.__muon_options__ = dict(public)  # type: ignore[attr-defined]
+        with_options.__meaning_changed__ = dict(changed)  # type: ignore[attr-defined]
         return with_options  # type: ignore[return-value]
 
     return decorate
+
+
+def warn_meaning_changed(builder: Callable[..., Any], given: Mapping[str, Any], stacklevel: int | None = None) -> None:
+    """Warn (:class:`MeaningChangedWarning`) for each keyword of ``given`` that
+    ``builder`` (made by :func:`takes_muon_options` with ``changed=``) once read with
+    another meaning, where its value is not the default.
+
+    The builder does so itself for the arguments of a call; a :class:`muonfx.hyperparams.Slot`
+    (a late-bound number, :func:`muonfx.hyperparams.late_bound`) has no value there, so
+    :class:`muonfx.TransformOptimizer`, which gives the builder slots for those, warns by
+    this for the values of a new param group. ``stacklevel`` as ``warnings.warn``'s,
+    counted from the caller of this function; ``None``: the first caller outside muonfx
+    and torch.
+
+    Example::
+
+        >>> import warnings, muonfx as mfx
+        >>> from muonfx.presets.options import warn_meaning_changed
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_meaning_changed(mfx.normuon, {"eps": 1e-8, "lr": 0.1})
+        >>> [w.category.__name__ for w in caught]
+        ['MeaningChangedWarning']
+    """
+    notes = getattr(builder, "__meaning_changed__", None)
+    if not notes:
+        return
+    params = inspect.signature(builder).parameters
+    for name, note in notes.items():
+        value = given.get(name, params[name].default)
+        if type(value) is not Slot and value != params[name].default:
+            warnings.warn(f"{builder.__qualname__}({name}={value!r}): {note}", MeaningChangedWarning,
+                          stacklevel=_outside() if stacklevel is None else stacklevel + 1)
+
+
+_OURS = tuple(os.path.dirname(m.__file__) + os.sep for m in (sys.modules["muonfx"], torch))
+
+
+def _outside() -> int:
+    """``warnings.warn``'s stacklevel (called from :func:`warn_meaning_changed`) of the
+    first frame outside muonfx and torch: the user's line."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_OURS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def muon_options_of(builder: Callable[..., Any]) -> dict[str, str]:

@@ -39,13 +39,14 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from ..hyperparams import late_bound
+from ..hyperparams import Slot, late_bound
 from ..combine import SplitSizes, blockwise, chain, named_chain, partition
 from ..core import GradientTransformation
 from ..schedules import momentum_warmup
 from ..transforms import (bias_corrected_momentum, cautious_decay, decoupled_decay, newton_schulz, row_normalize,
                          scale_by_adam, scale_by_learning_rate)
 from ..wrappers import inject_hyperparams
+from ._late import decay_times_lr, warming_up
 from .options import MuonOptions, insert_step, takes_muon_options
 from .standard import adamw, default_muon_labels, muon
 
@@ -121,6 +122,7 @@ def moonlight(
 # ---------------------------------------------------------------------------
 
 
+@late_bound("lr", "momentum", "weight_decay", "eps", "beta2", "row_eps")
 @takes_muon_options(changed={"eps": "eps is the Newton-Schulz floor here (torch.optim.Muon's eps, default "
                                     "1e-7); it was the row normaliser's epsilon in earlier muonfx versions, which "
                                     "is row_eps now (default 1e-10). Pass row_eps= for that."})
@@ -145,7 +147,10 @@ def normuon(*, beta2: float = 0.95, row_eps: float = 1e-10, **muon_options: Any)
     very different magnitudes; NorMuon divides each row by the EMA of its RMS and
     rescales to the orthogonalised update's Frobenius norm.
     ``adjust_lr="match_rms_adamw"`` gives the paper's ``0.2``-RMS variant with
-    AdamW-like learning rates.
+    AdamW-like learning rates. ``lr``, ``momentum``, ``weight_decay``, ``eps``, ``beta2``
+    and ``row_eps`` are late-bound (:func:`muonfx.hyperparams.late_bound`): a new value
+    of any of them builds nothing, nor compiles again under ``opt.compile()`` (but ``eps``,
+    which Newton-Schulz's operator takes as a constant, as in ``muon``).
 
     Example::
 
@@ -195,6 +200,7 @@ def muon_cautious(**muon_options: Any) -> GradientTransformation:
 # ---------------------------------------------------------------------------
 
 
+@late_bound("lr", "weight_decay", "eps", "momentum_start", "momentum_end", "warmup_steps")
 @takes_muon_options(exclude=("momentum",))
 def muon_with_momentum_warmup(
     *,
@@ -205,10 +211,15 @@ def muon_with_momentum_warmup(
 ) -> GradientTransformation:
     """Muon whose momentum warms up (nanochat / modded-nanogpt).
 
-    ``inject_hyperparams(muon)(momentum=momentum_warmup(start, end, steps), **muon_options)``:
-    the state is an :class:`~muonfx.InjectHyperparamsState`; ``state.hyperparams["momentum"]``
-    is the value used by the last update (``momentum_start`` right after ``init``).
+    ``inject_hyperparams(muon)(momentum=momentum_warmup(start, end, steps), **muon_options)``,
+    the other options given to ``muon`` as they are (schedules injected too): the state is
+    an :class:`~muonfx.InjectHyperparamsState`; ``state.hyperparams["momentum"]`` is the
+    value used by the last update (``momentum_start`` right after ``init``).
     ``muon_options`` are :func:`~muonfx.muon`'s other options (:class:`~muonfx.MuonOptions`).
+    ``lr``, ``weight_decay``, ``eps`` and the warm-up's three numbers are late-bound
+    (:func:`muonfx.hyperparams.late_bound`): built with slots for them (by
+    :class:`~muonfx.TransformOptimizer`), the warm-up is the schedule of their values at
+    each update, and ``state.hyperparams`` records none (``{}``).
 
     Example::
 
@@ -218,8 +229,11 @@ def muon_with_momentum_warmup(
         >>> tx.init(TensorDict({"w": torch.zeros(4, 4)}, [])).hyperparams["momentum"]
         0.85
     """
-    return inject_hyperparams(muon)(momentum=momentum_warmup(momentum_start, momentum_end, warmup_steps),
-                                    **muon_options)
+    warm = (momentum_start, momentum_end, warmup_steps)
+    given = tuple(n for n, v in muon_options.items() if not callable(v))  # to muon as they are
+    if Slot not in map(type, warm):
+        return inject_hyperparams(muon, given)(momentum=momentum_warmup(*warm), **muon_options)
+    return warming_up(inject_hyperparams(muon, given)(momentum=0.0, **muon_options), *warm)
 
 
 # ---------------------------------------------------------------------------
@@ -344,6 +358,7 @@ def optax_muon(
     return partition({"muon": named_chain(*steps.items()), "adam": adam}, labels or optax_labels)
 
 
+@late_bound("lr", "momentum", "weight_decay", "eps", "beta2", "row_eps")
 @takes_muon_options(defaults={"ns_coefficients": "polar_express"})
 def modded_nanogpt_normuon(*, beta2: float = 0.95, row_eps: float = 1e-10, **muon_options: Any) -> GradientTransformation:
     """modded-nanogpt's ``NorMuon`` for its matrices (the speedrun's arithmetic).
@@ -365,10 +380,13 @@ def modded_nanogpt_normuon(*, beta2: float = 0.95, row_eps: float = 1e-10, **muo
     wide matrices (``rows < cols``), per row otherwise; and the weight decay is
     cautious and scaled by ``lr^2`` times the shape factor (modded-nanogpt multiplies
     ``weight_decay * lr`` by its effective lr ``lr * s``). ``lr`` must be a number
-    here (the decay depends on it); a scheduler driving
-    :class:`~muonfx.TransformOptimizer`'s ``lr`` rebuilds both. The reference divides by
-    ``sqrt(max(v, 1e-10))``, this by ``sqrt(v) + row_eps``; both equal where ``v`` is
-    not tiny.
+    here, not a schedule (the decay depends on it); drive it with a scheduler on
+    :class:`~muonfx.TransformOptimizer`. ``lr``, ``momentum``, ``weight_decay``, ``eps``,
+    ``beta2`` and ``row_eps`` are late-bound (:func:`muonfx.hyperparams.late_bound`): the
+    decay's ``weight_decay * lr`` is taken at each update, and a new value of any of them
+    builds nothing, nor compiles again under ``opt.compile()`` (but ``eps``, as in
+    :func:`normuon`). The reference divides by ``sqrt(max(v, 1e-10))``, this by
+    ``sqrt(v) + row_eps``; both equal where ``v`` is not tiny.
 
     Example::
 
@@ -383,5 +401,5 @@ def modded_nanogpt_normuon(*, beta2: float = 0.95, row_eps: float = 1e-10, **muo
                                                                                     mu_dtype=opts.mu_dtype,
                                                                                     dims=opts.dims))
     order = ("momentum", "orthogonalize", "row_normalize", "weight_decay", "scale_by_shape", "lr")
-    steps["weight_decay"] = cautious_decay(opts.weight_decay * opts.lr)
+    steps["weight_decay"] = decay_times_lr(opts.weight_decay, opts.lr)
     return named_chain(*((name, steps[name]) for name in order))

@@ -9,7 +9,7 @@ from tensordict import TensorDict
 
 from .. import seam
 from ..core import Dims, GradientTransformation, LeafwiseTransformation, MatrixView, aligned, build, leaves
-from ..hyperparams import check, check_float_dtype
+from ..hyperparams import VALUES_ARG, Slot, check, check_float_dtype
 from ..ops import foreach
 from ..core.view import batched_matrix
 from ._dtypes import widen
@@ -61,7 +61,8 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows",
     they are computed in the wider of it and the update's dtype (float32 statistics of
     bf16 parameters accumulate in float32), the output has the update's dtype.
     ``dims`` overrides the matrix view per leaf, as :func:`newton_schulz`'s (``v`` is then
-    ``[k, A]`` for the view's ``[k, A, B]`` stack).
+    ``[k, A]`` for the view's ``[k, A, B]`` stack). ``beta2`` and ``eps`` may be
+    :class:`muonfx.hyperparams.Slot` s, read at each update.
 
     ``axis="larger"`` keeps one statistic per index of the larger dimension, as
     modded-nanogpt's NorMuon does: per row for tall and square matrices, per column
@@ -86,6 +87,7 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows",
         torch.Size([8, 16])
     """
     beta2, eps = check("beta2", beta2), check("eps", eps)
+    late_beta2, late_eps = type(beta2) is Slot, type(eps) is Slot  # numbers read at each update
     check_float_dtype("mu_dtype", mu_dtype)
     if axis not in AXES:
         raise ValueError(f"row_normalize: axis must be one of {AXES}, got {axis!r}")
@@ -97,7 +99,9 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows",
         return RowNormalizeState(build(keys, [torch.zeros_like(v.select(_reduce_dim(axis, v), 0), dtype=mu_dtype)
                                               for v in views]))
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        b2 = extra_args[VALUES_ARG][beta2.key] if late_beta2 else beta2
+        e = extra_args[VALUES_ARG][eps.key] if late_eps else eps
         keys, us = leaves(updates)
         vs = aligned(state.v, keys, "row_normalize state (v)")
         # axis="larger" on a wide matrix: statistics per column, i.e. per row of its transpose
@@ -112,9 +116,9 @@ def row_normalize(beta2: float = 0.95, eps: float = 1e-8, *, axis: str = "rows",
         new_vs, scales, pairs = [], [], []
         # v <- lerp(v, mean_sq, 1 - beta2) as foreach's "ema": traced, beta2 stays an operand
         # (a schedule of it recompiles nothing on torch 2.10 / 2.11)
-        nvs = foreach("ema", vs_c, [rs.squeeze(-1) / o.shape[-1] for o, rs in zip(os_, row_sq)], beta2)
+        nvs = foreach("ema", vs_c, [rs.squeeze(-1) / o.shape[-1] for o, rs in zip(os_, row_sq)], b2)
         for o, v, rs, nv in zip(os_, vs, row_sq, nvs):
-            s = (nv.sqrt() + eps).unsqueeze(-1)
+            s = (nv.sqrt() + e).unsqueeze(-1)
             new_vs.append(nv.to(v.dtype))
             scales.append(s)
             pairs.append(torch.cat([rs, rs / s.square()], dim=-1))
