@@ -143,6 +143,10 @@ def local_map_parts(fn: MatrixFn, stacks: Sequence[torch.Tensor], settings: Matr
     ``cast_back=False``, left in ``fn``'s (for a caller that reads them once in a wider
     dtype: the plan's lowered Muon step).
 
+    A matrix function may say the most matrices it wants in one call, ``fn.batch_limit(stack)``
+    (an int, or None for no limit): Newton-Schulz on the CPU takes large matrices one at a
+    time, so batching them would only copy them together and apart.
+
     ``inputs`` makes a batch's inputs when the batch runs, from its parts (the stacks then
     only give shapes, dtypes and devices): a caller whose input is itself computed (the
     lowered Muon step's Nesterov momentum) holds one batch of it at a time, not all.
@@ -166,7 +170,12 @@ def local_map_parts(fn: MatrixFn, stacks: Sequence[torch.Tensor], settings: Matr
             counts.append(stacks[i].shape[0])
         if device not in budgets:
             budgets[device] = batch_bytes(device) if settings is None else settings.budget(device.type)
-        for batch in plan_batches(counts, mat_bytes, budgets[device]):
+        budget = budgets[device]
+        limit = getattr(fn, "batch_limit", None)  # the most matrices fn wants in one call
+        limit = limit(stacks[idx[0]]) if limit is not None else None
+        if limit is not None:
+            budget = min(budget, limit * mat_bytes)
+        for batch in plan_batches(counts, mat_bytes, budget):
             where = [(idx[j], a, b) for j, a, b in batch]
             if inputs is not None:
                 parts = list(inputs(where))

@@ -366,6 +366,17 @@ class NewtonSchulz:
             products = "torch"
         return str(cdtype).removeprefix("torch."), method, products
 
+    def batch_limit(self, stack: torch.Tensor) -> int | None:
+        """The most matrices like ``stack``'s that one call should take
+        (:func:`muonfx.seam.local_map_parts` reads it): 1 where the CPU's standard iteration
+        takes each matrix's own products (:data:`CPU_PER_MATRIX_MIN` elements and more), so
+        that a batch of several would be put together only to be taken apart again; else
+        None (the byte budget alone)."""
+        m, n = stack.shape[-2], stack.shape[-1]
+        if stack.device.type != "cpu" or m * n < CPU_PER_MATRIX_MIN or torch.compiler.is_compiling():
+            return None
+        return 1 if self._choose(m, n, stack.dtype, stack.device)[1] == "standard" else None
+
     def polar(self, g: torch.Tensor) -> torch.Tensor:
         """The polar factors of the ``[N, m, n]`` batch ``g`` in the compute dtype, as the
         iteration leaves them (a tall batch's as a transposed view): what :meth:`__call__`

@@ -30,23 +30,25 @@ class _PerBatch:
             return torch.float64
         return self.pinned or device_ns_dtype(batch.device)
 
-    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+    def _at(self, g: torch.Tensor) -> NewtonSchulz:
         ns = self.ns
-        return NewtonSchulz(ns.schedule, ns.eps, self.compute_dtype(g), ns.method, ns.restart, ns.accuracy,
-                            ns.triton)(g)
+        return NewtonSchulz(ns.schedule, ns.eps, self.compute_dtype(g), ns.method, ns.restart, ns.accuracy, ns.triton)
 
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        return self._at(g)(g)
 
     def polar(self, g: torch.Tensor) -> torch.Tensor:
-        ns = self.ns
-        return NewtonSchulz(ns.schedule, ns.eps, self.compute_dtype(g), ns.method, ns.restart, ns.accuracy,
-                            ns.triton).polar(g)
+        return self._at(g).polar(g)
+
+    def batch_limit(self, stack: torch.Tensor) -> int | None:
+        return self._at(stack).batch_limit(stack)
 
 
 class _Polar:
     """A matrix function's polar factors left in its compute dtype (``fn.polar``)."""
 
     def __init__(self, fn: "NewtonSchulz | _PerBatch") -> None:
-        self.fn, self.compute_dtype = fn, fn.compute_dtype
+        self.fn, self.compute_dtype, self.batch_limit = fn, fn.compute_dtype, fn.batch_limit
 
     def __call__(self, g: torch.Tensor) -> torch.Tensor:
         return self.fn.polar(g)
