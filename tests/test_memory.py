@@ -195,11 +195,11 @@ def test_allocator_peak_agrees_with_the_op_by_op_count_on_an_eager_step():
 
 
 @pytest.mark.slow
-def test_the_compiled_muon_step_matches_eager_and_holds_less_than_the_eager_one():
+def test_the_compiled_muon_step_matches_eager_and_holds_about_what_the_eager_one_holds():
     """Inductor's compiled step (Newton-Schulz in bf16, Gram form, stacks cut over two
     batches, tall and wide matrices; the cast back to float32 fused into the parameter
     update) trains like the eager step, and the allocator's records show what it holds:
-    less than the eager step."""
+    about a model's bytes, as the eager step (Muon's lowering)."""
     from muonfx.memory import step_memory
 
     torch._dynamo.reset()
@@ -236,8 +236,11 @@ def test_the_compiled_muon_step_matches_eager_and_holds_less_than_the_eager_one(
         assert (a - b).norm() <= 3e-2 * moved, (n, ((a - b).norm() / moved).item())
     model = sum(v.numel() * 4 for v in init.values())
     # both run in pieces here (the group is larger than the budget); the compiled pieces
-    # store in place and free early (measured: 1.06 P against 2.05 P eagerly)
-    assert 0 < mem_c < mem_e, (mem_c / model, mem_e / model)
+    # store in place and free early: 1.06-1.2 P. The eager step is Muon's lowering, which
+    # makes each batch's Nesterov input when it runs and keeps the outputs in bf16: 1.08 P
+    # (2.05 P before it did); the compiled step holds no more than a fifth above it
+    assert 0 < mem_c <= 1.5 * model and 0 < mem_e <= 1.5 * model, (mem_c / model, mem_e / model)
+    assert mem_c <= 1.2 * mem_e, (mem_c / model, mem_e / model)
 
 
 # ---------------------------------------------------------------------------
