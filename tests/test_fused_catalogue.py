@@ -107,10 +107,11 @@ def test_the_lowered_step_is_the_chain(name, dtype):
 
 
 @pytest.mark.parametrize("name", ["adopt_l2", "laprop", "cautious_adamw", "mars_adamw"])
-def test_in_pieces_and_with_mixed_dtypes(name):
-    """A group over the batch budget steps piece by piece (its temporaries kept from step
-    to step in buffers of at most the largest piece); a group of float32 and bfloat16
-    parameters takes its numbers as Python numbers: both the chain's, as above."""
+def test_in_runs_and_with_mixed_dtypes(name):
+    """A group over the batch budget steps in runs of at most the budget (its
+    temporaries kept from step to step in buffers of at most the largest run, the state
+    not split into pieces); a group of float32 and bfloat16 parameters takes its numbers
+    as Python numbers: both the chain's, as above."""
     preset, options, _ = CASES[name]
     shapes = [(64, 32), (32,), (48, 40), (), (16, 8, 4)]
     a, b = _named(shapes=shapes), _named(shapes=shapes)
@@ -124,18 +125,20 @@ def test_in_pieces_and_with_mixed_dtypes(name):
             _grads([a, b], step, skip=3 if step == 4 else None)
             fused.step()
             chain.step()
-        g = fused.plan.groups[0]
-        assert g.path == "fused" and g.pieces is not None and len(g.pieces) >= 3, fused.plan
-        largest = max(sum(a[j][1].numel() for j in pc) for pc in g.pieces)
-        flats = g.memo.get("flat", {})
-        assert flats and all(buf.numel() <= largest + 32 * len(shapes) for buf in flats.values())
-        kept = {k: buf.data_ptr() for k, buf in flats.items()}
-        _grads([a, b], 12)
-        fused.step()
-        chain.step()
-        assert {k: buf.data_ptr() for k, buf in fused.plan.groups[0].memo["flat"].items()} == kept  # reused
     finally:
         set_batch_bytes(held, "cpu")
+    g = fused.plan.groups[0]
+    assert g.path == "fused" and g.pieces is None and chain.plan.groups[0].pieces is not None, fused.plan
+    runs = g.memo[("runs", g.keys)]
+    assert len(runs) >= 3 and sorted(j for run in runs for j in run) == list(range(len(shapes)))
+    largest = max(max(sum(a[j][1].numel() for j in run), 8 << 10 >> 2) for run in runs)
+    flats = g.memo["flat"]
+    assert flats and all(buf.numel() <= largest + 32 * len(shapes) for buf in flats.values())
+    kept = {k: buf.data_ptr() for k, buf in flats.items()}
+    _grads([a, b], 12)
+    fused.step()
+    chain.step()
+    assert {k: buf.data_ptr() for k, buf in fused.plan.groups[0].memo["flat"].items()} == kept  # reused
     for (n, p), (_, q) in zip(a, b):
         assert _rel(p, q) < TOL[p.dtype], (n, _rel(p, q))
 

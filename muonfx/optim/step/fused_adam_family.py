@@ -25,12 +25,13 @@ parameters (ADOPT's ``decouple=False`` decay reads them): the same ops on the sa
 values, written in place; so are ADOPT's ``n``, C-AdamW's ``u`` and mask and MARS's ``c``. The parameter update is written as torch.optim's (``W * (1 - lr wd)``,
 then one ``add_`` of ``-lr * d``; MARS the fused AdamW kernel's own, its moments too),
 which rounds differently from the chain's ``W + (-lr * (d + wd * W))``: a few float32
-ulps of the update (``tests/test_fused_catalogue.py`` measures it). The work is done in
-``write``; nothing in it can fail once ``ready`` (the tensors) and ``check`` (the
-hyperparameters, by the chain's rules) have passed, so an error stops the step before
-anything is written. Groups over the batch budget run in pieces, as their chains do
-(:mod:`.pieces`). On the CPU a group keeps its temporaries between steps (one or two
-buffers the size of its largest piece: :func:`.fused_foreach._scratch`).
+ulps of the update (``tests/test_fused_catalogue.py`` measures it). Nothing in the step
+can fail once ``ready`` (the tensors) and ``check`` (the hyperparameters, by the chain's
+rules) have passed, so an error stops it before anything is written. A group over the
+plan's batch budget steps in runs of at most that many bytes, each with its temporaries
+(the bound of the chain's pieces, without splitting the state); on the CPU a group keeps
+its temporaries between steps (one or two buffers the size of its largest run:
+:func:`.fused_foreach._scratch`).
 
 What is not lowered runs the chain: a schedule or tensor for a number, DTensor shards,
 a state that is not the preset's, gradients or moments of another dtype, device or shape
@@ -43,7 +44,6 @@ import math
 
 import torch
 
-from ...counts import by_count
 from ...presets.catalogue import adopt, cautious_adamw, laprop, mars_adamw
 from ...transforms.adam import ScaleByAdamState
 from ...transforms.adopt import ScaleByAdoptState
@@ -64,14 +64,14 @@ class FusedAdopt(ForeachLowering):
     orders = (("weight_decay", "adopt", "lr"), ("adopt", "weight_decay", "lr"))  # decouple False, True
 
     @classmethod
-    def _run(cls, k: _Ops, count, grads, params, bufs, lr, wd, b1, b2, vals) -> None:
+    def _run(cls, k: _Ops, ts, grads, params, bufs, lr, wd, b1, b2, vals) -> None:
         decouple, eps = bool(vals.get("decouple", False)), float(vals["eps"])  # a clamp takes a number as it is
         into = wd != 0.0 and not decouple
         scratch = k.scratch(2 if into else 1)
         if into:  # the chain's decay link before ADOPT's: the gradient g + wd * W
             grads = torch._foreach_add(grads, params, alpha=wd) if scratch[1] is None else \
                 [torch.add(g, p, alpha=wd, out=o) for g, p, o in zip(grads, params, scratch[1])]
-        for t, (gs, ps, ms, vs, ns) in _by_count(count, k.keys, [grads, params, *bufs, scratch[0]]):
+        for t, (gs, ps, ms, vs, ns) in _by_count(ts, [grads, params, *bufs, scratch[0]]):
             if t == 0:  # the first update fills nu alone (the chain's direction is 0)
                 torch._foreach_copy_(vs, gs)
                 torch._foreach_mul_(vs, gs)
@@ -107,12 +107,12 @@ class FusedLaProp(ForeachLowering):
     orders = (("laprop", "weight_decay", "lr"),)
 
     @classmethod
-    def _run(cls, k: _Ops, count, grads, params, bufs, lr, wd, b1, b2, vals) -> None:
+    def _run(cls, k: _Ops, ts, grads, params, bufs, lr, wd, b1, b2, vals) -> None:
         ms, vs = bufs
         k.mul_(vs, b2)
         torch._foreach_addcmul_(vs, grads, grads, value=1.0 - b2)
         eps = k.num(float(vals["eps"]))
-        for t, (gs, ps, ms_, vs_, ds) in _by_count(count, k.keys, [grads, params, ms, vs, k.scratch(1)[0]]):
+        for t, (gs, ps, ms_, vs_, ds) in _by_count(ts, [grads, params, ms, vs, k.scratch(1)[0]]):
             t += 1
             if ds is None:
                 den = torch._foreach_div(vs_, 1.0 - b2**t)
@@ -136,13 +136,13 @@ class FusedCautiousAdamW(ForeachLowering):
     orders = (("adam", "weight_decay", "lr"),)
 
     @classmethod
-    def _run(cls, k: _Ops, count, grads, params, bufs, lr, wd, b1, b2, vals) -> None:
+    def _run(cls, k: _Ops, ts, grads, params, bufs, lr, wd, b1, b2, vals) -> None:
         ms, vs = bufs
         torch._foreach_lerp_(ms, grads, 1.0 - b1)
         k.mul_(vs, b2)
         torch._foreach_addcmul_(vs, grads, grads, value=1.0 - b2)
         eps = k.num(float(vals["eps"]))
-        for t, (gs, ps, ms_, vs_, us, ks) in _by_count(count, k.keys, [grads, params, ms, vs, *k.scratch(2)]):
+        for t, (gs, ps, ms_, vs_, us, ks) in _by_count(ts, [grads, params, ms, vs, *k.scratch(2)]):
             t += 1
             if us is None:
                 u = torch._foreach_sqrt(vs_)
@@ -178,7 +178,7 @@ class FusedMarsAdamW(ForeachLowering):
         return inner["adam"].mu, inner["adam"].nu, inner["mars"].prev
 
     @classmethod
-    def _run(cls, k: _Ops, count, grads, params, bufs, lr, wd, b1, b2, vals) -> None:
+    def _run(cls, k: _Ops, ts, grads, params, bufs, lr, wd, b1, b2, vals) -> None:
         ms, vs, prev = bufs
         gamma, max_norm = float(vals["gamma"]), vals.get("max_norm")
         cs = grads
@@ -196,7 +196,7 @@ class FusedMarsAdamW(ForeachLowering):
                 torch._foreach_div_(cs, factor)
         step_of: dict = {}
         steps: list = [None] * len(params)
-        for t, pos in by_count(count, list(k.keys), "adam state (count)"):
+        for t, pos in ts:
             for j in pos:
                 dev = params[j].device
                 s = step_of.get((t, dev))

@@ -17,13 +17,13 @@ from .fused import _DTYPES, _leaves, _number, step_values
 __all__ = ["ForeachLowering"]
 
 
-def _by_count(count: Any, keys: tuple, lists: list) -> list[tuple[int, list]]:
-    """``[(t, the lists at t's positions)]`` (a ``None`` list stays ``None``): the lists as
-    they are while every parameter has the same count (the common case: no copy)."""
-    groups = by_count(count, list(keys), "state (count)")
-    if len(groups) == 1:
-        return [(groups[0][0], lists)]
-    return [(t, [None if xs is None else [xs[j] for j in pos] for xs in lists]) for t, pos in groups]
+def _by_count(ts: list[tuple[int, list[int]]], lists: list) -> list[tuple[int, list]]:
+    """``[(t, the lists at t's positions)]`` for the counts ``ts`` (``[(t, positions)]``;
+    a ``None`` list stays ``None``): the lists as they are while every parameter has the
+    same count (the common case: no copy)."""
+    if len(ts) == 1:
+        return [(ts[0][0], lists)]
+    return [(t, [None if xs is None else [xs[j] for j in pos] for xs in lists]) for t, pos in ts]
 
 
 class _Ops:
@@ -69,7 +69,7 @@ class _Ops:
 def _scratch(memo: dict, like: list[torch.Tensor], n: int) -> list:
     """``n`` lists of tensors shaped like ``like`` to compute in, or ``n`` Nones off the
     CPU (the foreach ops then return new tensors). On the CPU, views of flat buffers kept
-    in the plan's ``memo`` between steps, one per dtype and list, of the largest piece's
+    in the plan's ``memo`` between steps, one per dtype and list, of the largest run's
     size: fresh memory costs the CPU a page fault per 4 KiB at every step (several times
     the arithmetic, measured); a GPU's caching allocator gives temporaries at no such cost."""
     if any([t.device.type != "cpu" for t in like]):
@@ -84,7 +84,7 @@ def _scratch(memo: dict, like: list[torch.Tensor], n: int) -> list:
     flats = memo.setdefault("flat", {})
     grown = [(i, dt) for i in range(n) for dt, size in sizes.items() if (i, dt) not in flats or
              flats[(i, dt)].numel() < size]
-    if grown:  # the views of the other pieces go with the buffers they were cut from
+    if grown:  # the views of the other runs go with the buffers they were cut from
         for k in [k for k in memo if isinstance(k, tuple) and k[0] == "scratch"]:
             del memo[k]
         for i, dt in grown:
@@ -99,6 +99,28 @@ def _scratch(memo: dict, like: list[torch.Tensor], n: int) -> list:
             at[t.dtype] = k + span(t)
         out.append(views)
     return out
+
+
+def _runs(memo: dict | None, keys: tuple, params: list[torch.Tensor]) -> list:
+    """The step's runs of passes: ``[None]`` (every parameter at once) where the group
+    holds at most the plan's batch budget (``memo["budget"]``, bytes), else the positions
+    of consecutive parameters of at most that many bytes together (a larger one alone)."""
+    hit = memo.get(("runs", keys)) if memo is not None else None
+    if hit is None:
+        budget = memo.get("budget") if memo is not None else None
+        sizes = [p.numel() * p.element_size() for p in params]
+        if budget is None or sum(sizes) <= budget:
+            hit = [None]
+        else:
+            hit, run, held = [], [], 0
+            for j, n in enumerate(sizes):
+                if run and held + n > budget:
+                    hit, run, held = hit + [run], [], 0
+                run, held = run + [j], held + n
+            hit.append(run)
+        if memo is not None:
+            memo[("runs", keys)] = hit
+    return hit
 
 
 class _Buffers:
@@ -130,13 +152,12 @@ class _Buffers:
 class ForeachLowering:
     """A lowering in foreach passes on the state of one link (its moments ``mu`` and
     ``nu``): the rules (:meth:`why_not`, :meth:`ready`), the hyperparameters' checks
-    (:meth:`check`), the runner's two calls (:meth:`compute`, :meth:`write`, piece by
-    piece where the group is in pieces). A subclass names its link and the state's
-    type, the orders of its preset's links and the other links' state types
-    (``EmptyState`` where not named), and computes in ``_run``."""
+    (:meth:`check`) and the step (:meth:`step`, in runs of at most the plan's batch
+    budget, each with its temporaries). A subclass names its link and the state's type,
+    the orders of its preset's links and the other links' state types (``EmptyState``
+    where not named), and computes one run in ``_run``."""
 
     name = ""
-    pieces = True
     #: the link whose state holds the moments (and the counts), its state's type, the
     #: orders of the preset's links (its ``named_chain``), the other links' state types
     link, kind = "", tuple
@@ -201,25 +222,29 @@ class ForeachLowering:
         ``>= 0``): the chain's errors, raised before anything is written."""
         return step_values(hp, state)
 
-    @staticmethod
-    def compute(keys: tuple, grads: list[torch.Tensor], params: list[torch.Tensor], state: Any,
-                vals: dict[str, Any], extra: dict[str, Any]) -> list[torch.Tensor]:
-        """Nothing to compute ahead (the arithmetic cannot fail): the gradients, for :meth:`write`."""
-        return grads
-
     @classmethod
-    def write(cls, state: Any, grads: list[torch.Tensor], params: list[torch.Tensor], keys: tuple,
-              vals: dict[str, Any], memo: dict | None = None) -> Any:
-        """Step the parameters and the state buffers in place; return the new state (the
-        same buffers, the counts advanced). ``memo``: the group plan's (the buffers'
-        lists, the scratch)."""
+    def step(cls, state: Any, vals: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+             keys: tuple, memo: dict | None = None) -> Any:
+        """Step the parameters and the state buffers in place, in runs of at most the
+        plan's batch budget (:func:`_runs`); return the new state (the same buffers, the
+        counts advanced). ``memo``: the group plan's (the budget, the buffers' lists, the
+        runs, the scratch)."""
         inner = state.inner_state
         st = inner[cls.link]
         bufs = _Buffers.of(cls._tds(inner), keys, params, memo)
         lr, wd = float(vals["lr"]), float(vals["weight_decay"])
         b1, b2 = (float(b) for b in vals["betas"])
+        ts = by_count(st.count, list(keys), f"{cls.link} state (count)")
         with torch.no_grad():
-            cls._run(_Ops(memo, keys, params, bufs.cpu), st.count, grads, params, bufs.lists, lr, wd, b1, b2, vals)
+            for pos in _runs(memo, keys, params):
+                if pos is None:
+                    cls._run(_Ops(memo, keys, params, bufs.cpu), ts, grads, params, bufs.lists, lr, wd, b1, b2, vals)
+                    continue
+                at = {j: i for i, j in enumerate(pos)}
+                sub = [(t, [at[j] for j in js if j in at]) for t, js in ts]
+                pick = lambda xs: [xs[j] for j in pos]  # noqa: E731
+                cls._run(_Ops(memo, tuple(pick(keys)), pick(params), bufs.cpu), [(t, js) for t, js in sub if js],
+                         pick(grads), pick(params), [pick(b) for b in bufs.lists], lr, wd, b1, b2, vals)
         new_inner = {**inner, cls.link: st._replace(count=advance(st.count))}
         injected = {n: vals[n] for n in state.hyperparams}
         return state._replace(count=advance(state.count), hyperparams=injected, inner_state=new_inner)

@@ -152,10 +152,9 @@ class FusedMuon:
         return grads, os_, shape_factors(vals.get("adjust_lr") or "original", list(keys), os_)
 
     @staticmethod
-    def write(state: Any, pending: tuple, params: list[torch.Tensor], keys: tuple, vals: dict[str, Any],
-              memo: dict | None = None) -> Any:
+    def write(state: Any, pending: tuple, params: list[torch.Tensor], keys: tuple, vals: dict[str, Any]) -> Any:
         """Write the momentum and the parameters in place; return the new state (the same
-        buffers, the counts advanced). ``memo``: the group plan's (unused)."""
+        buffers, the counts advanced)."""
         grads, os_, factors = pending
         inner = state.inner_state
         ms = _leaves(inner["momentum"].mu, keys)

@@ -115,7 +115,8 @@ class GroupPlan:
     dtensor: bool
     kernel: Any = field(compare=False, default=None)
     #: what a fused kernel keeps between the steps of this plan (its reading of the
-    #: group's buffers: :mod:`.fused`)
+    #: group's buffers: :mod:`.fused`), from the plan's batch budget of the group's
+    #: device (``"budget"``, bytes: the runs of :mod:`.fused_foreach`)
     memo: dict = field(compare=False, default_factory=dict, repr=False)
 
 
@@ -265,9 +266,9 @@ def group_plan(index: int, keys: list[Key], positions: list[int], params: list[t
         why = "fused=False"
     nbytes = sum([p.numel() * p.element_size() for p in params])
     pieces = None
-    if path == "fused" and not getattr(kernel, "pieces", False):  # in place, no temporaries: no pieces
+    if path == "fused" and not getattr(kernel, "pieces", False):  # in place (temporaries of at most the budget)
         return GroupPlan(index, tuple(keys), tuple(positions), transform, path, why, None, nbytes, partial, devices,
-                         dtensor, kernel)
+                         dtensor, kernel, {"budget": settings.budget(devices[0])} if len(devices) == 1 else {})
     if not dtensor and is_leafwise(transform) and len(devices) == 1:
         pieces = plan_pieces(params, settings.budget(devices[0]))
     if pieces is not None or (path == "compiled" and settings.triton):

@@ -110,7 +110,7 @@ class _Group:
         the state that holds it."""
         if self.kernel is not None:
             keys = self.plan.keys if positions is None else tuple([self.plan.keys[j] for j in positions])
-            return self.kernel.write(old, us, params, keys, self.vals, self.plan.memo)
+            return self.kernel.write(old, us, params, keys, self.vals)
         return commit(old, new, params, us)
 
     def finish(self, kept: Any) -> None:
