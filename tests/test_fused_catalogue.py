@@ -255,3 +255,41 @@ def test_a_bad_hyperparameter_changes_nothing(name):
                 assert torch.equal(v, after[i][k]) if isinstance(v, torch.Tensor) else v == after[i][k], (key, k)
     opt.step()
     assert opt.plan.groups[0].path == "fused" and not torch.equal(named[0][1], before[0][0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-dtype", "mixed"])
+def test_mars_hands_the_chains_corrected_gradient_to_the_fused_kernel(dtype, mixed, monkeypatch):
+    """The gradient the lowered MARS-AdamW gives torch's fused AdamW kernel is
+    ``mars_correction``'s output bit for bit, clipped or not (the norms stacked where the
+    group has one dtype, one by one where it has several)."""
+    from tensordict import TensorDict
+
+    seen = {}
+    kernel = torch._fused_adamw_
+
+    def spy(params, grads, *args, **kwargs):
+        seen.update({id(p): g.clone() for p, g in zip(params, grads)})
+        return kernel(params, grads, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", spy)
+    named = _named(dtype)
+    if mixed:
+        named[1][1].data = named[1][1].data.float() if dtype != torch.float32 else named[1][1].data.bfloat16()
+    opt = mfx.TransformOptimizer(named, mfx.mars_adamw, gamma=0.5, betas=(0.9, 0.99))
+    tx = mfx.mars_correction(0.5, 0.9, 1.0)
+    state = tx.init(TensorDict({n: p.detach() for n, p in named}, []))
+    gen = torch.Generator().manual_seed(5)
+    clipped = 0
+    for _ in range(4):
+        gs = {n: torch.randn(p.shape, generator=gen).to(p.dtype) for n, p in named}
+        for n, p in named:
+            p.grad = gs[n].clone()
+        seen.clear()
+        opt.step()
+        out, state = tx.update(TensorDict(gs, []), state)
+        assert opt.plan.groups[0].path == "fused"
+        for n, p in named:
+            assert torch.equal(seen[id(p)], out[n]), n
+        clipped += sum(out[n].float().norm().item() > 0.999 for n, _ in named)
+    assert clipped > 0  # the clip acted

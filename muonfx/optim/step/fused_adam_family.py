@@ -190,9 +190,14 @@ class FusedMarsAdamW(ForeachLowering):
             cs = prev
             if max_norm is not None:  # c / max(1, ||c|| / max_norm), the chain's norms
                 out = k.scratch(1)[0]
-                sq = torch._foreach_mul(cs, cs) if out is None else [torch.mul(c, c, out=o) for c, o in zip(cs, out)]
-                factor = torch._foreach_div(torch._foreach_sqrt_(_totals(sq)), float(max_norm))
-                torch._foreach_clamp_min_(factor, 1.0)
+                if out is None:
+                    factor = torch._foreach_div(torch._foreach_sqrt_(_totals(torch._foreach_mul(cs, cs))),
+                                                float(max_norm))
+                    torch._foreach_clamp_min_(factor, 1.0)
+                else:  # the same arithmetic per norm, on the norms stacked where they have one dtype
+                    sums = [torch.mul(c, c, out=o).sum() for c, o in zip(cs, out)]
+                    factor = torch.stack(sums).sqrt_().div_(float(max_norm)).clamp_min_(1.0).unbind() \
+                        if k.cpu is not None else [torch.sqrt_(x).div_(float(max_norm)).clamp_min_(1.0) for x in sums]
                 torch._foreach_div_(cs, factor)
         step_of: dict = {}
         steps: list = [None] * len(params)

@@ -46,8 +46,8 @@ class _Ops:
         if self.cpu is None:
             return s
         if inplace and self.cpu in (torch.bfloat16, torch.float16):
-            return torch.tensor(s, dtype=self.cpu)
-        return torch.tensor(s, dtype=torch.float64 if self.cpu == torch.float64 else torch.float32)
+            return torch.scalar_tensor(s, dtype=self.cpu)
+        return torch.scalar_tensor(s, dtype=torch.float64 if self.cpu == torch.float64 else torch.float32)
 
     def mul_(self, xs: list[torch.Tensor], s: float) -> None:
         """``xs *= s`` with the bits of ``torch._foreach_mul(xs, s)``."""
