@@ -293,3 +293,31 @@ def test_mars_hands_the_chains_corrected_gradient_to_the_fused_kernel(dtype, mix
             assert torch.equal(seen[id(p)], out[n]), n
         clipped += sum(out[n].float().norm().item() > 0.999 for n, _ in named)
     assert clipped > 0  # the clip acted
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_path_without_a_scratch_computes_the_same(name, monkeypatch):
+    """Off the CPU the lowering takes its temporaries from the allocator (out-of-place
+    foreach ops) and its numbers as Python numbers: the same bits as on the CPU's path
+    (checked here on the CPU, with the scratch and the 0-D numbers turned off)."""
+    from muonfx.optim.step import fused_foreach
+
+    preset, options, _ = CASES[name]
+    a, b = _named(), _named()
+    cpu = mfx.TransformOptimizer(a, preset, **options)
+    for step in range(6):
+        _grads([a, b], step, skip=2 if step == 3 else None)
+        cpu.step()
+    monkeypatch.setattr(fused_foreach, "_scratch", lambda memo, like, n: [None] * n)
+    monkeypatch.setattr(fused_foreach._Ops, "num", lambda self, s, inplace=False: s)
+    other = mfx.TransformOptimizer(b, preset, **options)
+    for step in range(6):
+        _grads([a, b], step, skip=2 if step == 3 else None)
+        other.step()
+        assert other.plan.groups[0].path == "fused" and "flat" not in other.plan.groups[0].memo
+    for (n, p), (_, q) in zip(a, b):
+        assert torch.equal(p, q), n
+    sa, sb = cpu.state_dict()["state"], other.state_dict()["state"]
+    for i in sa:
+        for k, v in sa[i].items():
+            assert torch.equal(v, sb[i][k]) if isinstance(v, torch.Tensor) else v == sb[i][k], (i, k)
