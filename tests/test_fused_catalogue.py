@@ -321,3 +321,23 @@ def test_the_path_without_a_scratch_computes_the_same(name, monkeypatch):
     for i in sa:
         for k, v in sa[i].items():
             assert torch.equal(v, sb[i][k]) if isinstance(v, torch.Tensor) else v == sb[i][k], (i, k)
+
+
+@pytest.mark.parametrize("name", ["adopt_decoupled", "laprop", "cautious_adamw", "mars_adamw"])
+def test_a_large_parameter_steps_alone_on_the_cpu(name):
+    """A parameter of at least ``ALONE_BYTES`` runs its passes alone (its tensors in the
+    cache), the others together: the chain's step, as above."""
+    from muonfx.optim.step.fused_foreach import ALONE_BYTES
+
+    preset, options, _ = CASES[name]
+    shapes = [(16, 8), (ALONE_BYTES // 4 // 256 + 1, 256), (32,), ()]
+    a, b = _named(shapes=shapes), _named(shapes=shapes)
+    fused = mfx.TransformOptimizer(a, preset, **options)
+    chain = mfx.TransformOptimizer(b, preset, **options, fused=False)
+    for step in range(5):
+        _grads([a, b], step, skip=2 if step == 1 else None)
+        fused.step()
+        chain.step()
+    g = fused.plan.groups[0]
+    assert g.path == "fused" and sorted(g.memo[("runs", g.keys)]) == [[0, 2, 3], [1]], g.memo.get(("runs", g.keys))
+    _compare(name, a, b, fused, chain, torch.float32)

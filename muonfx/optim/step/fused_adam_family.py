@@ -29,8 +29,9 @@ ulps of the update (``tests/test_fused_catalogue.py`` measures it). Nothing in t
 can fail once ``ready`` (the tensors) and ``check`` (the hyperparameters, by the chain's
 rules) have passed, so an error stops it before anything is written. A group over the
 plan's batch budget steps in runs of at most that many bytes, each with its temporaries
-(the bound of the chain's pieces, without splitting the state); on the CPU a group keeps
-its temporaries between steps (one or two buffers the size of its largest run:
+(the bound of the chain's pieces, without splitting the state); on the CPU a parameter
+of 512 KiB or more runs alone (its tensors stay in the cache), and a group keeps its
+temporaries between steps (one or two buffers the size of its largest run:
 :func:`.fused_foreach._scratch`).
 
 What is not lowered runs the chain: a schedule or tensor for a number, DTensor shards,
