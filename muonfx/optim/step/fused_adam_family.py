@@ -20,11 +20,12 @@ parameter's own, as the chain), ``d`` the preset's direction::
     MARS     c = g + gamma * b1 / (1 - b1) * (g - g_prev), clipped to norm max_norm (in g_prev's buffer)
              torch._fused_adamw_ on c;  g_prev <- g
 
-The moments (and ``g_prev``) are the chain's bit for bit, in every dtype, from the same
-parameters (ADOPT's ``decouple=False`` decay reads them): the same ops on the same
-values, written in place; so are ADOPT's ``n``, C-AdamW's ``u`` and mask and MARS's ``c``. The parameter update is written as torch.optim's (``W * (1 - lr wd)``,
-then one ``add_`` of ``-lr * d``; MARS the fused AdamW kernel's own, its moments too),
-which rounds differently from the chain's ``W + (-lr * (d + wd * W))``: a few float32
+The moments and MARS's ``g_prev`` are the chain's bit for bit, in every dtype, from the
+same parameters (ADOPT's ``decouple=False`` decay reads them): the same ops on the same
+values, written in place; so are ADOPT's ``n``, C-AdamW's ``u`` and mask and MARS's
+``c``. The parameter update is written as torch.optim's (``W * (1 - lr wd)``, then one
+``add_`` of ``-lr * d``; MARS: the fused AdamW kernel's update and moments), which rounds
+differently from the chain's ``W + (-lr * (d + wd * W))``: a few float32
 ulps of the update (``tests/test_fused_catalogue.py`` measures it). Nothing in the step
 can fail once ``ready`` (the tensors) and ``check`` (the hyperparameters, by the chain's
 rules) have passed, so an error stops it before anything is written. A group over the
