@@ -262,12 +262,18 @@ def test_mars_gamma_zero_is_the_base_optimizer_bit_for_bit(dtype: torch.dtype) -
     base = run_functional(mfx.adamw(**hp), dtype)
     mars = run_functional(mfx.mars_adamw(**hp, gamma=0.0, max_norm=None), dtype)
     adapted = run_torch_style(lambda ps: mfx.TransformOptimizer(ps, mfx.mars_adamw, **hp, gamma=0.0,
+                                                                max_norm=None, fused=False), dtype)
+    # (the adapter's plan runs groups built with mfx.adamw and mfx.mars_adamw through torch's
+    # fused AdamW kernel, a different rounding: the functional adamw is the base the chain is
+    # equal to; the lowered MARS-AdamW at gamma=0 is the lowered AdamW)
+    lowered = run_torch_style(lambda ps: mfx.TransformOptimizer(ps, mfx.mars_adamw, **hp, gamma=0.0,
                                                                 max_norm=None), dtype)
-    # (the adapter runs groups built with mfx.adamw through torch's fused AdamW kernel, a
-    # different rounding: the functional adamw is the base the chain is equal to)
+    fused_adamw = run_torch_style(lambda ps: mfx.TransformOptimizer(ps, mfx.adamw, **hp), dtype)
     for k in SHAPES:
         assert torch.equal(mars[k], base[k]), k
         assert torch.equal(adapted[k], base[k]), k
+        assert torch.equal(lowered[k], fused_adamw[k]), k
+        assert not torch.equal(lowered[k], make_params(dtype)[k]), k  # the parameters moved
 
 
 def test_mars_muon_gamma_zero_is_muon_bit_for_bit() -> None:

@@ -1,8 +1,9 @@
 """Fused kernels the plan runs where a group's chain computes an arithmetic torch has a
 kernel for: a rule of the plan, decided when the plan is built, never by timing.
 
-Two lowerings: Muon's (:mod:`.fused_muon`, its elementwise links in foreach passes around
-the group's own Newton-Schulz) and AdamW's, here: a group whose transform is :func:`muonfx.adamw` (its factory,
+The lowerings: Muon's (:mod:`.fused_muon`, its elementwise links in foreach passes around
+the group's own Newton-Schulz), the catalogue's Adam-like presets' (:mod:`.fused_adam_family`,
+their links in in-place foreach passes) and AdamW's, here: a group whose transform is :func:`muonfx.adamw` (its factory,
 as ``TransformOptimizer(params, mfx.adamw)``, ``{"tx": mfx.adamw}`` in a param group,
 and the AdamW groups of :class:`muonfx.MuonOptimizer` and
 :func:`muonfx.create_hybrid_optimizer`) with plain numbers for its hyperparameters runs

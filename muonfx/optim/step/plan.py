@@ -20,7 +20,9 @@ resume: no timing decides anything. Per param group it holds:
     with :func:`muonfx.adamw` runs ``torch._fused_adamw_``, bit for bit
     ``torch.optim.AdamW(fused=True)``; one built with :func:`muonfx.muon` runs its
     elementwise links in foreach passes around its Newton-Schulz, torch.optim.Muon's
-    arithmetic, whole or in pieces: :mod:`.fused_muon`);
+    arithmetic, whole or in pieces: :mod:`.fused_muon`; one built with
+    :func:`muonfx.adopt`, :func:`muonfx.laprop`, :func:`muonfx.cautious_adamw` or
+    :func:`muonfx.mars_adamw` its links in in-place foreach passes: :mod:`.fused_adam_family`);
   - ``"eager"``: the chain, transform by transform, otherwise;
 * the pieces: a group whose present parameters hold more bytes than the batch budget
   (:func:`muonfx.linalg.batch_bytes`) and whose transform is leafwise
@@ -62,11 +64,15 @@ from ...core import GradientTransformation, Key, is_leafwise
 from ...linalg import triton_ns
 from ...linalg.settings import EXTRA_ARG, MatrixSettings
 from .dryrun import DryRun, dry_run
+from . import fused_adam_family  # noqa: F401  (registers the catalogue's Adam-like lowerings)
 from . import fused_muon  # noqa: F401  (registers Muon's lowering)
 from .fused import lowering
 from .pieces import plan_pieces
 
 __all__ = ["Settings", "GroupPlan", "StepPlan"]
+
+#: the presets whose groups have a lowering (named in the error of ``"fused": True``)
+_LOWERED = "only mfx.adamw, mfx.muon, mfx.adopt, mfx.laprop, mfx.cautious_adamw and mfx.mars_adamw"
 
 
 #: The process settings a plan reads once, when it is built (:meth:`MatrixSettings.capture`
@@ -109,7 +115,8 @@ class GroupPlan:
     dtensor: bool
     kernel: Any = field(compare=False, default=None)
     #: what a fused kernel keeps between the steps of this plan (its reading of the
-    #: group's buffers: :mod:`.fused`)
+    #: group's buffers: :mod:`.fused`), from the plan's batch budget of the group's
+    #: device (``"budget"``, bytes: the runs of :mod:`.fused_foreach`)
     memo: dict = field(compare=False, default_factory=dict, repr=False)
 
 
@@ -253,15 +260,15 @@ def group_plan(index: int, keys: list[Key], positions: list[int], params: list[t
         lowering(factory, hp or {}, params_all)
     if fused_setting is True and kernel is None:
         raise ValueError(f"param group {index}: 'fused' is True but no fused kernel computes its chain "
-                         f"({fused or 'only mfx.adamw and mfx.muon groups have one'})")
+                         f"({fused or _LOWERED + ' groups have one'})")
     path, why = choose_path(index, setting, params_all, partial, dtensor, devices, failed, fused if kernel else "")
     if fused_setting is False and path == "eager" and setting is None:
         why = "fused=False"
     nbytes = sum([p.numel() * p.element_size() for p in params])
     pieces = None
-    if path == "fused" and not getattr(kernel, "pieces", False):  # in place, no temporaries: no pieces
+    if path == "fused" and not getattr(kernel, "pieces", False):  # in place (temporaries of at most the budget)
         return GroupPlan(index, tuple(keys), tuple(positions), transform, path, why, None, nbytes, partial, devices,
-                         dtensor, kernel)
+                         dtensor, kernel, {"budget": settings.budget(devices[0])} if len(devices) == 1 else {})
     if not dtensor and is_leafwise(transform) and len(devices) == 1:
         pieces = plan_pieces(params, settings.budget(devices[0]))
     if pieces is not None or (path == "compiled" and settings.triton):

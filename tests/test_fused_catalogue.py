@@ -1,0 +1,343 @@
+"""The plan's lowerings of the catalogue's Adam-like presets (ADOPT, LaProp, C-AdamW,
+MARS-AdamW): foreach passes on the group's own state, the chain run link by link
+(``"fused": False``) as the reference; what does not match runs the chain."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import muonfx as mfx
+from muonfx.linalg import set_batch_bytes
+from muonfx.optim.step.fused_adam_family import FusedAdopt, FusedCautiousAdamW, FusedLaProp, FusedMarsAdamW
+
+SHAPES = [(24, 16), (16,), (6, 4, 5), (), (40, 8)]
+
+#: preset, options, the kernel; every option the lowering reads a second way
+CASES = {
+    "adopt": (mfx.adopt, {"lr": 1e-2}, FusedAdopt),
+    "adopt_l2": (mfx.adopt, {"lr": 1e-2, "weight_decay": 0.1}, FusedAdopt),
+    "adopt_decoupled": (mfx.adopt, {"lr": 1e-2, "weight_decay": 0.1, "decouple": True}, FusedAdopt),
+    "laprop": (mfx.laprop, {"lr": 1e-3, "weight_decay": 0.1}, FusedLaProp),
+    "cautious_adamw": (mfx.cautious_adamw, {"weight_decay": 0.1}, FusedCautiousAdamW),
+    "mars_adamw": (mfx.mars_adamw, {"weight_decay": 0.1, "gamma": 0.5}, FusedMarsAdamW),  # the clip acts
+    "mars_adamw_unclipped": (mfx.mars_adamw, {"max_norm": None}, FusedMarsAdamW),
+}
+
+# The lowered step against the chain, 20 steps under an lr scheduler with a parameter
+# without a gradient for three steps, max |p_lowered - p_chain| / max |p_chain|. The
+# moments are the chain's bit for bit (asserted; MARS's are torch's fused AdamW kernel's),
+# so what differs is the parameter update's rounding: torch.optim's W (1 - lr wd) - lr d
+# against the chain's W + (-lr (d + wd W)), and for MARS the fused kernel's arithmetic.
+# Measured (AMD EPYC, torch 2.13, over two sets of gradients): float32 at most 7.0e-7;
+# bfloat16 2.9e-3 (a bf16 ulp of the largest parameter), up to 1.4e-2 with ADOPT's
+# decoupled decay (torch's form rounds the bf16 parameter twice a step, the chain's once).
+# Tolerances ~7x and ~3.5x.
+TOL = {torch.float32: 5e-6, torch.bfloat16: 5e-2}
+# MARS's moments from the fused kernel against the chain's: float32 at most 3.3e-7 (measured)
+MARS_STATE_TOL = 3e-6
+
+
+def _named(dtype=torch.float32, shapes=SHAPES, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(f"p{i}", torch.nn.Parameter((torch.randn(s, generator=gen) * 0.5).to(dtype)))
+            for i, s in enumerate(shapes)]
+
+
+def _grads(lists, step, skip=None):
+    gen = torch.Generator().manual_seed(100 + step)
+    for i, ps in enumerate(zip(*lists)):
+        if i == skip:
+            for _, p in ps:
+                p.grad = None
+            continue
+        g = torch.randn(ps[0][1].shape, generator=gen)
+        g = (g * (torch.rand(g.shape, generator=gen) > 0.1)).to(ps[0][1].dtype)  # some zeros: C-AdamW's u g = 0
+        for _, p in ps:
+            p.grad = g.clone()
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _compare(name, a, b, fused, chain, dtype):
+    """The parameters within the tolerance, the counts equal, the moments bit for bit
+    (MARS: its previous gradient bit for bit, its moments within the kernel's rounding;
+    ADOPT with its L2 decay: within the parameters' rounding)."""
+    for (n, p), (_, q) in zip(a, b):
+        assert _rel(p, q) < TOL[dtype], (n, _rel(p, q))
+    sa, sb = fused.state_dict()["state"], chain.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        assert sa[i].keys() == sb[i].keys(), i
+        for k, v in sa[i].items():
+            if not isinstance(v, torch.Tensor):
+                assert v == sb[i][k], (i, k)
+            elif name.startswith("mars") and k.startswith("adam."):
+                if dtype == torch.float32:
+                    assert _rel(v, sb[i][k]) < MARS_STATE_TOL, (i, k, _rel(v, sb[i][k]))
+            elif name == "adopt_l2":  # its gradient g + wd W reads the parameters, which round otherwise
+                assert _rel(v, sb[i][k]) < TOL[dtype], (i, k, _rel(v, sb[i][k]))
+            else:
+                assert torch.equal(v, sb[i][k]), (i, k, _rel(v, sb[i][k]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_lowered_step_is_the_chain(name, dtype):
+    """20 steps with an lr scheduler and a parameter without a gradient for three steps
+    (its own count lags): the lowered step is the chain's (see TOL)."""
+    preset, options, kernel = CASES[name]
+    a, b = _named(dtype), _named(dtype)
+    fused = mfx.TransformOptimizer(a, preset, **options)
+    chain = mfx.TransformOptimizer(b, preset, **options, fused=False)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5) for o in (fused, chain)]
+    for step in range(20):
+        _grads([a, b], step, skip=1 if 5 <= step < 8 else None)
+        fused.step()
+        chain.step()
+        for s in scheds:
+            s.step()
+        g0, c0 = fused.plan.groups[0], chain.plan.groups[0]
+        assert g0.path == "fused" and g0.kernel is kernel and c0.path == "eager", fused.plan
+    _compare(name, a, b, fused, chain, dtype)
+    assert fused.state_dict()["state"][1]["count"] == 17 and fused.state_dict()["state"][0]["count"] == 20
+    assert _rel(a[0][1], _named(dtype)[0][1]) > 1e-3  # the parameters moved
+
+
+@pytest.mark.parametrize("name", ["adopt_l2", "laprop", "cautious_adamw", "mars_adamw"])
+def test_in_runs_and_with_mixed_dtypes(name):
+    """A group over the batch budget steps in runs of at most the budget (its
+    temporaries kept from step to step in buffers of at most the largest run, the state
+    not split into pieces); a group of float32 and bfloat16 parameters takes its numbers
+    as Python numbers: both the chain's, as above."""
+    preset, options, _ = CASES[name]
+    shapes = [(64, 32), (32,), (48, 40), (), (16, 8, 4)]
+    a, b = _named(shapes=shapes), _named(shapes=shapes)
+    for named in (a, b):
+        named[1][1].data = named[1][1].data.bfloat16()
+    held = set_batch_bytes(8 << 10, "cpu")
+    try:
+        fused = mfx.TransformOptimizer(a, preset, **options)
+        chain = mfx.TransformOptimizer(b, preset, **options, fused=False)
+        for step in range(12):
+            _grads([a, b], step, skip=3 if step == 4 else None)
+            fused.step()
+            chain.step()
+    finally:
+        set_batch_bytes(held, "cpu")
+    g = fused.plan.groups[0]
+    assert g.path == "fused" and g.pieces is None and chain.plan.groups[0].pieces is not None, fused.plan
+    runs = g.memo[("runs", g.keys)]
+    assert len(runs) >= 3 and sorted(j for run in runs for j in run) == list(range(len(shapes)))
+    largest = max(max(sum(a[j][1].numel() for j in run), 8 << 10 >> 2) for run in runs)
+    flats = g.memo["flat"]
+    assert flats and all(buf.numel() <= largest + 32 * len(shapes) for buf in flats.values())
+    kept = {k: buf.data_ptr() for k, buf in flats.items()}
+    _grads([a, b], 12)
+    fused.step()
+    chain.step()
+    assert {k: buf.data_ptr() for k, buf in fused.plan.groups[0].memo["flat"].items()} == kept  # reused
+    for (n, p), (_, q) in zip(a, b):
+        assert _rel(p, q) < TOL[p.dtype], (n, _rel(p, q))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_checkpoint_moves_between_the_lowered_step_and_the_chain(name):
+    """Both paths read and write one state layout: a checkpoint of the lowered step resumes
+    in the chain and the other way round, and both go on as one optimizer would."""
+    preset, options, _ = CASES[name]
+    a, b = _named(), _named()
+    fused = mfx.TransformOptimizer(a, preset, **options)
+    for step in range(3):
+        _grads([a, b], step)
+        fused.step()
+    for (_, p), (_, q) in zip(a, b):
+        q.data.copy_(p.data)
+    chain = mfx.TransformOptimizer(b, preset, **options, fused=False)
+    chain.load_state_dict(fused.state_dict())
+    chain.param_groups[0]["fused"] = False  # (the saved groups carry the setting)
+    for step in range(3, 6):
+        _grads([a, b], step)
+        fused.step()
+        chain.step()
+    assert fused.plan.groups[0].path == "fused" and chain.plan.groups[0].path == "eager"
+    _compare(name, a, b, fused, chain, torch.float32)
+    fused.load_state_dict(chain.state_dict())  # into an optimizer that has stepped (its plan's memo)
+    fused.param_groups[0]["fused"] = None
+    for (_, p), (_, q) in zip(a, b):
+        p.data.copy_(q.data)
+    for step in range(6, 8):
+        _grads([a, b], step)
+        fused.step()
+        chain.step()
+    assert fused.plan.groups[0].path == "fused"
+    _compare(name, a, b, fused, chain, torch.float32)
+
+
+@pytest.mark.parametrize("name,kernel_name", [
+    ("adopt", "ADOPT's links in foreach passes"), ("laprop", "LaProp's links in foreach passes"),
+    ("cautious_adamw", "C-AdamW's links in foreach passes"),
+    ("mars_adamw", "MARS's correction in foreach passes, then torch._fused_adamw_"),
+])
+def test_the_plan_names_the_lowering(name, kernel_name):
+    opt = mfx.TransformOptimizer(_named(), getattr(mfx, name))
+    text = str(opt.plan)
+    assert f"fused ({kernel_name})" in text and "elementwise" in text, text
+
+
+@pytest.mark.parametrize("name", ["adopt", "laprop", "cautious_adamw", "mars_adamw"])
+@pytest.mark.parametrize("case,why", [
+    ({"lr": mfx.schedules.linear(1e-3, 0.0, 10)}, "lr is a schedule"),
+    ({"lr": torch.tensor(1e-3)}, "lr is Tensor"),
+    ({"weight_decay": mfx.schedules.constant(0.01)}, "weight_decay is a schedule"),
+    ({"fused": False}, "fused=False"),
+])
+def test_what_is_not_lowered_runs_the_chain(name, case, why):
+    """A schedule or a tensor for a number, or ``"fused": False``: the chain, and the plan
+    says why; ``"fused": True`` then raises, naming the reason."""
+    named = _named()
+    opt = mfx.TransformOptimizer(named, getattr(mfx, name), **case)
+    before = [p.detach().clone() for _, p in named]
+    _grads([named], 0)
+    opt.step()
+    _grads([named], 1)
+    opt.step()
+    g = opt.plan.groups[0]
+    assert g.path == "eager" and g.kernel is None, opt.plan
+    assert any(not torch.equal(p, q) for (_, p), q in zip(named, before))
+    if "fused" not in case:
+        with pytest.raises(ValueError, match=why):
+            mfx.TransformOptimizer(_named(), getattr(mfx, name), **case, fused=True).plan
+
+
+def test_a_step_the_kernel_does_not_take_runs_the_chain():
+    """The rule of each step (``ready``): gradients or state buffers of another dtype or
+    shape than their parameter, a state of another chain, are refused with the reason."""
+    named = _named()
+    opt = mfx.TransformOptimizer(named, mfx.laprop)
+    _grads([named], 0)
+    opt.step()
+    state, keys = opt.transform_state(0), opt.plan.groups[0].keys
+    params = [p for _, p in named]
+    grads = [p.grad for p in params]
+    assert FusedLaProp.ready(state, params, grads, keys) is None
+    assert "gradients differ" in FusedLaProp.ready(state, params, [g.bfloat16() for g in grads], keys)
+    assert "gradients differ" in FusedLaProp.ready(state, params, [g.reshape(-1) for g in grads], keys)
+    inner = state.inner_state["laprop"]
+    other = state._replace(inner_state={**state.inner_state, "laprop": inner._replace(
+        mu=inner.mu.apply(lambda t: t.double()))})
+    assert "the state differs" in FusedLaProp.ready(other, params, grads, keys)
+    assert "the state is not" in FusedAdopt.ready(state, params, grads, keys)
+    assert "the state is not" in FusedMarsAdamW.ready(state, params, grads, keys)
+
+
+@pytest.mark.parametrize("name", ["adopt", "laprop", "cautious_adamw", "mars_adamw"])
+def test_a_bad_hyperparameter_changes_nothing(name):
+    """A bad number set between steps raises the chain's error before anything is written."""
+    named = _named()
+    opt = mfx.TransformOptimizer(named, getattr(mfx, name))
+    _grads([named], 0)
+    opt.step()
+    before = [p.detach().clone() for _, p in named], opt.state_dict()["state"]
+    for key, bad in (("betas", (0.9, 1.5)), ("lr", -1.0), ("eps", float("nan"))):
+        good = opt.param_groups[0][key]
+        opt.param_groups[0][key] = bad
+        _grads([named], 1)
+        with pytest.raises(ValueError, match=key):
+            opt.step()
+        opt.param_groups[0][key] = good
+        assert all(torch.equal(p, q) for (_, p), q in zip(named, before[0]))
+        after = opt.state_dict()["state"]
+        for i, st in before[1].items():
+            for k, v in st.items():
+                assert torch.equal(v, after[i][k]) if isinstance(v, torch.Tensor) else v == after[i][k], (key, k)
+    opt.step()
+    assert opt.plan.groups[0].path == "fused" and not torch.equal(named[0][1], before[0][0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-dtype", "mixed"])
+def test_mars_hands_the_chains_corrected_gradient_to_the_fused_kernel(dtype, mixed, monkeypatch):
+    """The gradient the lowered MARS-AdamW gives torch's fused AdamW kernel is
+    ``mars_correction``'s output bit for bit, clipped or not (the norms stacked where the
+    group has one dtype, one by one where it has several)."""
+    from tensordict import TensorDict
+
+    seen = {}
+    kernel = torch._fused_adamw_
+
+    def spy(params, grads, *args, **kwargs):
+        seen.update({id(p): g.clone() for p, g in zip(params, grads)})
+        return kernel(params, grads, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", spy)
+    named = _named(dtype)
+    if mixed:
+        named[1][1].data = named[1][1].data.float() if dtype != torch.float32 else named[1][1].data.bfloat16()
+    opt = mfx.TransformOptimizer(named, mfx.mars_adamw, gamma=0.5, betas=(0.9, 0.99))
+    tx = mfx.mars_correction(0.5, 0.9, 1.0)
+    state = tx.init(TensorDict({n: p.detach() for n, p in named}, []))
+    gen = torch.Generator().manual_seed(5)
+    clipped = 0
+    for _ in range(4):
+        gs = {n: torch.randn(p.shape, generator=gen).to(p.dtype) for n, p in named}
+        for n, p in named:
+            p.grad = gs[n].clone()
+        seen.clear()
+        opt.step()
+        out, state = tx.update(TensorDict(gs, []), state)
+        assert opt.plan.groups[0].path == "fused"
+        for n, p in named:
+            assert torch.equal(seen[id(p)], out[n]), n
+        clipped += sum(out[n].float().norm().item() > 0.999 for n, _ in named)
+    assert clipped > 0  # the clip acted
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_path_without_a_scratch_computes_the_same(name, monkeypatch):
+    """Off the CPU the lowering takes its temporaries from the allocator (out-of-place
+    foreach ops) and its numbers as Python numbers: the same bits as on the CPU's path
+    (checked here on the CPU, with the scratch and the 0-D numbers turned off)."""
+    from muonfx.optim.step import fused_foreach
+
+    preset, options, _ = CASES[name]
+    a, b = _named(), _named()
+    cpu = mfx.TransformOptimizer(a, preset, **options)
+    for step in range(6):
+        _grads([a, b], step, skip=2 if step == 3 else None)
+        cpu.step()
+    monkeypatch.setattr(fused_foreach, "_scratch", lambda memo, like, n: [None] * n)
+    monkeypatch.setattr(fused_foreach._Ops, "num", lambda self, s, inplace=False: s)
+    other = mfx.TransformOptimizer(b, preset, **options)
+    for step in range(6):
+        _grads([a, b], step, skip=2 if step == 3 else None)
+        other.step()
+        assert other.plan.groups[0].path == "fused" and "flat" not in other.plan.groups[0].memo
+    for (n, p), (_, q) in zip(a, b):
+        assert torch.equal(p, q), n
+    sa, sb = cpu.state_dict()["state"], other.state_dict()["state"]
+    for i in sa:
+        for k, v in sa[i].items():
+            assert torch.equal(v, sb[i][k]) if isinstance(v, torch.Tensor) else v == sb[i][k], (i, k)
+
+
+@pytest.mark.parametrize("name", ["adopt_decoupled", "laprop", "cautious_adamw", "mars_adamw"])
+def test_a_large_parameter_steps_alone_on_the_cpu(name):
+    """A parameter of at least ``ALONE_BYTES`` runs its passes alone (its tensors in the
+    cache), the others together: the chain's step, as above."""
+    from muonfx.optim.step.fused_foreach import ALONE_BYTES
+
+    preset, options, _ = CASES[name]
+    shapes = [(16, 8), (ALONE_BYTES // 4 // 256 + 1, 256), (32,), ()]
+    a, b = _named(shapes=shapes), _named(shapes=shapes)
+    fused = mfx.TransformOptimizer(a, preset, **options)
+    chain = mfx.TransformOptimizer(b, preset, **options, fused=False)
+    for step in range(5):
+        _grads([a, b], step, skip=2 if step == 1 else None)
+        fused.step()
+        chain.step()
+    g = fused.plan.groups[0]
+    assert g.path == "fused" and sorted(g.memo[("runs", g.keys)]) == [[0, 2, 3], [1]], g.memo.get(("runs", g.keys))
+    _compare(name, a, b, fused, chain, torch.float32)
