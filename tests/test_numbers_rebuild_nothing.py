@@ -258,6 +258,7 @@ LATE_PRESETS = {
     "muon_cautious": {"lr": 0.02, "weight_decay": 0.1},
     "muon_per_head": {"lr": 0.02, "weight_decay": 0.1, "split_sizes": 4, "qkv_pattern": "w1"},
     "optax_muon": {"lr": 0.02, "weight_decay": 0.1},
+    "schedule_free_adamw": {"lr": 1e-3, "weight_decay": 0.1, "warmup_steps": 3},
 }
 
 
@@ -297,3 +298,93 @@ def test_late_bound_presets_build_once_under_a_scheduler_and_a_new_weight_decay(
     assert rebuilt > 0  # the comparison is with a path that did call it again
     for a, b in zip(got, want):
         assert torch.equal(a, b), (name, (a - b).abs().max())
+
+
+def _schedule_free_numbers(step, group):
+    """Every number of :func:`muonfx.schedule_free_adamw` changes once (the scheduler moves lr)."""
+    if step == 4:
+        group["warmup_steps"] = 8
+    if step == 7:
+        group["betas"], group["eps"] = (0.8, 0.99), 1e-6
+    if step == 9:
+        group["r"], group["weight_lr_power"] = 0.5, 1.0
+    if step == 11:
+        group["weight_decay"] = 0.02
+
+
+@pytest.mark.parametrize("fused", [None, False], ids=["lowered", "chain"])
+def test_schedule_free_adamw_builds_once_whatever_number_changes(fused, monkeypatch):
+    """``schedule_free_adamw``'s numbers are all late-bound (lr, betas, eps, weight decay,
+    warm-up steps, r, weight_lr_power): under a scheduler and a change of each, the preset
+    is called once (its chain and the plan's lowering alike), and every step of the chain is
+    bit for bit what calling it again computes."""
+    import muonfx.presets.catalogue as catalogue
+
+    calls = [0]
+    real = catalogue.schedule_free
+
+    def counted(*args, **kwargs):  # one call per build of the preset
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(catalogue, "schedule_free", counted)
+
+    def make(m):
+        return mfx.TransformOptimizer(m.named_parameters(), mfx.schedule_free_adamw, lr=1e-2, weight_decay=0.1,
+                                      warmup_steps=3, fused=fused)
+
+    def run():
+        model = Net()
+        opt = make(model)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        built = calls[0]
+        for step in range(STEPS):
+            _schedule_free_numbers(step, opt.param_groups[0])
+            _grads(model, step)
+            opt.step()
+            sched.step()
+        assert opt.plan.groups[0].path == ("eager" if fused is False else "fused")
+        y = [p.detach().clone() for p in model.parameters()]
+        opt.eval()
+        return y + [p.detach().clone() for p in model.parameters()], calls[0] - built
+
+    got, more = run()
+    assert more == 0, f"called {more} more times after the optimizer was built"
+    with monkeypatch.context() as m:
+        m.setattr(inject, "late_bound_names", lambda factory: frozenset())
+        want, rebuilt = run()
+    # the chain's comparison is with a path that calls it again at each new lr (the lowering
+    # reads the numbers as values in both: tests/test_fused_schedule_free.py compares it with the chain)
+    assert rebuilt >= STEPS - 1 if fused is False else rebuilt == 0
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_a_compiled_schedule_free_adamw_step_compiles_once_whatever_number_changes(monkeypatch):
+    """``opt.compile()``: every number of ``schedule_free_adamw`` reaches the graph as an
+    input (the warm-up written without a branch on the step), so a scheduler, the end of
+    the warm-up and a change of each number compile nothing again; the steps are the
+    eager chain's within the compiler's float32 rounding."""
+    import torch._dynamo.testing
+
+    def run(compiled):
+        model = Net()
+        opt = mfx.TransformOptimizer(model.named_parameters(), mfx.schedule_free_adamw, lr=1e-2, weight_decay=0.1,
+                                     warmup_steps=3, fused=False)
+        if compiled is not None:
+            opt.compile(backend=compiled)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        for step in range(STEPS):
+            _schedule_free_numbers(step, opt.param_groups[0])
+            _grads(model, step)
+            opt.step()
+            sched.step()
+        assert opt.plan.groups[0].path == ("eager" if compiled is None else "compiled")
+        return [p.detach().clone() for p in model.parameters()]
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    got = run(counter)
+    assert counter.frame_count == 1
+    for a, b in zip(got, run(None)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -121,9 +121,9 @@ class FusedAdamW:
         except (KeyError, TypeError, AttributeError):
             return "the moments do not match the parameters"
         if bufs is None:
-            return "moments differ from their parameters in dtype, device or shape"
-        if [(g.dtype, g.device, g.shape) for g in _locals(grads)] != bufs.sig:
-            return "gradients differ from their parameters in dtype, device or shape"
+            return "moments differ from their parameters in dtype, device, shape or strides"
+        if [(g.dtype, g.device, g.shape, g.stride()) for g in _locals(grads)] != bufs.sig:
+            return "gradients differ from their parameters in dtype, device, shape or strides"
         return None
 
     @staticmethod
@@ -178,14 +178,14 @@ class FusedAdamW:
 
 class _Buffers:
     """The local parameters and moments of a fused AdamW group as the kernel takes them,
-    by (device, dtype), and each parameter's ``(dtype, device, shape)`` (what its gradient
-    must have)."""
+    by (device, dtype), and each parameter's ``(dtype, device, shape, strides)`` (what its
+    gradient must have: the kernel reads its tensors as flat memory, element by element)."""
 
     def __init__(self, adam: Any, params: list[torch.Tensor], keys: tuple) -> None:
         self.adam, self.keys, self.ids = adam, keys, [id(p) for p in params]
         lp, lm, lv = _locals(params), _locals(_leaves(adam.mu, keys)), _locals(_leaves(adam.nu, keys))
-        self.sig = [(p.dtype, p.device, p.shape) for p in lp]
-        self.ok = all([(m.dtype, m.device, m.shape) == sg == (v.dtype, v.device, v.shape)
+        self.sig = [(p.dtype, p.device, p.shape, p.stride()) for p in lp]
+        self.ok = all([(m.dtype, m.device, m.shape, m.stride()) == sg == (v.dtype, v.device, v.shape, v.stride())
                        for m, v, sg in zip(lm, lv, self.sig)])
         self.devices = [p.device for p in lp]
         parts = _groups(lp)

@@ -63,6 +63,7 @@ from ...linalg import triton_ns
 from ...linalg.settings import EXTRA_ARG, MatrixSettings
 from .dryrun import DryRun, dry_run
 from . import fused_muon  # noqa: F401  (registers Muon's lowering)
+from . import fused_schedule_free  # noqa: F401  (registers Schedule-Free AdamW's lowering)
 from .fused import lowering
 from .pieces import plan_pieces
 
@@ -253,7 +254,7 @@ def group_plan(index: int, keys: list[Key], positions: list[int], params: list[t
         lowering(factory, hp or {}, params_all)
     if fused_setting is True and kernel is None:
         raise ValueError(f"param group {index}: 'fused' is True but no fused kernel computes its chain "
-                         f"({fused or 'only mfx.adamw and mfx.muon groups have one'})")
+                         f"({fused or 'only mfx.adamw, mfx.muon and mfx.schedule_free_adamw groups have one'})")
     path, why = choose_path(index, setting, params_all, partial, dtensor, devices, failed, fused if kernel else "")
     if fused_setting is False and path == "eager" and setting is None:
         why = "fused=False"
