@@ -136,9 +136,9 @@ class FusedMuon:
 
     @staticmethod
     def compute(keys: tuple, grads: list[torch.Tensor], params: list[torch.Tensor], state: Any,
-                vals: dict[str, Any], extra: dict[str, Any]) -> tuple:
+                vals: dict[str, Any], extra: dict[str, Any], memo: dict | None = None) -> tuple:
         """The Newton-Schulz outputs of these parameters (nothing written): what
-        :meth:`write` takes."""
+        :meth:`write` takes (``memo``, the group's: unused)."""
         beta = vals["momentum"]
         ms = _leaves(state.inner_state["momentum"].mu, keys)
         u = torch._foreach_lerp(ms, grads, 1.0 - beta)  # the chain's new momentum (foreach "ema")

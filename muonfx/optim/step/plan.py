@@ -64,6 +64,7 @@ from ...linalg.settings import EXTRA_ARG, MatrixSettings
 from .dryrun import DryRun, dry_run
 from . import fused_muon  # noqa: F401  (registers Muon's lowering)
 from . import fused_schedule_free  # noqa: F401  (registers Schedule-Free AdamW's lowering)
+from . import fused_soap  # noqa: F401  (registers SOAP's lowering)
 from .fused import lowering
 from .pieces import plan_pieces
 
@@ -94,7 +95,7 @@ class GroupPlan:
         devices: the device types of the parameters.
         dtensor: whether some parameter is a DTensor.
         kernel: the fused kernel of a ``"fused"`` group (:mod:`.fused`), else None.
-        memo: what the kernel keeps between the steps of this plan.
+        memo: what the kernel keeps between steps (the group's, shared by its plans).
     """
 
     index: int
@@ -109,8 +110,9 @@ class GroupPlan:
     devices: tuple
     dtensor: bool
     kernel: Any = field(compare=False, default=None)
-    #: what a fused kernel keeps between the steps of this plan (its reading of the
-    #: group's buffers: :mod:`.fused`)
+    #: what a fused kernel keeps between steps (its reading of the group's buffers:
+    #: :mod:`.fused`; SOAP's Gram matrices: :mod:`.fused_soap`), one dict per param group
+    #: that the group's plans share (the runner's), so a kept value is kept once
     memo: dict = field(compare=False, default_factory=dict, repr=False)
 
 
@@ -235,12 +237,13 @@ def choose_path(index: int, setting: Any, params_all: list[torch.Tensor], partia
 def group_plan(index: int, keys: list[Key], positions: list[int], params: list[torch.Tensor],
                params_all: list[torch.Tensor], transform: GradientTransformation, setting: Any,
                settings: Settings, failed: bool, check: Any, factory: Any = None,
-               hp: dict | None = None, fused_setting: Any = None) -> GroupPlan:
+               hp: dict | None = None, fused_setting: Any = None, memo: dict | None = None) -> GroupPlan:
     """The plan of one group (see the module doc): its path by :func:`choose_path` (a
     fused kernel by :func:`.fused.lowering` of the group's ``factory`` and hyperparameters
     ``hp``, unless its ``"fused"`` setting is ``False``; ``True`` requires one), its
     pieces by :func:`plan_pieces` under the settings' budget, checked by ``check()``: the
-    dry run of the whole group (see :func:`checked`)."""
+    dry run of the whole group (see :func:`checked`). ``memo``: what its kernel keeps
+    between steps (a new dict where None)."""
     dtensor = any([is_dtensor(p) for p in params_all])
     devices = tuple(sorted({p.device.type for p in params_all}))
     partial = len(positions) != len(params_all)
@@ -254,7 +257,7 @@ def group_plan(index: int, keys: list[Key], positions: list[int], params: list[t
         lowering(factory, hp or {}, params_all)
     if fused_setting is True and kernel is None:
         raise ValueError(f"param group {index}: 'fused' is True but no fused kernel computes its chain "
-                         f"({fused or 'only mfx.adamw, mfx.muon and mfx.schedule_free_adamw groups have one'})")
+                         f"({fused or 'only mfx.adamw, mfx.muon, mfx.schedule_free_adamw and mfx.soap groups have one'})")
     path, why = choose_path(index, setting, params_all, partial, dtensor, devices, failed, fused if kernel else "")
     if fused_setting is False and path == "eager" and setting is None:
         why = "fused=False"
@@ -262,7 +265,7 @@ def group_plan(index: int, keys: list[Key], positions: list[int], params: list[t
     pieces = None
     if path == "fused" and not getattr(kernel, "pieces", False):  # in place, no temporaries: no pieces
         return GroupPlan(index, tuple(keys), tuple(positions), transform, path, why, None, nbytes, partial, devices,
-                         dtensor, kernel)
+                         dtensor, kernel, {} if memo is None else memo)
     if not dtensor and is_leafwise(transform) and len(devices) == 1:
         pieces = plan_pieces(params, settings.budget(devices[0]))
     if pieces is not None or (path == "compiled" and settings.triton):
@@ -277,7 +280,7 @@ def group_plan(index: int, keys: list[Key], positions: list[int], params: list[t
             if path == "compiled" and settings.triton:
                 _check_triton(seen, devices[0] if devices else "cpu")
     return GroupPlan(index, tuple(keys), tuple(positions), transform, path, why, pieces, nbytes, partial, devices,
-                     dtensor, kernel if path == "fused" else None)
+                     dtensor, kernel if path == "fused" else None, {} if memo is None else memo)
 
 
 def checked(transform: GradientTransformation, keys: list[Key], params: list[torch.Tensor], state: Any,
