@@ -9,14 +9,15 @@ import pytest
 import torch
 
 import muonfx as mfx
-from muonfx.optim.step import fused_schedule_free
 from muonfx.optim.step.fused_schedule_free import FusedScheduleFreeAdamW
+
+from helpers import count_calls, one_rank_dtensor, rel_max, seeded_grads
 
 SHAPES = [(24, 16), (16,), (6, 4, 5), (), (33, 7)]
 HP = dict(lr=1e-2, weight_decay=0.1, warmup_steps=5, r=0.5)
 
 # The lowered step against the chain (fused=False), max |a - b| / max |b| over the training
-# weights y and the evaluation weights x after 20 steps (an lr scheduler, new betas, weight
+# weights y and the evaluation weights x after 20 steps (a step lr schedule, new betas, weight
 # decay, eps and weight_lr_power, a parameter without a gradient for 3 steps). The numbers
 # (lr_k, c, counts, weight sum) are the chain's to the bit (asserted); Adam's direction
 # comes from torch's fused kernel (lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps) against the
@@ -33,45 +34,28 @@ def _params(dtype=torch.float32, seed=0):
             for i, s in enumerate(SHAPES)]
 
 
-def _grads(named, step, skip=None):
-    gen = torch.Generator().manual_seed(100 + step)
-    for i, (_, p) in enumerate(named):
-        g = torch.randn(p.shape, generator=gen).to(p.dtype)
-        p.grad = None if i == skip else g
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
-
-
 @pytest.fixture
 def kernel_steps(monkeypatch):
     """How many steps the lowered kernel ran (the plan may say "fused" while a step's
     tensors send it to the chain)."""
-    n = [0]
-    real = FusedScheduleFreeAdamW.step
-
-    def counted(*args, **kwargs):
-        n[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(FusedScheduleFreeAdamW, "step", staticmethod(counted))
-    return n
+    return count_calls(monkeypatch, FusedScheduleFreeAdamW, "step")
 
 
-def _train(fused, dtype=torch.float32, seed=0, steps=20):
-    named = _params(dtype, seed)
-    opt = mfx.TransformOptimizer(named, mfx.schedule_free_adamw, fused=fused, **HP)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.8)
-    for step in range(steps):
-        _grads(named, step, skip=1 if 5 <= step < 8 else None)
+def _train(fused, dtype=torch.float32, seed=0, start=0, stop=20, named=None, opt=None):
+    """Steps ``start`` to ``stop``: a step lr schedule, new betas and weight decay at step
+    10, eps and weight_lr_power at 12, parameter 1 without a gradient at steps 5-7; the
+    training weights y and the evaluation weights x after them."""
+    named = named or _params(dtype, seed)
+    opt = opt or mfx.TransformOptimizer(named, mfx.schedule_free_adamw, fused=fused, **HP)
+    for step in range(start, stop):
+        seeded_grads(named, step, skip=1 if 5 <= step < 8 else None)
         group = opt.param_groups[0]
+        group["lr"] = HP["lr"] * 0.8 ** (step // 3)  # as a scheduler sets it
         if step == 10:
             group["betas"], group["weight_decay"] = (0.8, 0.99), 0.05
         if step == 12:
             group["eps"], group["weight_lr_power"] = 1e-6, 1.0
         opt.step()
-        sched.step()
         assert opt.plan.groups[0].path == ("eager" if fused is False else "fused"), opt.plan
     y = [p.detach().clone() for _, p in named]
     opt.eval()
@@ -86,15 +70,15 @@ def test_the_lowered_step_is_the_chain_within_its_rounding(dtype, kernel_steps):
     assert kernel_steps[0] == 20  # every step ran the kernel, the one with a parameter left out too
     chain, _, y_ref, x_ref = _train(False, dtype)
     for (n, _), a, b in zip(named, y + x, y_ref + x_ref):
-        assert _rel(a, b) <= TOL[dtype], (n, _rel(a, b))
-    assert min(_rel(a, p.detach()) for a, (_, p) in zip(y, _params(dtype))) > 1e-3  # every parameter moved
+        assert rel_max(a, b) <= TOL[dtype], (n, rel_max(a, b))
+    assert min(rel_max(a, p.detach()) for a, (_, p) in zip(y, _params(dtype))) > 1e-3  # every parameter moved
     sa, sb = low.state_dict(), chain.state_dict()
     assert sa["state"].keys() == sb["state"].keys()
     for i in sa["state"]:
         assert sa["state"][i].keys() == sb["state"][i].keys()
         for k, v in sa["state"][i].items():
             if isinstance(v, torch.Tensor):
-                assert _rel(v, sb["state"][i][k]) <= TOL[dtype], (i, k)
+                assert rel_max(v, sb["state"][i][k]) <= TOL[dtype], (i, k)
             else:  # counts, k, the weight sum and the mode: the chain's numbers
                 assert v == sb["state"][i][k], (i, k, v, sb["state"][i][k])
     assert sa["state"][1]["0.count"] == 17 and sa["state"][0]["0.count"] == 20
@@ -103,59 +87,36 @@ def test_the_lowered_step_is_the_chain_within_its_rounding(dtype, kernel_steps):
 def test_eval_and_train_swap_and_checkpoints_move_between_the_lowering_and_the_chain(kernel_steps, tmp_path):
     """A checkpoint of the lowered step taken in eval mode resumes in the chain, whose
     checkpoint resumes in the lowered step: the same state, the swap included."""
-    whole, named, y, x = _train(None)
-    part = _params()
-    opt = mfx.TransformOptimizer(part, mfx.schedule_free_adamw, **HP)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.8)
-
-    def steps(o, s, start, stop):
-        for step in range(start, stop):
-            _grads(part, step, skip=1 if 5 <= step < 8 else None)
-            group = o.param_groups[0]
-            if step == 10:
-                group["betas"], group["weight_decay"] = (0.8, 0.99), 0.05
-            if step == 12:
-                group["eps"], group["weight_lr_power"] = 1e-6, 1.0
-            o.step()
-            s.step()
-
-    steps(opt, sched, 0, 7)
+    _, _, y, x = _train(None)
+    named = _params()
+    opt, *_ = _train(None, named=named, stop=7)
     opt.eval()  # the parameters hold x
-    torch.save({"opt": opt.state_dict(), "sched": sched.state_dict()}, tmp_path / "c.pt")
-    saved = torch.load(tmp_path / "c.pt", weights_only=True)
-    chain = mfx.TransformOptimizer(part, mfx.schedule_free_adamw, **HP)
-    chain.load_state_dict(saved["opt"])
+    torch.save(opt.state_dict(), tmp_path / "c.pt")
+    chain = mfx.TransformOptimizer(named, mfx.schedule_free_adamw, **HP)
+    chain.load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True))
     chain.param_groups[0]["fused"] = False
-    sched = torch.optim.lr_scheduler.StepLR(chain, step_size=3, gamma=0.8)
-    sched.load_state_dict(saved["sched"])
     with pytest.raises(RuntimeError, match="opt.train"):  # the chain's error in eval mode
-        _grads(part, 7)
+        seeded_grads(named, 7)
         chain.step()
     chain.train()
-    steps(chain, sched, 7, 14)
-    assert chain.plan.groups[0].path == "eager"
-    back = mfx.TransformOptimizer(part, mfx.schedule_free_adamw, **HP)
+    _train(False, named=named, opt=chain, start=7, stop=14)
+    back = mfx.TransformOptimizer(named, mfx.schedule_free_adamw, **HP)
     back.load_state_dict(chain.state_dict())
     back.param_groups[0]["fused"] = None
-    sched = torch.optim.lr_scheduler.StepLR(back, step_size=3, gamma=0.8)
-    sched.load_state_dict(saved["sched"] | {"last_epoch": 14, "_step_count": 15})
-    steps(back, sched, 14, 20)
-    assert back.plan.groups[0].path == "fused"
-    for (n, p), a in zip(part, y):
-        assert _rel(p.detach(), a) <= TOL[torch.float32], n
-    back.eval()
-    for (n, p), a in zip(part, x):
-        assert _rel(p.detach(), a) <= TOL[torch.float32], n
+    _, _, y_back, x_back = _train(None, named=named, opt=back, start=14, stop=20)
+    assert kernel_steps[0] == 20 + 7 + 6
+    for (n, _), a, b in zip(named + named, y_back + x_back, y + x):
+        assert rel_max(a, b) <= TOL[torch.float32], n
 
 
 def test_a_step_in_eval_mode_is_refused_and_changes_nothing():
     named = _params()
     opt = mfx.TransformOptimizer(named, mfx.schedule_free_adamw, **HP)
-    _grads(named, 0)
+    seeded_grads(named, 0)
     opt.step()
     opt.eval()
     before = [p.detach().clone() for _, p in named], opt.state_dict()
-    _grads(named, 1)
+    seeded_grads(named, 1)
     with pytest.raises(RuntimeError, match="opt.train"):
         opt.step()
     assert all(torch.equal(p, b) for (_, p), b in zip(named, before[0]))
@@ -169,7 +130,7 @@ def test_a_step_in_eval_mode_is_refused_and_changes_nothing():
 def test_a_bad_number_is_refused_before_the_kernel_writes(name, value, match, kernel_steps):
     named = _params()
     opt = mfx.TransformOptimizer(named, mfx.schedule_free_adamw, **HP)
-    _grads(named, 0)
+    seeded_grads(named, 0)
     opt.step()
     before = [p.detach().clone() for _, p in named]
     z = [t.clone() for t in opt.state_dict()["state"][0].values() if isinstance(t, torch.Tensor)]
@@ -189,7 +150,7 @@ def test_what_is_not_lowered_runs_the_chain(kernel_steps):
     for lr, why in ((mfx.schedules.linear(1e-2, 0.0, 10), "lr is a schedule"), (torch.tensor(1e-2), "lr is Tensor")):
         named = _params()
         opt = mfx.TransformOptimizer(named, mfx.schedule_free_adamw, lr=lr)
-        _grads(named, 0)
+        seeded_grads(named, 0)
         opt.step()
         g = opt.plan.groups[0]
         assert g.path == "eager" and g.kernel is None, opt.plan
@@ -200,8 +161,8 @@ def test_what_is_not_lowered_runs_the_chain(kernel_steps):
     low = mfx.TransformOptimizer(a, mfx.schedule_free_adamw, **HP)
     chain = mfx.TransformOptimizer(b, mfx.schedule_free_adamw, fused=False, **HP)
     for step in range(3):
-        _grads(a, step)
-        _grads(b, step)
+        seeded_grads(a, step)
+        seeded_grads(b, step)
         a[0][1].grad = a[0][1].grad.t().contiguous().t()  # the same values, column-major
         low.step()
         chain.step()
@@ -210,22 +171,12 @@ def test_what_is_not_lowered_runs_the_chain(kernel_steps):
 
 
 def test_the_rule_refuses_dtensor_parameters():
-    import os
-    import tempfile
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    d, end = one_rank_dtensor((4, 4))
     try:
-        mesh = init_device_mesh("cpu", (1,))
-        d = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
         assert FusedScheduleFreeAdamW.why_not(dict(lr=1e-3, betas=(0.9, 0.999)), [d]) == "DTensor parameters"
         assert FusedScheduleFreeAdamW.why_not(dict(lr=1e-3, betas=(0.9, 0.999)), [torch.randn(4, 4)]) is None
     finally:
-        dist.destroy_process_group()
+        end()
 
 
 def test_the_plan_names_the_lowering():
@@ -233,4 +184,3 @@ def test_the_plan_names_the_lowering():
     opt = mfx.TransformOptimizer(named, mfx.schedule_free_adamw)
     text = str(opt.plan)
     assert f"fused ({FusedScheduleFreeAdamW.name})" in text and "elementwise, in the fused kernel" in text, text
-    assert fused_schedule_free.FusedScheduleFreeAdamW is FusedScheduleFreeAdamW

@@ -13,6 +13,8 @@ import muonfx as mfx
 from muonfx.linalg import set_batch_bytes
 from muonfx.optim.step.fused_soap import FusedSoap
 
+from helpers import count_calls, one_rank_dtensor, rel_max, seeded_grads
+
 # a 2-D matrix each way, a bias, a 3-D and a 4-D leaf, a wide matrix
 SHAPES = [(12, 5), (5,), (2, 3, 4), (16, 8), (4, 2, 3, 2), (9, 30)]
 CASES = {
@@ -38,37 +40,18 @@ def _params(dtype=torch.float32, seed=0):
     return [(f"p{i}", torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype))) for i, s in enumerate(SHAPES)]
 
 
-def _grads(named, step, skip=None):
-    gen = torch.Generator().manual_seed(100 + step)
-    for i, (_, p) in enumerate(named):
-        g = torch.randn(p.shape, generator=gen).to(p.dtype)
-        p.grad = None if i == skip else g
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
-
-
 @pytest.fixture
 def kernel_writes(monkeypatch):
     """How many pieces the lowered step wrote (the plan may say "fused" while a step's
     tensors send it to the chain)."""
-    n = [0]
-    real = FusedSoap.write
-
-    def counted(*args, **kwargs):
-        n[0] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(FusedSoap, "write", staticmethod(counted))
-    return n
+    return count_calls(monkeypatch, FusedSoap, "write")
 
 
 def _train(fused, hp, dtype=torch.float32, seed=0, start=0, stop=20, named=None, opt=None):
     named = named or _params(dtype, seed)
     opt = opt or mfx.TransformOptimizer(named, mfx.soap, fused=fused, **hp)
     for step in range(start, stop):
-        _grads(named, step, skip=3 if 5 <= step < 7 else None)
+        seeded_grads(named, step, skip=3 if 5 <= step < 7 else None)
         opt.param_groups[0]["lr"] = hp["lr"] * 0.7 ** (step // 4)  # a step schedule, as a scheduler sets it
         if step == 9:
             opt.param_groups[0]["weight_decay"] = 0.05
@@ -84,14 +67,14 @@ def test_the_lowered_step_is_the_chain_within_the_round_trips_rounding(case, dty
     chain, b = _train(False, CASES[case], dtype)
     assert chain.plan.groups[0].path == "eager"
     for (n, p), (_, q), (_, s) in zip(a, b, _params(dtype)):
-        assert _rel(p, q) <= PARAM_TOL[dtype], (n, _rel(p, q))
-        assert _rel(p, s) > 1e-3, n  # it moved
+        assert rel_max(p, q) <= PARAM_TOL[dtype], (n, rel_max(p, q))
+        assert rel_max(p, s) > 1e-3, n  # it moved
     sa, sb = low.state_dict()["state"], chain.state_dict()["state"]
     for i in sa:
         assert sa[i].keys() == sb[i].keys()
         for k, v in sa[i].items():
             if ".mu" in k:
-                assert _rel(v, sb[i][k]) <= MU_TOL[dtype], (i, k, _rel(v, sb[i][k]))
+                assert rel_max(v, sb[i][k]) <= MU_TOL[dtype], (i, k, rel_max(v, sb[i][k]))
             elif isinstance(v, torch.Tensor):  # the factors, the bases, the second moment
                 assert torch.equal(v, sb[i][k]), (i, k)
             else:
@@ -142,22 +125,22 @@ def test_the_gram_matrices_follow_the_bases_and_checkpoints_move_to_the_chain_an
     _train(None, hp, named=named, opt=back, start=13, stop=20)
     assert back.plan.groups[0].path == "fused"
     for (n, p), (_, q) in zip(named, ref):
-        assert _rel(p, q) <= PARAM_TOL[torch.float32], n
+        assert rel_max(p, q) <= PARAM_TOL[torch.float32], n
 
 
 def test_a_bad_number_is_refused_before_anything_is_written(kernel_writes):
     named = _params()
     opt = mfx.TransformOptimizer(named, mfx.soap, **CASES["two_sided"])
-    _grads(named, 0)
+    seeded_grads(named, 0)
     opt.step()
-    _grads(named, 1)
+    seeded_grads(named, 1)
     opt.step()
     before = [p.detach().clone() for _, p in named], opt.state_dict()["state"]
     for name, value, match in (("precondition_frequency", 0, "precondition_frequency"), ("betas", (0.9, 1.5), "betas"),
                                ("lr", float("nan"), "lr"), ("shampoo_beta", float("inf"), "shampoo_beta")):
         good = opt.param_groups[0][name]
         opt.param_groups[0][name] = value
-        _grads(named, 2)
+        seeded_grads(named, 2)
         with pytest.raises((ValueError, TypeError), match=match):
             opt.step()
         opt.param_groups[0][name] = good
@@ -173,7 +156,7 @@ def test_what_is_not_lowered_runs_the_chain():
     for lr, why in ((mfx.schedules.linear(1e-2, 0.0, 10), "lr is a schedule"), (torch.tensor(1e-2), "lr is Tensor")):
         named = _params()
         opt = mfx.TransformOptimizer(named, mfx.soap, lr=lr)
-        _grads(named, 0)
+        seeded_grads(named, 0)
         opt.step()
         assert opt.plan.groups[0].path == "eager" and opt.plan.groups[0].kernel is None, opt.plan
         with pytest.raises(ValueError, match=why):
@@ -183,20 +166,11 @@ def test_what_is_not_lowered_runs_the_chain():
 
 
 def test_the_rule_refuses_dtensor_parameters():
-    import os
-    import tempfile
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    d, end = one_rank_dtensor((4, 4))
     try:
-        d = distribute_tensor(torch.randn(4, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
         assert FusedSoap.why_not({"lr": 1e-3}, [d]) == "DTensor parameters (the seam's exchange)"
     finally:
-        dist.destroy_process_group()
+        end()
 
 
 def test_the_plan_names_the_lowering():

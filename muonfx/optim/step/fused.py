@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..._compat.dtensor import dtensor_class, shards
+from ..._compat.dtensor import dtensor_class, is_dtensor, shards
 from ..._compat.tensordict import td_items
 from ...presets import adamw
 from ...transforms.adam import AMSGRAD_WITHOUT_STATE
@@ -66,6 +66,35 @@ def step_values(hp: dict[str, Any], state: Any) -> dict[str, Any]:
 
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def not_numbers(hp: dict[str, Any], flags: tuple = ()) -> str | None:
+    """Why a lowering does not take the hyperparameters ``hp`` (``betas`` not two plain
+    numbers, a name in ``flags`` not a bool, any other not a plain number: a schedule, a
+    tensor), or None."""
+    for n, v in hp.items():
+        if n == "betas":
+            if not (isinstance(v, (tuple, list)) and len(v) == 2 and all([_number(b) for b in v])):
+                return f"betas {v!r} are not two numbers"
+        elif n in flags:
+            if not isinstance(v, bool):
+                return f"{n} is not a bool"
+        elif not _number(v):
+            return f"{n} is {'a schedule' if callable(v) else type(v).__name__}"
+    return None
+
+
+def not_plain(params: list[torch.Tensor], dtensor: str, dtypes: tuple | None = None) -> str | None:
+    """Why a lowering does not take ``params`` (a DTensor, saying ``dtensor``; a device
+    without the kernel; a dtype not in ``dtypes``), or None."""
+    for p in params:
+        if is_dtensor(p):
+            return dtensor
+        if p.device.type not in _DEVICES:
+            return f"parameters on {p.device.type}"
+        if dtypes is not None and p.dtype not in dtypes:
+            return f"parameters of {p.dtype}"
+    return None
 
 
 class FusedAdamW:

@@ -33,14 +33,13 @@ from typing import Any
 
 import torch
 
-from ..._compat.dtensor import is_dtensor
 from ...core import EmptyState
 from ...counts import Counts, advance, by_count
 from ...presets.catalogue import schedule_free_adamw
 from ...transforms.adam import ScaleByAdamState
 from ...transforms.scaling import ScaleByScheduleState
 from ...transforms.schedule_free import ScheduleFreeState, WarmupWeight, averaged, check_warmup_steps, warmup_lr
-from .fused import _DEVICES, _DTYPES, _leaves, _number, register, step_values
+from .fused import _DTYPES, _leaves, not_numbers, not_plain, register, step_values
 
 __all__ = ["FusedScheduleFreeAdamW"]
 
@@ -58,20 +57,7 @@ class FusedScheduleFreeAdamW:
     @staticmethod
     def why_not(hp: dict[str, Any], params: list[torch.Tensor]) -> str | None:
         """None where the lowered step computes the group's chain, else the reason."""
-        for n, v in hp.items():
-            if n == "betas":
-                if not (isinstance(v, (tuple, list)) and len(v) == 2 and all([_number(b) for b in v])):
-                    return f"betas {v!r} are not two numbers"
-            elif not _number(v):
-                return f"{n} is {'a schedule' if callable(v) else type(v).__name__}"
-        for p in params:
-            if is_dtensor(p):
-                return "DTensor parameters"
-            if p.device.type not in _DEVICES:
-                return f"parameters on {p.device.type}"
-            if p.dtype not in _DTYPES:
-                return f"parameters of {p.dtype}"
-        return None
+        return not_numbers(hp) or not_plain(params, "DTensor parameters", _DTYPES)
 
     @staticmethod
     def ready(state: Any, params: list[torch.Tensor], grads: list[torch.Tensor], keys: tuple,

@@ -31,12 +31,11 @@ from typing import Any
 
 import torch
 
-from ..._compat.dtensor import is_dtensor
 from ...core import EmptyState
 from ...counts import Counts, advance, of
 from ...presets.catalogue import soap
 from ...transforms.soap import ScaleBySoapState, SoapStep
-from .fused import _DEVICES, _leaves, _number, register, step_values
+from .fused import _leaves, not_numbers, not_plain, register, step_values
 
 __all__ = ["FusedSoap"]
 
@@ -45,12 +44,11 @@ _FLAGS = ("merge_dims", "precondition_1d", "normalize_grads")
 
 
 class FusedSoap:
-    """SOAP's step with the bases' Gram matrices kept between steps, piece by piece.
+    """SOAP's step with the bases' Gram matrices kept between steps.
 
-    ``pieces = True``: the runner calls :meth:`compute` for a piece (or the whole group)
-    before anything of it is written, then :meth:`write`; :meth:`why_not` (when the plan
-    is built) and :meth:`ready` (each step) are the rules, :meth:`check` the
-    hyperparameters' checks.
+    Computed and written per piece of the plan (``pieces = True``: :meth:`compute`, which
+    writes nothing, then :meth:`write`), by the rules :meth:`why_not` (the plan's) and
+    :meth:`ready` (each step's), its numbers checked by :meth:`check` first.
     """
 
     name = "SOAP with its bases' Gram matrices kept between steps"
@@ -59,21 +57,7 @@ class FusedSoap:
     @staticmethod
     def why_not(hp: dict[str, Any], params: list[torch.Tensor]) -> str | None:
         """None where the lowered step computes the group's chain, else the reason."""
-        for n, v in hp.items():
-            if n == "betas":
-                if not (isinstance(v, (tuple, list)) and len(v) == 2 and all([_number(b) for b in v])):
-                    return f"betas {v!r} are not two numbers"
-            elif n in _FLAGS:
-                if not isinstance(v, bool):
-                    return f"{n} is not a bool"
-            elif not _number(v):
-                return f"{n} is {'a schedule' if callable(v) else type(v).__name__}"
-        for p in params:
-            if is_dtensor(p):
-                return "DTensor parameters (the seam's exchange)"
-            if p.device.type not in _DEVICES:
-                return f"parameters on {p.device.type}"
-        return None
+        return not_numbers(hp, _FLAGS) or not_plain(params, "DTensor parameters (the seam's exchange)")
 
     @staticmethod
     def ready(state: Any, params: list[torch.Tensor], grads: list[torch.Tensor], keys: tuple,

@@ -65,7 +65,7 @@ from .dryrun import DryRun, dry_run
 from . import fused_muon  # noqa: F401  (registers Muon's lowering)
 from . import fused_schedule_free  # noqa: F401  (registers Schedule-Free AdamW's lowering)
 from . import fused_soap  # noqa: F401  (registers SOAP's lowering)
-from .fused import lowering
+from .fused import KERNELS, lowering
 from .pieces import plan_pieces
 
 __all__ = ["Settings", "GroupPlan", "StepPlan"]
@@ -256,8 +256,9 @@ def group_plan(index: int, keys: list[Key], positions: list[int], params: list[t
     kernel, fused = (None, "fused=False") if fused_setting is False or factory is None else \
         lowering(factory, hp or {}, params_all)
     if fused_setting is True and kernel is None:
+        lowered = ", ".join(f"mfx.{f.__name__}" for f in KERNELS)
         raise ValueError(f"param group {index}: 'fused' is True but no fused kernel computes its chain "
-                         f"({fused or 'only mfx.adamw, mfx.muon, mfx.schedule_free_adamw and mfx.soap groups have one'})")
+                         f"({fused or 'only groups built with ' + lowered + ' have one'})")
     path, why = choose_path(index, setting, params_all, partial, dtensor, devices, failed, fused if kernel else "")
     if fused_setting is False and path == "eager" and setting is None:
         why = "fused=False"
