@@ -65,9 +65,10 @@ def warmup_lr(lr: Any, warmup_steps: Any, k: Any) -> Any:
 class WarmupWeight(NamedTuple):
     """The averaging weight of ``schedulefree.AdamWScheduleFreeReference``, for
     :func:`schedule_free`'s ``weight``: step ``k`` weighs ``(k + 1)^r * lr_k^weight_lr_power``
-    with ``lr_k`` the warmed-up lr (:func:`warmup_lr`; non-decreasing, so it is the
-    reference's ``lr_max``). Each number may be a :class:`muonfx.hyperparams.Slot`, read
-    at each update (:func:`muonfx.schedule_free_adamw` is late-bound).
+    with ``lr_k`` the warmed-up lr (:func:`warmup_lr`: with a constant ``lr`` it does not
+    decrease, so it is the reference's ``lr_max``; an ``lr`` lowered by a scheduler weighs
+    by the current one). Each number may be a :class:`muonfx.hyperparams.Slot`, read at
+    each update (:func:`muonfx.schedule_free_adamw` is late-bound).
 
     Example::
 

@@ -181,21 +181,25 @@ class SoapStep:
 
     def leaf(self, g, m, v, Fs, Qs, t, grams=None):
         """One parameter's step: ``(out, mu, nu, factors, bases)``, new tensors (its
-        inputs are not written). ``grams``: ``Q_i^T Q_i`` per basis (None where there is
-        none), given by the lowering where the bases stay: the moment's way back to the
+        inputs are not written). ``grams`` (given by the lowering where the bases stay):
+        ``Q_i^T Q_i`` per basis (None where there is none); the moment's way back to the
         original space and into the same basis, ``Q_i^T (Q_i mu)`` per dimension, is then
         ``(Q_i^T Q_i) mu``, one product per dimension instead of two (the same in exact
-        arithmetic; ``Q_i`` is orthogonal to float32 rounding, so it is not the identity)."""
+        arithmetic; ``Q_i`` is orthogonal to float32 rounding, so it is not the identity),
+        and the factors come back as the new gradient's outer products, for the caller
+        to lerp into the factors (``lerp(F, outer, 1 - shampoo_beta)``, as here): this
+        step does not read them."""
         b1, b2, eps = self.b1, self.b2, self.eps
         shape = self.view_shape(g)
         gv = g.reshape(shape)
+        stays = grams is not None and not self.refreshes(t)
         new_F = []
         for i, F in enumerate(Fs):
             if F is None:
                 new_F.append(None)
                 continue
             o = _outer(gv, i)
-            new_F.append(torch.lerp(F, o, 1.0 - self.sb, out=o))
+            new_F.append(o if stays else torch.lerp(F, o, 1.0 - self.sb, out=o))
         if t == 0:  # the basis from the first gradient; no step
             new_Q = [None if F is None else _eigenbasis(F) for F in new_F]
             return torch.zeros_like(g), m.clone(), v.clone(), new_F, new_Q
@@ -208,7 +212,7 @@ class SoapStep:
             ng = ng / (1e-30 + torch.mean(ng**2) ** 0.5)
         out = ng.mul_(math.sqrt(1.0 - b2**t) / (1.0 - b1**t)).reshape(g.shape).contiguous()
         new_Q = list(Qs)
-        if t % self.frequency != 0 and grams is not None:
+        if stays:
             mu = _project(mu, grams)
         else:
             mu_orig = _project_back(mu, Qs)
@@ -282,7 +286,10 @@ def _through_seam(sharded, gs, ms, vs, counts, factors, bases, leaf_step, keep, 
 
 
 def _outer(g: torch.Tensor, i: int) -> torch.Tensor:
-    """``g`` contracted with itself over every dimension but ``i``."""
+    """``g`` contracted with itself over every dimension but ``i``. A matrix's are the
+    products ``tensordot`` makes of it (``g g^T`` and ``g^T g``), called directly."""
+    if g.ndim == 2:
+        return torch.mm(g, g.T) if i == 0 else torch.mm(g.T, g)
     dims = [*_chain(range(i), range(i + 1, g.ndim))]
     return torch.tensordot(g, g, dims=[dims, dims])
 
@@ -295,14 +302,21 @@ def _eigenbasis(f: torch.Tensor) -> torch.Tensor:
 
 
 def _project(x: torch.Tensor, qs: list) -> torch.Tensor:
-    """``x`` with ``Q_i^T`` applied along each dimension (the identity where no basis)."""
+    """``x`` with ``Q_i^T`` applied along each dimension (the identity where no basis). A
+    matrix's steps are the products ``tensordot`` makes (``x^T Q``), called directly."""
     for q in qs:
-        x = torch.tensordot(x, q, dims=[[0], [0]]) if q is not None else x.permute(*range(1, x.ndim), 0)
+        if q is None:
+            x = x.permute(*range(1, x.ndim), 0)
+        else:
+            x = torch.mm(x.T, q) if x.ndim == 2 else torch.tensordot(x, q, dims=[[0], [0]])
     return x
 
 
 def _project_back(x: torch.Tensor, qs: list) -> torch.Tensor:
     """``x`` with ``Q_i`` applied along each dimension (:func:`_project`'s inverse)."""
     for q in qs:
-        x = torch.tensordot(x, q, dims=[[0], [1]]) if q is not None else x.permute(*range(1, x.ndim), 0)
+        if q is None:
+            x = x.permute(*range(1, x.ndim), 0)
+        else:
+            x = torch.mm(x.T, q.T) if x.ndim == 2 else torch.tensordot(x, q, dims=[[0], [1]])
     return x

@@ -1,4 +1,5 @@
-"""Schedule-Free AdamW in four passes: a rule of the plan, like the fused AdamW and Muon.
+"""Schedule-Free AdamW in torch's fused AdamW kernel and three foreach passes: a rule of the
+plan, like the fused AdamW and Muon.
 
 A group built with :func:`muonfx.schedule_free_adamw` (``TransformOptimizer(params,
 mfx.schedule_free_adamw)``, ``{"tx": mfx.schedule_free_adamw}`` in a param group) with

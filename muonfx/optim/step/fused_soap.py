@@ -8,13 +8,16 @@ because the bases are orthogonal to float32 rounding only. A group built with
 :func:`muonfx.soap` with plain numbers for its hyperparameters, on plain tensors (not
 DTensor shards) on the CPU or CUDA, keeps each basis's Gram matrix ``G_i = Q_i^T Q_i``
 between steps (computed again when the basis changes) and computes that round trip as
-``mu <- G_i mu``: one product per dimension, the same in exact arithmetic. Everything
-else is :class:`muonfx.transforms.soap.SoapStep`'s, the chain's (the factors and the
-bases bit for bit, the moments and the update within the float rounding of the product
-they come from: ``tests/test_fused_soap.py`` measures it); the new state is written into
-the state's buffers and the update ``-lr * (u + wd * W)`` added to the parameters in
-place, as the chain's write-back does. Whole or in pieces (:mod:`.pieces`); every
-piece's step is computed before it is written.
+``mu <- G_i mu``: one product per dimension, the same in exact arithmetic. A Gram
+matrix costs ``d^3`` once per refresh and saves ``d * numel`` at each other step: a
+parameter takes them where that pays for every basis it has (``d^2 <= (frequency - 1)
+* numel``; not with a refresh at every step, nor for the long side of a thin matrix). Everything
+else is :class:`muonfx.transforms.soap.SoapStep`'s, the chain's: the factors, the bases
+and the second moment bit for bit, the first moment and the update within the float
+rounding of that product (``tests/test_fused_soap.py`` measures it). The new state is
+written into the state's buffers and the update ``-lr * (u + wd * W)`` added to the
+parameters in place, as the chain's write-back does. Whole or in pieces (:mod:`.pieces`);
+every piece's step is computed before it is written.
 
 Memory: the Gram matrices, ``d^2`` elements per preconditioned dimension of size ``d``
 (half the factors and bases SOAP's state holds), kept by the group's plans while the
@@ -111,8 +114,9 @@ class FusedSoap:
                 f_keys = [k + (f"dim{i}",) if on else None for i, on in enumerate(step.sides(g))]
                 Fs = [None if f is None else soap_state.factors.get(f) for f in f_keys]
                 Qs = [None if f is None else soap_state.bases.get(f) for f in f_keys]
-                gs = None if step.refreshes(t) else [_gram(grams, f, Q) for f, Q in zip(f_keys, Qs)]
-                pending.append((*step.leaf(g, m, v, Fs, Qs, t, gs), Fs, Qs))
+                gs = None if step.refreshes(t) or not _pays(step, g, Qs) else \
+                    [_gram(grams, f, Q) for f, Q in zip(f_keys, Qs)]
+                pending.append((*step.leaf(g, m, v, Fs, Qs, t, gs), Fs, Qs, gs is not None))
         return pending
 
     @staticmethod
@@ -124,17 +128,21 @@ class FusedSoap:
         ms, vs = _leaves(soap_state.mu, keys), _leaves(soap_state.nu, keys)
         lr, wd = float(vals["lr"]), float(vals["weight_decay"])
         dst, src, outs = list(ms) + list(vs), [p[1] for p in pending] + [p[2] for p in pending], []
-        for out, _, _, new_F, new_Q, Fs, Qs in pending:
+        factors, outers = [], []  # where the bases stay: the factors lerped in place
+        for out, _, _, new_F, new_Q, Fs, Qs, stays in pending:
             outs.append(out)
             for F, nF, Q, nQ in zip(Fs, new_F, Qs, new_Q):
-                if F is not None:
-                    dst.append(F)
-                    src.append(nF)
-                    if nQ is not Q:  # a new basis (the first step, a refresh)
-                        dst.append(Q)
-                        src.append(nQ)
+                if F is None:
+                    continue
+                (factors if stays else dst).append(F)
+                (outers if stays else src).append(nF)
+                if nQ is not Q:  # a new basis (the first step, a refresh)
+                    dst.append(Q)
+                    src.append(nQ)
         with torch.no_grad():
             torch._foreach_copy_(dst, src)
+            if factors:
+                torch._foreach_lerp_(factors, outers, 1.0 - vals["_step"].sb)
             if wd != 0.0:  # the chain's decoupled_decay, scale_by_learning_rate and p += u, in place
                 torch._foreach_add_(outs, params, alpha=wd)
             torch._foreach_mul_(outs, -lr)
@@ -142,6 +150,16 @@ class FusedSoap:
         injected = {n: vals[n] for n in state.hyperparams}
         return state._replace(count=advance(state.count), hyperparams=injected,
                               inner_state={**inner, "soap": soap_state._replace(count=advance(soap_state.count))})
+
+
+def _pays(step: SoapStep, g: torch.Tensor, qs: list) -> bool:
+    """Whether the Gram matrices save products for ``g`` over a refresh period: each costs
+    ``d^3`` once per ``precondition_frequency`` steps and saves ``d * numel`` in each of the
+    ``precondition_frequency - 1`` others (a rule of the shapes: a long side of a thin
+    matrix keeps the round trip)."""
+    n = g.numel()
+    return all([d * d <= (step.frequency - 1) * n
+                for d, q in zip(step.view_shape(g), qs) if q is not None])
 
 
 def _gram(grams: dict, key: Any, q: torch.Tensor | None) -> torch.Tensor | None:
