@@ -255,7 +255,9 @@ class Slot:
     is read). The transforms that read slots: :func:`muonfx.momentum` (``beta``),
     :func:`muonfx.newton_schulz` (``eps``), :func:`muonfx.decoupled_decay`,
     :func:`muonfx.scale_by_learning_rate`, :func:`muonfx.scale_by_adam` (``b1``, ``b2``,
-    ``eps``) and :func:`muonfx.lr_multiplier`'s factory (``lr``).
+    ``eps``), :func:`muonfx.schedule_free` (``b1``) with its
+    :class:`~muonfx.transforms.schedule_free.WarmupWeight` (``lr``, ``warmup_steps``,
+    ``r``, ``weight_lr_power``) and :func:`muonfx.lr_multiplier`'s factory (``lr``).
 
     Example::
 
@@ -289,7 +291,7 @@ def late_bound(*names: str) -> Any:
     :func:`muonfx.muon`, :func:`muonfx.adamw` and :func:`muonfx.muon_adamw` are
     declared for their learning rates, momentum, betas, epsilons and weight decays; the
     catalogue's presets and the Muon recipes for their learning rate and weight decay
-    (the recipes also for momentum).
+    (the recipes also for momentum; :func:`muonfx.schedule_free_adamw` for every number).
 
     Example::
 
