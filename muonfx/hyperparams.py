@@ -256,7 +256,9 @@ class Slot:
     :func:`muonfx.newton_schulz` (``eps``), :func:`muonfx.decoupled_decay`,
     :func:`muonfx.cautious_decay`, :func:`muonfx.scale_by_learning_rate`,
     :func:`muonfx.scale_by_adam` (``b1``, ``b2``, ``eps``), :func:`muonfx.row_normalize`
-    (``beta2``, ``eps``) and :func:`muonfx.lr_multiplier`'s factory (``lr``). An
+    (``beta2``, ``eps``), :func:`muonfx.schedule_free` (``b1``) with its
+    :class:`~muonfx.transforms.schedule_free.WarmupWeight` (``lr``, ``warmup_steps``,
+    ``r``, ``weight_lr_power``) and :func:`muonfx.lr_multiplier`'s factory (``lr``). An
     :func:`muonfx.inject_hyperparams` transform inside another passes the enclosing
     values on with its own (a slot given to its factory unchanged is read there).
 
@@ -293,8 +295,8 @@ def late_bound(*names: str) -> Any:
     declared for their learning rates, momentum, betas, epsilons and weight decays; the
     catalogue's presets and the Muon recipes for their learning rate and weight decay
     (the recipes also for momentum); :func:`muonfx.normuon`,
-    :func:`muonfx.modded_nanogpt_normuon` and :func:`muonfx.muon_with_momentum_warmup`
-    for every number.
+    :func:`muonfx.modded_nanogpt_normuon`, :func:`muonfx.muon_with_momentum_warmup` and
+    :func:`muonfx.schedule_free_adamw` for every number.
 
     Example::
 

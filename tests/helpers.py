@@ -138,3 +138,46 @@ def backward(model, seed):
     x = torch.randn(5, 4, generator=gen)
     model.zero_grad(set_to_none=True)
     model(x).square().sum().backward()
+
+
+def count_calls(monkeypatch, owner, name: str) -> list[int]:
+    """``[n]``: how many times ``owner.name`` (a staticmethod, such as a fused kernel's
+    ``step``) is called from now on, counted by a wrapper ``monkeypatch`` removes."""
+    n = [0]
+    real = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        n[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, staticmethod(counted))
+    return n
+
+
+def one_rank_dtensor(shape: tuple) -> tuple:
+    """A DTensor of ``shape`` (random, sharded on dim 0) in a one-rank gloo world of this
+    process, and the function that ends the world."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1), rank=0,
+                            world_size=1)
+    return distribute_tensor(torch.randn(shape), init_device_mesh("cpu", (1,)), [Shard(0)]), dist.destroy_process_group
+
+
+def seeded_grads(named: list, step: int, skip: int | None = None) -> None:
+    """Give each ``(name, parameter)`` of ``named`` a gradient drawn at seed ``100 + step``
+    in its dtype (the one at place ``skip`` none: it sits the step out)."""
+    gen = torch.Generator().manual_seed(100 + step)
+    for i, (_, p) in enumerate(named):
+        g = torch.randn(p.shape, generator=gen).to(p.dtype)
+        p.grad = None if i == skip else g
+
+
+def rel_max(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b| / max |b|`` in float64."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()

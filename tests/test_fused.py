@@ -237,3 +237,32 @@ def test_the_fused_setting_is_checked_and_a_bad_step_changes_nothing():
     assert torch.equal(b, before[0][1])
     opt.param_groups[1]["betas"] = betas
     opt.step()
+
+
+def test_gradients_of_other_strides_than_their_parameters_run_the_chain():
+    """torch's fused kernel reads a parameter, its gradient and its moments as flat memory,
+    element by element: a gradient laid out otherwise (a contiguous gradient of a
+    transposed parameter) runs the chain for that step, torch.optim.AdamW's values. Where
+    the layouts agree (both transposed) the kernel runs, bit for bit torch's fused AdamW."""
+    w = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    a, b = torch.nn.Parameter(w.clone().t()), torch.nn.Parameter(w.clone().t())
+    opt = mfx.TransformOptimizer([("w", a)], mfx.adamw, lr=0.1)
+    ref = torch.optim.AdamW([b], lr=0.1, foreach=False)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        g = torch.randn(6, 8, generator=gen)
+        a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    assert opt.plan.groups[0].path == "fused"
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # the chain's rounding of torch's arithmetic
+    a, b = torch.nn.Parameter(w.clone().t()), torch.nn.Parameter(w.clone().t())
+    opt = mfx.TransformOptimizer([("w", a)], mfx.adamw, lr=0.1)
+    ref = torch.optim.AdamW([b], lr=0.1, fused=True)
+    for _ in range(3):
+        g = torch.randn(8, 6, generator=gen).t()  # laid out as the parameter
+        a.grad, b.grad = g.clone(), g.clone()
+        assert a.grad.stride() == a.stride()
+        opt.step()
+        ref.step()
+    assert torch.equal(a, b)

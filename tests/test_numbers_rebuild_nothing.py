@@ -262,6 +262,7 @@ LATE_PRESETS = {
     "normuon": {"lr": 0.02, "weight_decay": 0.1},
     "modded_nanogpt_normuon": {"lr": 0.02, "weight_decay": 0.1},
     "muon_with_momentum_warmup": {"lr": 0.02, "weight_decay": 0.1, "warmup_steps": 4},
+    "schedule_free_adamw": {"lr": 1e-3, "weight_decay": 0.1, "warmup_steps": 3},
 }
 
 
@@ -433,3 +434,84 @@ def test_the_momentum_warmup_steps_as_muon_with_its_momentum_set_by_hand():
     want = run(mfx.muon)
     for a, b in zip(got, want):
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+def _schedule_free_run(fused=None, compiled=None):
+    """:func:`muonfx.schedule_free_adamw` for ``STEPS`` steps under an lr scheduler, every
+    other number changed once; the optimizer and the training weights after them."""
+    model = Net()
+    opt = mfx.TransformOptimizer(model.named_parameters(), mfx.schedule_free_adamw, lr=1e-2, weight_decay=0.1,
+                                 warmup_steps=3, fused=fused)
+    if compiled is not None:
+        opt.compile(backend=compiled)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    for step in range(STEPS):
+        group = opt.param_groups[0]
+        if step == 4:
+            group["warmup_steps"] = 8
+        if step == 7:
+            group["betas"], group["eps"] = (0.8, 0.99), 1e-6
+        if step == 9:
+            group["r"], group["weight_lr_power"] = 0.5, 1.0
+        if step == 11:
+            group["weight_decay"] = 0.02
+        _grads(model, step)
+        opt.step()
+        sched.step()
+    return opt, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("fused", [None, False], ids=["lowered", "chain"])
+def test_schedule_free_adamw_builds_once_whatever_number_changes(fused, monkeypatch):
+    """``schedule_free_adamw``'s numbers are all late-bound (lr, betas, eps, weight decay,
+    warm-up steps, r, weight_lr_power): under a scheduler and a change of each, the preset
+    is called once (its chain and the plan's lowering alike), and every step of the chain is
+    bit for bit what calling it again computes."""
+    import muonfx.presets.catalogue as catalogue
+
+    calls = [0]
+    real = catalogue.schedule_free
+
+    def counted(*args, **kwargs):  # one call per build of the preset
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(catalogue, "schedule_free", counted)
+
+    def run():
+        built = calls[0]
+        opt, y = _schedule_free_run(fused)
+        assert opt.plan.groups[0].path == ("eager" if fused is False else "fused")
+        opt.eval()
+        return y + [p.detach().clone() for p in opt.param_groups[0]["params"]], calls[0] - built
+
+    got, built = run()
+    assert built == 1, f"called {built} times: once when the optimizer was built, then never"
+    with monkeypatch.context() as m:
+        m.setattr(inject, "late_bound_names", lambda factory: frozenset())
+        want, rebuilt = run()
+    # the chain's comparison is with a path that calls it again at each new lr (the lowering
+    # reads the numbers as values in both: tests/test_fused_schedule_free.py compares it with the chain)
+    assert rebuilt >= STEPS if fused is False else rebuilt == 1
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_a_compiled_schedule_free_adamw_step_compiles_once_whatever_number_changes(monkeypatch):
+    """``opt.compile()``: every number of ``schedule_free_adamw`` reaches the graph as an
+    input (the warm-up written without a branch on the step), so a scheduler, the end of
+    the warm-up and a change of each number compile nothing again; the steps are the
+    eager chain's within the compiler's float32 rounding."""
+    import torch._dynamo.testing
+
+    def run(compiled):
+        opt, y = _schedule_free_run(False, compiled)
+        assert opt.plan.groups[0].path == ("eager" if compiled is None else "compiled")
+        return y
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    got = run(counter)
+    assert counter.frame_count == 1
+    for a, b in zip(got, run(None)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -17,6 +17,7 @@ from ..hyperparams import check_args, late_bound
 from ..schedules import ScalarOrSchedule
 from ..transforms import (cautious, decoupled_decay, scale_by_dion2, scale_by_shape, scale_by_soap, mars_correction, scale_by_adam, scale_by_adopt, scale_by_laprop,
                           scale_by_learning_rate, scale_by_lion, schedule_free)
+from ..transforms.schedule_free import WarmupWeight, check_warmup_steps
 from .options import MuonOptions, takes_muon_options
 
 __all__ = ["lion", "adopt", "laprop", "cautious_adamw", "mars_adamw", "mars_muon", "schedule_free_adamw", "dion2", "soap"]
@@ -167,6 +168,7 @@ def mars_muon(*, gamma: float = 0.025, max_norm: float | None = None, **options:
     return named_chain(("mars", mars_correction(gamma, opts.momentum, max_norm)), *opts.steps().items())
 
 
+@late_bound("lr", "betas", "eps", "weight_decay", "warmup_steps", "r", "weight_lr_power")
 def schedule_free_adamw(lr: float = 0.0025, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                         weight_decay: float = 0.0, warmup_steps: int = 0, r: float = 0.0,
                         weight_lr_power: float = 2.0) -> GradientTransformation:
@@ -177,28 +179,24 @@ def schedule_free_adamw(lr: float = 0.0025, betas: tuple[float, float] = (0.9, 0
     scale_by_learning_rate(lr_k)), b1, weight)``: Adam without momentum (``b1`` is the
     interpolation's) steps ``z`` with ``lr_k = lr * min(1, (k + 1) / warmup_steps)``, the
     decay taken at ``y``; step ``k`` weighs ``(k + 1)^r * lr_k^weight_lr_power`` in the
-    average ``x``. Use ``opt.eval()`` before evaluating and ``opt.train()`` after
+    average ``x`` (:class:`~muonfx.transforms.schedule_free.WarmupWeight`). Use
+    ``opt.eval()`` before evaluating and ``opt.train()`` after
     (:meth:`~muonfx.TransformOptimizer.eval`). State: ``z``, ``x`` and Adam's two
     moments (16 bytes per float32 element, the reference's ``z``, ``x``, ``y``,
-    ``exp_avg_sq``).
+    ``exp_avg_sq``). Every number is late-bound (:func:`muonfx.hyperparams.late_bound`):
+    a scheduler or a new value builds nothing, and under ``opt.compile()`` compiles
+    nothing again.
 
     Example::
 
         >>> import muonfx as mfx
         >>> tx = mfx.schedule_free_adamw(lr=1e-3, warmup_steps=100)
     """
-    check_args(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    if not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"hyperparameter 'warmup_steps' must be an int >= 0, got {warmup_steps!r}")
+    check_args(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, r=r, weight_lr_power=weight_lr_power)
+    check_warmup_steps(warmup_steps)
     b1, b2 = _betas("betas", betas)
-
-    def lr_at(k: int) -> float:
-        return lr * ((k + 1) / warmup_steps if k < warmup_steps else 1.0)
-
-    def weight(k: int) -> float:  # lr_at is non-decreasing: the reference's lr_max is lr_at(k)
-        return ((k + 1) ** r) * (lr_at(k) ** weight_lr_power)
-
-    inner = chain(scale_by_adam(0.0, b2, eps), decoupled_decay(weight_decay), scale_by_learning_rate(lr_at))
+    weight = WarmupWeight(lr, warmup_steps, r, weight_lr_power)
+    inner = chain(scale_by_adam(0.0, b2, eps), decoupled_decay(weight_decay), weight.lr_link())
     return schedule_free(inner, b1, weight)
 
 

@@ -93,22 +93,9 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | None
         >>> bool((out["w"] == 0).all()), s.bases[("w", "dim0")].shape
         (True, torch.Size([4, 4]))
     """
-    b1, b2, eps = check("b1", b1), check("b2", b2), check("eps", eps)
-    sb = b2 if shampoo_beta is None or shampoo_beta < 0 else check("shampoo_beta", shampoo_beta)
-    for name, v in (("precondition_frequency", precondition_frequency), ("max_precond_dim", max_precond_dim)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"scale_by_soap: {name} must be an int >= 1, got {v!r}")
-
-    def view_shape(p: torch.Tensor) -> list[int]:
-        if p.ndim <= 1:
-            return list(p.shape) or [1]
-        return _merged_shape(tuple(p.shape), max_precond_dim) if merge_dims else list(p.shape)
-
-    def sides(p: torch.Tensor) -> list[bool]:
-        shape = view_shape(p)
-        if p.ndim <= 1:
-            return [precondition_1d and shape[0] <= max_precond_dim]
-        return [sh <= max_precond_dim for sh in shape]
+    step = SoapStep(b1, b2, shampoo_beta, eps, precondition_frequency, max_precond_dim, merge_dims, precondition_1d,
+                    normalize_grads)
+    view_shape, sides, leaf_step = step.view_shape, step.sides, step.leaf
 
     def init_fn(params):
         keys, ps = leaves(params, "params")
@@ -126,36 +113,6 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | None
                     bv.append(q)
         return ScaleBySoapState(zeros(keys), zeros_like_leaves(keys, ps),
                                 zeros_like_leaves(keys, ps), build(fk, fv), build(fk, bv))
-
-    def leaf_step(g, m, v, Fs, Qs, t):
-        """One parameter's step on whole tensors: (out, mu, nu, factors, bases)."""
-        shape = view_shape(g)
-        gv = g.reshape(shape)
-        new_F = [None if F is None else torch.lerp(F, _outer(gv, i), 1.0 - sb) for i, F in enumerate(Fs)]
-        if t == 0:  # the basis from the first gradient; no step
-            new_Q = [None if F is None else _eigenbasis(F) for F in new_F]
-            return torch.zeros_like(g), m.clone(), v.clone(), new_F, new_Q
-        gp = _project(gv, Qs)
-        mu = (m.reshape(shape) * b1).add_(gp, alpha=1.0 - b1)
-        nu = (v.reshape(shape) * b2).add_(gp.square(), alpha=1.0 - b2)
-        ng = _project_back(mu / (nu.sqrt() + eps), Qs)
-        if normalize_grads:
-            ng = ng / (1e-30 + torch.mean(ng**2) ** 0.5)
-        out = (ng * (math.sqrt(1.0 - b2**t) / (1.0 - b1**t))).reshape(g.shape).contiguous()
-        mu_orig = _project_back(mu, Qs)
-        new_Q = list(Qs)
-        if t % precondition_frequency == 0:
-            for i, (F, Q) in enumerate(zip(new_F, Qs)):
-                if F is None:
-                    continue
-                f32, q32 = F.float(), Q.float()
-                order = torch.argsort(torch.diag(q32.T @ f32 @ q32), descending=True)
-                nu = nu.index_select(i, order)
-                new_Q[i] = torch.linalg.qr(f32 @ q32[:, order])[0].to(Q.dtype).contiguous()
-        # state in the default (row-major) layout: a stored layout must not change
-        # what the next step's products compute (the adapter copies into its buffers)
-        return (out, _project(mu_orig, new_Q).reshape(g.shape).contiguous(), nu.reshape(g.shape).contiguous(),
-                new_F, new_Q)
 
     def update_fn(updates, state, params=None, **extra_args):
         keys, gs = leaves(updates)
@@ -188,6 +145,89 @@ def scale_by_soap(b1: float = 0.95, b2: float = 0.95, shampoo_beta: float | None
                                                    build(fk, [factors[f] for f in fk]), build(fk, [bases[f] for f in fk]))
 
     return LeafwiseTransformation(init_fn, update_fn)
+
+
+class SoapStep:
+    """One parameter's SOAP step on whole tensors, for the settings of
+    :func:`scale_by_soap` (checked here): :meth:`leaf`. Shared by the transform and the
+    plan's lowering (:mod:`muonfx.optim.step.fused_soap`), which passes ``grams``."""
+
+    def __init__(self, b1: float, b2: float, shampoo_beta: float | None, eps: float, precondition_frequency: int,
+                 max_precond_dim: int, merge_dims: bool, precondition_1d: bool, normalize_grads: bool) -> None:
+        self.b1, self.b2, self.eps = check("b1", b1), check("b2", b2), check("eps", eps)
+        self.sb = self.b2 if shampoo_beta is None or shampoo_beta < 0 else check("shampoo_beta", shampoo_beta)
+        for name, v in (("precondition_frequency", precondition_frequency), ("max_precond_dim", max_precond_dim)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"scale_by_soap: {name} must be an int >= 1, got {v!r}")
+        self.frequency, self.max_dim = precondition_frequency, max_precond_dim
+        self.merge, self.p1d, self.normalize = merge_dims, precondition_1d, normalize_grads
+
+    def view_shape(self, p: torch.Tensor) -> list[int]:
+        """The shape the step views ``p`` by (merged dims under ``merge_dims``)."""
+        if p.ndim <= 1:
+            return list(p.shape) or [1]
+        return _merged_shape(tuple(p.shape), self.max_dim) if self.merge else list(p.shape)
+
+    def sides(self, p: torch.Tensor) -> list[bool]:
+        """Per dimension of the view, whether it has a factor and a basis."""
+        shape = self.view_shape(p)
+        if p.ndim <= 1:
+            return [self.p1d and shape[0] <= self.max_dim]
+        return [sh <= self.max_dim for sh in shape]
+
+    def refreshes(self, t: int) -> bool:
+        """Whether the update at count ``t`` builds or refreshes the bases."""
+        return t == 0 or t % self.frequency == 0
+
+    def leaf(self, g, m, v, Fs, Qs, t, grams=None):
+        """One parameter's step: ``(out, mu, nu, factors, bases)``, new tensors (its
+        inputs are not written). ``grams`` (given by the lowering where the bases stay):
+        ``Q_i^T Q_i`` per basis (None where there is none); the moment's way back to the
+        original space and into the same basis, ``Q_i^T (Q_i mu)`` per dimension, is then
+        ``(Q_i^T Q_i) mu``, one product per dimension instead of two (the same in exact
+        arithmetic; ``Q_i`` is orthogonal to float32 rounding, so it is not the identity),
+        and the factors come back as the new gradient's outer products, for the caller
+        to lerp into the factors (``lerp(F, outer, 1 - shampoo_beta)``, as here): this
+        step does not read them."""
+        b1, b2, eps = self.b1, self.b2, self.eps
+        shape = self.view_shape(g)
+        gv = g.reshape(shape)
+        stays = grams is not None and not self.refreshes(t)
+        new_F = []
+        for i, F in enumerate(Fs):
+            if F is None:
+                new_F.append(None)
+                continue
+            o = _outer(gv, i)
+            new_F.append(o if stays else torch.lerp(F, o, 1.0 - self.sb, out=o))
+        if t == 0:  # the basis from the first gradient; no step
+            new_Q = [None if F is None else _eigenbasis(F) for F in new_F]
+            return torch.zeros_like(g), m.clone(), v.clone(), new_F, new_Q
+        gp = _project(gv, Qs)
+        mu = (m.reshape(shape) * b1).add_(gp, alpha=1.0 - b1)
+        nu = (v.reshape(shape) * b2).add_(gp.square(), alpha=1.0 - b2)
+        d = nu.sqrt().add_(eps)
+        ng = _project_back(torch.div(mu, d, out=d), Qs)
+        if self.normalize:
+            ng = ng / (1e-30 + torch.mean(ng**2) ** 0.5)
+        out = ng.mul_(math.sqrt(1.0 - b2**t) / (1.0 - b1**t)).reshape(g.shape).contiguous()
+        new_Q = list(Qs)
+        if stays:
+            mu = _project(mu, grams)
+        else:
+            mu_orig = _project_back(mu, Qs)
+            if t % self.frequency == 0:
+                for i, (F, Q) in enumerate(zip(new_F, Qs)):
+                    if F is None:
+                        continue
+                    f32, q32 = F.float(), Q.float()
+                    order = torch.argsort(torch.diag(q32.T @ f32 @ q32), descending=True)
+                    nu = nu.index_select(i, order)
+                    new_Q[i] = torch.linalg.qr(f32 @ q32[:, order])[0].to(Q.dtype).contiguous()
+            mu = _project(mu_orig, new_Q)
+        # state in the default (row-major) layout: a stored layout must not change
+        # what the next step's products compute (the adapter copies into its buffers)
+        return out, mu.reshape(g.shape).contiguous(), nu.reshape(g.shape).contiguous(), new_F, new_Q
 
 
 def _local_device(p: torch.Tensor, cls) -> torch.device:
@@ -246,7 +286,10 @@ def _through_seam(sharded, gs, ms, vs, counts, factors, bases, leaf_step, keep, 
 
 
 def _outer(g: torch.Tensor, i: int) -> torch.Tensor:
-    """``g`` contracted with itself over every dimension but ``i``."""
+    """``g`` contracted with itself over every dimension but ``i``. A matrix's are the
+    products ``tensordot`` makes of it (``g g^T`` and ``g^T g``), called directly."""
+    if g.ndim == 2:
+        return torch.mm(g, g.T) if i == 0 else torch.mm(g.T, g)
     dims = [*_chain(range(i), range(i + 1, g.ndim))]
     return torch.tensordot(g, g, dims=[dims, dims])
 
@@ -259,14 +302,21 @@ def _eigenbasis(f: torch.Tensor) -> torch.Tensor:
 
 
 def _project(x: torch.Tensor, qs: list) -> torch.Tensor:
-    """``x`` with ``Q_i^T`` applied along each dimension (the identity where no basis)."""
+    """``x`` with ``Q_i^T`` applied along each dimension (the identity where no basis). A
+    matrix's steps are the products ``tensordot`` makes (``x^T Q``), called directly."""
     for q in qs:
-        x = torch.tensordot(x, q, dims=[[0], [0]]) if q is not None else x.permute(*range(1, x.ndim), 0)
+        if q is None:
+            x = x.permute(*range(1, x.ndim), 0)
+        else:
+            x = torch.mm(x.T, q) if x.ndim == 2 else torch.tensordot(x, q, dims=[[0], [0]])
     return x
 
 
 def _project_back(x: torch.Tensor, qs: list) -> torch.Tensor:
     """``x`` with ``Q_i`` applied along each dimension (:func:`_project`'s inverse)."""
     for q in qs:
-        x = torch.tensordot(x, q, dims=[[0], [1]]) if q is not None else x.permute(*range(1, x.ndim), 0)
+        if q is None:
+            x = x.permute(*range(1, x.ndim), 0)
+        else:
+            x = torch.mm(x.T, q.T) if x.ndim == 2 else torch.tensordot(x, q, dims=[[0], [1]])
     return x

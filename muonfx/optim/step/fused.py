@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..._compat.dtensor import dtensor_class, shards
+from ..._compat.dtensor import dtensor_class, is_dtensor, shards
 from ..._compat.tensordict import td_items
 from ...presets import adamw
 from ...transforms.adam import AMSGRAD_WITHOUT_STATE
@@ -67,6 +67,35 @@ def step_values(hp: dict[str, Any], state: Any) -> dict[str, Any]:
 
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def not_numbers(hp: dict[str, Any], flags: tuple = ()) -> str | None:
+    """Why a lowering does not take the hyperparameters ``hp`` (``betas`` not two plain
+    numbers, a name in ``flags`` not a bool, any other not a plain number: a schedule, a
+    tensor), or None."""
+    for n, v in hp.items():
+        if n == "betas":
+            if not (isinstance(v, (tuple, list)) and len(v) == 2 and all([_number(b) for b in v])):
+                return f"betas {v!r} are not two numbers"
+        elif n in flags:
+            if not isinstance(v, bool):
+                return f"{n} is not a bool"
+        elif not _number(v):
+            return f"{n} is {'a schedule' if callable(v) else type(v).__name__}"
+    return None
+
+
+def not_plain(params: list[torch.Tensor], dtensor: str, dtypes: tuple | None = None) -> str | None:
+    """Why a lowering does not take ``params`` (a DTensor, saying ``dtensor``; a device
+    without the kernel; a dtype not in ``dtypes``), or None."""
+    for p in params:
+        if is_dtensor(p):
+            return dtensor
+        if p.device.type not in _DEVICES:
+            return f"parameters on {p.device.type}"
+        if dtypes is not None and p.dtype not in dtypes:
+            return f"parameters of {p.dtype}"
+    return None
 
 
 class FusedAdamW:
@@ -122,9 +151,9 @@ class FusedAdamW:
         except (KeyError, TypeError, AttributeError):
             return "the moments do not match the parameters"
         if bufs is None:
-            return "moments differ from their parameters in dtype, device or shape"
-        if [(g.dtype, g.device, g.shape) for g in _locals(grads)] != bufs.sig:
-            return "gradients differ from their parameters in dtype, device or shape"
+            return "moments differ from their parameters in dtype, device, shape or strides"
+        if [(g.dtype, g.device, g.shape, g.stride()) for g in _locals(grads)] != bufs.sig:
+            return "gradients differ from their parameters in dtype, device, shape or strides"
         return None
 
     @staticmethod
@@ -179,14 +208,14 @@ class FusedAdamW:
 
 class _Buffers:
     """The local parameters and moments of a fused AdamW group as the kernel takes them,
-    by (device, dtype), and each parameter's ``(dtype, device, shape)`` (what its gradient
-    must have)."""
+    by (device, dtype), and each parameter's ``(dtype, device, shape, strides)`` (what its
+    gradient must have: the kernel reads its tensors as flat memory, element by element)."""
 
     def __init__(self, adam: Any, params: list[torch.Tensor], keys: tuple) -> None:
         self.adam, self.keys, self.ids = adam, keys, [id(p) for p in params]
         lp, lm, lv = _locals(params), _locals(_leaves(adam.mu, keys)), _locals(_leaves(adam.nu, keys))
-        self.sig = [(p.dtype, p.device, p.shape) for p in lp]
-        self.ok = all([(m.dtype, m.device, m.shape) == sg == (v.dtype, v.device, v.shape)
+        self.sig = [(p.dtype, p.device, p.shape, p.stride()) for p in lp]
+        self.ok = all([(m.dtype, m.device, m.shape, m.stride()) == sg == (v.dtype, v.device, v.shape, v.stride())
                        for m, v, sg in zip(lm, lv, self.sig)])
         self.devices = [p.device for p in lp]
         parts = _groups(lp)

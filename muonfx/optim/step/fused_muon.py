@@ -150,9 +150,9 @@ class FusedMuon:
 
     @staticmethod
     def compute(keys: tuple, grads: list[torch.Tensor], params: list[torch.Tensor], state: Any,
-                vals: dict[str, Any], extra: dict[str, Any]) -> tuple:
+                vals: dict[str, Any], extra: dict[str, Any], memo: dict | None = None) -> tuple:
         """The Newton-Schulz outputs of these parameters (nothing written): what
-        :meth:`write` takes."""
+        :meth:`write` takes (``memo``, the group's: unused)."""
         beta, nesterov = vals["momentum"], vals.get("nesterov", True)
         ms = _leaves(state.inner_state["momentum"].mu, keys)
         settings = extra.get(EXTRA_ARG)

@@ -66,14 +66,12 @@ from ...linalg.settings import EXTRA_ARG, MatrixSettings
 from .dryrun import DryRun, dry_run
 from . import fused_adam_family  # noqa: F401  (registers the catalogue's Adam-like lowerings)
 from . import fused_muon  # noqa: F401  (registers Muon's lowering)
-from .fused import lowering
+from . import fused_schedule_free  # noqa: F401  (registers Schedule-Free AdamW's lowering)
+from . import fused_soap  # noqa: F401  (registers SOAP's lowering)
+from .fused import KERNELS, lowering
 from .pieces import plan_pieces
 
 __all__ = ["Settings", "GroupPlan", "StepPlan"]
-
-#: the presets whose groups have a lowering (named in the error of ``"fused": True``)
-_LOWERED = "only mfx.adamw, mfx.muon, mfx.adopt, mfx.laprop, mfx.cautious_adamw and mfx.mars_adamw"
-
 
 #: The process settings a plan reads once, when it is built (:meth:`MatrixSettings.capture`
 #: over the device types of its parameters), and passes to each of its steps (see the
@@ -99,7 +97,7 @@ class GroupPlan:
         devices: the device types of the parameters.
         dtensor: whether some parameter is a DTensor.
         kernel: the fused kernel of a ``"fused"`` group (:mod:`.fused`), else None.
-        memo: what the kernel keeps between the steps of this plan.
+        memo: what the kernel keeps between steps (the group's, shared by its plans).
     """
 
     index: int
@@ -114,9 +112,11 @@ class GroupPlan:
     devices: tuple
     dtensor: bool
     kernel: Any = field(compare=False, default=None)
-    #: what a fused kernel keeps between the steps of this plan (its reading of the
-    #: group's buffers: :mod:`.fused`), from the plan's batch budget of the group's
-    #: device (``"budget"``, bytes: the runs of :mod:`.fused_foreach`)
+    #: what a fused kernel keeps between steps (its reading of the group's buffers:
+    #: :mod:`.fused`; SOAP's Gram matrices: :mod:`.fused_soap`), one dict per param group
+    #: that the group's plans share (the runner's), so a kept value is kept once; it holds
+    #: the plan's batch budget of the group's device (``"budget"``, bytes: the runs of
+    #: :mod:`.fused_foreach`)
     memo: dict = field(compare=False, default_factory=dict, repr=False)
 
 
@@ -241,12 +241,13 @@ def choose_path(index: int, setting: Any, params_all: list[torch.Tensor], partia
 def group_plan(index: int, keys: list[Key], positions: list[int], params: list[torch.Tensor],
                params_all: list[torch.Tensor], transform: GradientTransformation, setting: Any,
                settings: Settings, failed: bool, check: Any, factory: Any = None,
-               hp: dict | None = None, fused_setting: Any = None) -> GroupPlan:
+               hp: dict | None = None, fused_setting: Any = None, memo: dict | None = None) -> GroupPlan:
     """The plan of one group (see the module doc): its path by :func:`choose_path` (a
     fused kernel by :func:`.fused.lowering` of the group's ``factory`` and hyperparameters
     ``hp``, unless its ``"fused"`` setting is ``False``; ``True`` requires one), its
     pieces by :func:`plan_pieces` under the settings' budget, checked by ``check()``: the
-    dry run of the whole group (see :func:`checked`)."""
+    dry run of the whole group (see :func:`checked`). ``memo``: what its kernel keeps
+    between steps (a new dict where None)."""
     dtensor = any([is_dtensor(p) for p in params_all])
     devices = tuple(sorted({p.device.type for p in params_all}))
     partial = len(positions) != len(params_all)
@@ -259,16 +260,20 @@ def group_plan(index: int, keys: list[Key], positions: list[int], params: list[t
     kernel, fused = (None, "fused=False") if fused_setting is False or factory is None else \
         lowering(factory, hp or {}, params_all)
     if fused_setting is True and kernel is None:
+        lowered = ", ".join(f"mfx.{f.__name__}" for f in KERNELS)
         raise ValueError(f"param group {index}: 'fused' is True but no fused kernel computes its chain "
-                         f"({fused or _LOWERED + ' groups have one'})")
+                         f"({fused or 'only groups built with ' + lowered + ' have one'})")
     path, why = choose_path(index, setting, params_all, partial, dtensor, devices, failed, fused if kernel else "")
     if fused_setting is False and path == "eager" and setting is None:
         why = "fused=False"
     nbytes = sum([p.numel() * p.element_size() for p in params])
     pieces = None
+    memo = {} if memo is None else memo
+    if len(devices) == 1:
+        memo["budget"] = settings.budget(devices[0])  # the runs of a kernel that steps whole
     if path == "fused" and not getattr(kernel, "pieces", False):  # in place (temporaries of at most the budget)
         return GroupPlan(index, tuple(keys), tuple(positions), transform, path, why, None, nbytes, partial, devices,
-                         dtensor, kernel, {"budget": settings.budget(devices[0])} if len(devices) == 1 else {})
+                         dtensor, kernel, memo)
     if not dtensor and is_leafwise(transform) and len(devices) == 1:
         pieces = plan_pieces(params, settings.budget(devices[0]))
     if pieces is not None or (path == "compiled" and settings.triton):
@@ -283,7 +288,7 @@ def group_plan(index: int, keys: list[Key], positions: list[int], params: list[t
             if path == "compiled" and settings.triton:
                 _check_triton(seen, devices[0] if devices else "cpu")
     return GroupPlan(index, tuple(keys), tuple(positions), transform, path, why, pieces, nbytes, partial, devices,
-                     dtensor, kernel if path == "fused" else None)
+                     dtensor, kernel if path == "fused" else None, memo)
 
 
 def checked(transform: GradientTransformation, keys: list[Key], params: list[torch.Tensor], state: Any,

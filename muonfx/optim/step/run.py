@@ -101,7 +101,7 @@ class _Group:
             keys = tuple([g.keys[j] for j in positions])
             grads, params = [w.grads[j] for j in positions], [w.params[j] for j in positions]
         if self.kernel is not None:
-            return self.kernel.compute(keys, grads, params, state, self.vals, self.extra), state
+            return self.kernel.compute(keys, grads, params, state, self.vals, self.extra, self.plan.memo), state
         upd, new = g.transform.update(build(keys, grads), state, build(keys, params), **self.extra)
         return _updates(upd, keys, params), new
 
@@ -150,11 +150,14 @@ class Runner:
         self.comm_stats = CommStats()
         #: the dry runs of whole groups, shared by their plans (see plan.checked)
         self._checks: dict[tuple, tuple] = {}
+        #: per param group, what its fused kernel keeps between steps, shared by its plans
+        self._memos: dict[int, dict] = {}
 
     def forget(self) -> None:
         """Drop every plan (the next step builds a new one, reading the settings again)."""
         self.plans.clear()
         self._checks.clear()
+        self._memos.clear()
 
     # -- plans -----------------------------------------------------------------
 
@@ -205,7 +208,7 @@ class Runner:
 
             groups.append(group_plan(gi, keys, w.idx, w.params, params_all, tx, group.get("compile"),
                                      settings, (gi, static_key(w.hp)) in self.compiled.failed, check,
-                                     rec.factory, w.hp, group.get("fused")))
+                                     rec.factory, w.hp, group.get("fused"), self._memos.setdefault(gi, {})))
         sources = tuple((rec.names, list(group["params"])) for rec, group in zip(records, param_groups))
         plan = StepPlan(key, tuple(groups), settings, sources)
         self.plans[key] = plan
