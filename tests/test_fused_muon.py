@@ -135,6 +135,34 @@ def test_fused_muon_in_cut_batches_equals_the_chain(nesterov):
         assert torch.equal(sa[i]["momentum.mu"], sb[i]["momentum.mu"]), n
 
 
+def test_the_kept_nesterov_buffer_changes_no_bit_and_holds_one_batch(monkeypatch):
+    """On the CPU the Nesterov input is made in a buffer kept between steps: the steps are
+    bit for bit those that make it afresh (the path off the CPU), and the buffer holds the
+    largest batch (two matrices under this budget, one matrix above it), not the group."""
+    from muonfx.optim.step import fused_muon
+
+    shapes = [(5, 16, 24), (16, 24), (16, 24), (48, 40)]
+    a, b = _params(shapes), _params(shapes)
+    held = set_batch_bytes(2 * 16 * 24 * 4, "cpu")
+    try:
+        kept = mfx.TransformOptimizer(a, mfx.muon, lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)
+        fresh = mfx.TransformOptimizer(b, mfx.muon, lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)
+        for step in range(4):
+            _grads([a, b], step)
+            kept.step()
+            with monkeypatch.context() as m:
+                m.setattr(fused_muon, "_scratch", lambda memo, like: None)
+                fresh.step()
+    finally:
+        set_batch_bytes(held, "cpu")
+    for (n, p), (_, q) in zip(a, b):
+        assert torch.equal(p, q), n
+    memo = kept.plan.groups[0].memo
+    bufs = [v for k, v in memo.items() if isinstance(k, tuple) and k[0] == "muon nesterov"]
+    assert len(bufs) == 1 and bufs[0].numel() == 48 * 40, [t.numel() for t in bufs]
+    assert not [k for k in fresh.plan.groups[0].memo if isinstance(k, tuple) and k[0] == "muon nesterov"]
+
+
 def test_fused_muon_state_round_trips_with_the_chain():
     """A checkpoint of the lowered step loads into the chain and the other way round: the
     state keeps the chain's layout."""

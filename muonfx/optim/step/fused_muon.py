@@ -15,9 +15,11 @@ it, per piece of the plan (:mod:`.pieces`)::
 
 The Nesterov input of a Newton-Schulz batch is made when the seam runs that batch
 (:func:`muonfx.seam.local_map_parts`): the step holds one batch of it at a time, never a
-whole group's. Fresh memory of a group's size at every step is expensive on the CPU,
-whose allocator caches nothing: the operating system hands it out page by page (before
-this, 56,000 page faults a step on two MoE layers, 8-10 % of the step).
+whole group's, and on the CPU it is made in one buffer kept between steps (the largest
+batch's size: at most the budget, or one matrix above it). Fresh memory is expensive on
+the CPU, whose allocator caches nothing: the operating system hands it out page by page
+(before this, 56,000 page faults a step on two MoE layers, 8-10 % of the step; 18,000-
+30,000 on two GPT-2-small layers).
 
 The chain computes ``W + (-lr * (s * o + wd * W))`` in four passes after Newton-Schulz,
 casts o back to float32 and copies the new momentum into its buffer; the lowered step
@@ -83,6 +85,21 @@ def _ns_rule(vals: dict[str, Any]) -> NSRule:
     if rule is None:
         rule = _NS[key] = NSRule(**opts)
     return rule
+
+
+def _scratch(memo: dict | None, like: list[torch.Tensor]) -> torch.Tensor | None:
+    """A flat buffer of at least ``like``'s elements (one dtype) to make a batch's Nesterov
+    input in, kept in the plan's ``memo`` between steps on the CPU (as large as the
+    largest batch: at most the budget, or one matrix above it); None elsewhere (a GPU's
+    caching allocator gives temporaries at no cost). On the CPU fresh memory costs a page
+    fault per 4 KiB at every step: 9 MiB of it per GPT-2-small MLP matrix."""
+    if memo is None or like[0].device.type != "cpu":
+        return None
+    n = sum([t.numel() for t in like])
+    buf = memo.get(("muon nesterov", like[0].dtype))
+    if buf is None or buf.numel() < n:
+        buf = memo[("muon nesterov", like[0].dtype)] = torch.empty(n, dtype=like[0].dtype)
+    return buf
 
 
 class FusedMuon:
@@ -152,7 +169,8 @@ class FusedMuon:
     def compute(keys: tuple, grads: list[torch.Tensor], params: list[torch.Tensor], state: Any,
                 vals: dict[str, Any], extra: dict[str, Any], memo: dict | None = None) -> tuple:
         """The Newton-Schulz outputs of these parameters (nothing written): what
-        :meth:`write` takes (``memo``, the group's: unused)."""
+        :meth:`write` takes (``memo``, the group's: on the CPU it keeps the buffer the
+        Nesterov input is made in, :func:`_scratch`)."""
         beta, nesterov = vals["momentum"], vals.get("nesterov", True)
         ms = _leaves(state.inner_state["momentum"].mu, keys)
         settings = extra.get(EXTRA_ARG)
@@ -167,7 +185,14 @@ class FusedMuon:
             # CPU, whose allocator keeps nothing)
             mb = [m3[i][a:b] for i, a, b in batch]
             gb = [g3[i][a:b] for i, a, b in batch]
-            u = torch._foreach_lerp(mb, gb, 1.0 - beta)  # the chain's new momentum (foreach "ema")
+            buf = _scratch(memo, gb)
+            if buf is None:
+                u = list(torch._foreach_lerp(mb, gb, 1.0 - beta))  # the chain's new momentum (foreach "ema")
+            else:  # the same op (the CPU's foreach lerp is this lerp), into the kept buffer
+                u, at = [], 0
+                for m, g in zip(mb, gb):
+                    u.append(torch.lerp(m, g, 1.0 - beta, out=buf[at:at + g.numel()].view(g.shape)))
+                    at += g.numel()
             if nesterov:
                 for g, v in zip(gb, u):  # the chain's lerp(g, m', beta), in m''s own buffer
                     torch.lerp(g, v, beta, out=v)
