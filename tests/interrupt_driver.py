@@ -63,13 +63,13 @@ def main() -> int:
 
         train.sample_batch = sample_batch
     elif where == "step":
-        orig_map = seam.map_matrices
+        orig_map = seam.local_map_parts  # the Newton-Schulz batches, lowered or through the chain
 
-        def map_matrices(*a, **k):
+        def local_map_parts(*a, **k):
             hit()
             return orig_map(*a, **k)
 
-        seam.map_matrices = map_matrices
+        seam.local_map_parts = local_map_parts
     elif where == "eval":
         orig_eval = train.evaluate
 
