@@ -42,6 +42,17 @@ def _grads(named_lists, step, skip=None):
             p.grad = g.clone()
 
 
+def _like_the_chain(a, b, fused, chain) -> dict:
+    """Assert the lowered optimizer's parameters ``a`` are within CHAIN_TOL of the chain's
+    ``b``, its momentum and counts the chain's bit for bit; its state dict's state."""
+    sa, sb = fused.state_dict()["state"], chain.state_dict()["state"]
+    for i, ((n, p), (_, q)) in enumerate(zip(a, b)):
+        assert rel_err(p, q) < CHAIN_TOL, (n, rel_err(p, q))
+        assert torch.equal(sa[i]["momentum.mu"], sb[i]["momentum.mu"]), n
+        assert sa[i]["count"] == sb[i]["count"], n
+    return sa
+
+
 def rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
@@ -100,11 +111,7 @@ def test_fused_muon_equals_the_chain(ns_dtype, budget):
             assert (g0.pieces is not None) == (budget is not None) == (c0.pieces is not None)
     finally:
         set_batch_bytes(held, "cpu")
-    sa, sb = fused.state_dict()["state"], chain.state_dict()["state"]
-    for i, ((n, p), (_, q)) in enumerate(zip(a, b)):
-        assert rel_err(p, q) < CHAIN_TOL, (n, rel_err(p, q))
-        assert torch.equal(sa[i]["momentum.mu"], sb[i]["momentum.mu"]), n
-        assert sa[i]["count"] == sb[i]["count"], n
+    sa = _like_the_chain(a, b, fused, chain)
     assert sa[2]["count"] == 17 and sa[0]["count"] == 20
 
 
@@ -129,10 +136,7 @@ def test_fused_muon_in_cut_batches_equals_the_chain(nesterov):
         assert fused.plan.groups[0].path == "fused" and fused.plan.groups[0].pieces is not None
     finally:
         set_batch_bytes(held, "cpu")
-    sa, sb = fused.state_dict()["state"], chain.state_dict()["state"]
-    for i, ((n, p), (_, q)) in enumerate(zip(a, b)):
-        assert rel_err(p, q) < CHAIN_TOL, (n, rel_err(p, q))
-        assert torch.equal(sa[i]["momentum.mu"], sb[i]["momentum.mu"]), n
+    _like_the_chain(a, b, fused, chain)
 
 
 def test_the_kept_nesterov_buffer_changes_no_bit_and_holds_one_batch(monkeypatch):
