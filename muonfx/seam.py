@@ -41,7 +41,7 @@ GroupFn = Callable[[int, int, list], list]
 
 __all__ = ["MatrixFn", "ScalarFn", "GroupFn", "Backend", "register_backend", "unregister_backend",
            "map_matrices", "map_matrix_groups", "global_sum", "sum_over", "local_map_matrices",
-           "local_map_matrix_groups", "compute_dtype"]
+           "local_map_parts", "local_map_matrix_groups", "compute_dtype"]
 
 
 def compute_dtype(fn: MatrixFn, stack: torch.Tensor) -> torch.dtype:

@@ -376,6 +376,47 @@ def test_local_map_matrices_single_stack_not_copied():
     assert out is a
 
 
+def test_local_map_parts_makes_inputs_per_batch_and_keeps_the_compute_dtype():
+    """``local_map_parts`` under a budget of two matrices: a stack cut over batches comes
+    back part by part (not put together), ``inputs`` is asked for each batch's parts when
+    the batch runs, ``cast_back=False`` leaves a batch put together in the function's
+    compute dtype, and ``batch_limit`` caps the matrices of a call."""
+    class Half:
+        compute_dtype = torch.bfloat16
+
+        def __init__(self, limit=None):
+            self.limit, self.calls = limit, []
+
+        def batch_limit(self, stack):
+            return self.limit
+
+        def __call__(self, batch):
+            self.calls.append(tuple(batch.shape))
+            return batch.to(torch.bfloat16) * 2
+
+    a, b = torch.randn(3, 4, 8), torch.randn(1, 4, 8)
+    held = mfx.linalg.set_batch_bytes(2 * 4 * 8 * 4, "cpu")
+    try:
+        asked = []
+
+        def inputs(batch):
+            asked.append(list(batch))
+            return [(a, b)[i][s:e] + 1 for i, s, e in batch]
+
+        fn = Half()
+        parts = mfx.seam.local_map_parts(fn, [a, b], cast_back=False, inputs=inputs)
+        assert asked == [[(0, 0, 2)], [(0, 2, 3), (1, 0, 1)]]
+        assert [(i, s, e) for i, s, e, _ in parts] == [(0, 0, 2), (0, 2, 3), (1, 0, 1)]
+        assert fn.calls == [(2, 4, 8), (2, 4, 8)]
+        for i, s, e, r in parts:
+            assert r.dtype == torch.bfloat16 and torch.equal(r, (((a, b)[i][s:e] + 1).to(torch.bfloat16) * 2))
+        capped = Half(limit=1)
+        mfx.seam.local_map_parts(capped, [a, b])
+        assert capped.calls == [(1, 4, 8)] * 4
+    finally:
+        mfx.linalg.set_batch_bytes(held, "cpu")
+
+
 def test_ns_over_many_same_shape_leaves_equals_each_alone():
     """Batched with others or alone, each matrix gets its own Newton-Schulz: in float64 to
     rounding; in bf16 (another batch size may take another kernel) each within bf16's
