@@ -287,21 +287,28 @@ def _other_numbers(factory, group):
                   if n in group and n not in ("lr", "weight_decay") and not callable(group[n]))
 
 
+def _counted(factory):
+    """``factory`` wrapped to count its calls (the wrapper keeps its name and late-bound
+    declaration), and the one-element list that counts them."""
+    import functools
+
+    calls = [0]
+
+    @functools.wraps(factory)
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return factory(*args, **kwargs)
+
+    return counted, calls
+
+
 @pytest.mark.filterwarnings("ignore::muonfx.MeaningChangedWarning")  # a new eps, on purpose
 @pytest.mark.parametrize("name", sorted(LATE_PRESETS))
 def test_late_bound_presets_build_once_under_a_scheduler_and_a_new_weight_decay(name, monkeypatch):
     """The preset is called once (when the optimizer is built) for 10 steps under an lr
     scheduler with the weight decay changed at step 5 and every other late-bound number
     at step 7, and the steps are bit for bit what calling it again at each change computes."""
-    import functools
-
-    real = getattr(mfx, name)
-    calls = [0]
-
-    @functools.wraps(real)
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
+    counted, calls = _counted(getattr(mfx, name))
 
     def run(factory):
         model = Net()
@@ -309,7 +316,7 @@ def test_late_bound_presets_build_once_under_a_scheduler_and_a_new_weight_decay(
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
         built = calls[0]
         group = opt.param_groups[0]
-        others = _other_numbers(real, group)
+        others = _other_numbers(getattr(mfx, name), group)
         for step in range(10):
             if step == 5:
                 group["weight_decay"] = 0.02
@@ -351,17 +358,9 @@ def test_a_compiled_variant_follows_every_new_number_without_compiling_again(nam
     included) at each step: the preset is called when the optimizer and its graph are
     built, never again; the graph is compiled once (no recompilation, the group's
     ``"compile"`` setting stays True) and steps as the eager optimizer does."""
-    import functools
-
     import torch._dynamo.testing
 
-    real = getattr(mfx, name)
-    calls = [0]
-
-    @functools.wraps(real)
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
+    counted, calls = _counted(getattr(mfx, name))
 
     def run(compiled):
         torch._dynamo.reset()
