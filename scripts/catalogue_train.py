@@ -6,6 +6,8 @@ loss (of the same seed) and its wall time per training step.
     python scripts/catalogue_train.py --names lion,soap --seeds 0
     python scripts/catalogue_train.py --steps 300 --batch-size 32 --eval-every 50   # the main job's defaults
     python scripts/catalogue_train.py --table-only --out DIR   # the table of runs already in DIR
+    python scripts/catalogue_train.py --sweep 0.3,1,3,10 --seeds 0   # each one's lr: its default times each factor
+    python scripts/catalogue_train.py --lr lion=3e-4 --lr adopt=3e-3  # these lrs, the defaults elsewhere
 
 Each run is ``python -m muonfx train --optimizer NAME --seed S --steps N --batch-size B
 --eval-every E --threads 1 --no-progress --out OUT/NAME-sS`` (the tiny model) in a process
@@ -13,6 +15,13 @@ of its own (``--lr`` not given: each optimizer's default, see
 ``muonfx/cli/optimizers.py``); for each seed, ``adamw`` runs first, then the others in the
 order given (default: the catalogue, then ``muon`` and ``muon_adamw``). A run whose
 ``summary.json`` is already in ``--out`` is not run again (an interrupted sweep resumes).
+``--lr NAME=VALUE`` (repeatable) runs NAME at that lr (``--lr VALUE``; for the Muon
+optimizers Muon's lr, the AdamW part keeps ``--adamw-lr``) in ``OUT/NAME-lrVALUE-sS``.
+
+``--sweep F1,F2,...`` runs, at the first seed only, each optimizer (not ``adamw``, the
+baseline at its tuned lr) at its default lr times each factor, and prints the final
+validation loss of each lr, the best one marked, and the ``--lr`` options that run the
+best of each.
 
 Columns: ``final val``, the run's final validation loss (mean of the seeds); ``steps to
 AdamW's final val``, the step where the validation curve reaches the ``adamw`` run's final
@@ -46,10 +55,16 @@ from muonfx.cli.report import steps_to_reach  # noqa: E402
 from muonfx.presets import catalogue  # noqa: E402
 
 
-def run(name: str, seed: int, args, out: Path) -> dict:
-    summary = out / f"{name}-s{seed}" / "summary.json"
+def run_dir(out: Path, name: str, seed: int, lr: float | None) -> Path:
+    """Where the run of ``name`` at ``seed`` (and ``lr``, None: its default) keeps its files."""
+    return out / (f"{name}-s{seed}" if lr is None else f"{name}-lr{lr:g}-s{seed}")
+
+
+def run(name: str, seed: int, args, out: Path, lr: float | None = None) -> dict:
+    summary = run_dir(out, name, seed, lr) / "summary.json"
     if not summary.exists():
         cmd = [sys.executable, "-m", "muonfx", "train", "--optimizer", name, "--seed", str(seed),
+               *([] if lr is None else ["--lr", repr(float(lr))]),
                "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--eval-every", str(args.eval_every),
                "--threads", "1",
                "--no-progress", "--out", str(summary.parent), *args.extra]
@@ -58,7 +73,8 @@ def run(name: str, seed: int, args, out: Path) -> dict:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-        print(f"  {name} seed {seed}: {time.perf_counter() - t0:.0f} s ({_common.load()})", flush=True)
+        at = "" if lr is None else f" lr {lr:g}"
+        print(f"  {name}{at} seed {seed}: {time.perf_counter() - t0:.0f} s ({_common.load()})", flush=True)
     data = json.loads(summary.read_text())
     return data["runs"][name]
 
@@ -76,27 +92,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--jobs", type=int, default=1,
                    help="runs at a time (default 1: back to back); more only where that many cores are idle")
     p.add_argument("--table-only", action="store_true", help="no new runs: the table of the runs in --out")
+    p.add_argument("--lr", action="append", default=[], metavar="NAME=VALUE",
+                   help="run NAME at this lr (repeatable; the others at their defaults)")
+    p.add_argument("--sweep", metavar="F1,F2,...",
+                   help="at the first seed, each optimizer at its default lr times each factor; print the best")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more options of muonfx train")
     args = p.parse_args(argv)
     args.extra = [a for a in args.extra if a != "--"]
     names = [n for n in args.names.split(",") if n and n != "adamw"]
     seeds = [int(s) for s in args.seeds.split(",")]
     out = Path(args.out)
+    lrs = parse_lrs(args.lr, ["adamw", *names])
     import torch
 
     torch.set_num_threads(1)  # as every run: the machine line says so
     print(f"# {_common.machine()}")
-    todo = [(name, seed) for seed in seeds for name in ["adamw", *names]]
+    if args.sweep:
+        return sweep(names, seeds[0], [float(f) for f in args.sweep.split(",") if f], args, out)
+    todo = [(name, seed, lrs.get(name)) for seed in seeds for name in ["adamw", *names]]
     if args.table_only:
-        todo = [(n, s) for n, s in todo if (out / f"{n}-s{s}" / "summary.json").exists()]
-    if args.jobs > 1:  # on a machine with cores to spare: runs side by side, one thread each
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(args.jobs) as pool:
-            done = list(pool.map(lambda ns: run(*ns, args, out), todo))
-    else:
-        done = [run(n, s, args, out) for n, s in todo]
-    runs: dict[tuple[str, int], dict] = dict(zip(todo, done))
+        todo = [(n, s, lr) for n, s, lr in todo if (run_dir(out, n, s, lr) / "summary.json").exists()]
+    done = _run_all(todo, args, out)
+    runs: dict[tuple[str, int], dict] = {(n, s): rec for (n, s, _), rec in zip(todo, done)}
     rows = []
     base_s = statistics.mean(_per_step(runs["adamw", s]) for s in seeds if ("adamw", s) in runs)
     for name in ["adamw", *names]:
@@ -117,9 +134,63 @@ def main(argv: list[str] | None = None) -> None:
                      f"{per_step:.3f}", f"{per_step / base_s:.2f}x"])
     print(f"seeds {', '.join(map(str, seeds))}; {args.steps} steps, batch {args.batch_size}; "
           f"{args.jobs} run(s) at a time, one thread each")
+    if lrs:
+        print("lr: " + ", ".join(f"{n} {v:g}" for n, v in lrs.items()) + "; the others at their defaults")
     print(_common.table(["optimizer", "final val", "steps to AdamW's final val", "x AdamW",
                          "AdamW's step at this final val", "s/step",
                          "s/step x AdamW"], rows))
+
+
+def parse_lrs(items: list[str], names: list[str]) -> dict[str, float]:
+    """``{name: lr}`` from ``NAME=VALUE`` items (a clear error for a malformed one or an
+    optimizer not run)."""
+    lrs = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            lr = float(value)
+        except ValueError:
+            lr = float("nan")
+        if not sep or not lr > 0:
+            raise SystemExit(f"catalogue_train.py: --lr {item!r}: expected NAME=VALUE with a positive VALUE")
+        if name not in names:
+            raise SystemExit(f"catalogue_train.py: --lr {item!r}: {name!r} is not among the optimizers run "
+                             f"({', '.join(names)})")
+        lrs[name] = lr
+    return lrs
+
+
+def sweep(names: list[str], seed: int, factors: list[float], args, out: Path) -> None:
+    """Each optimizer at its default lr times each factor (``adamw`` once, at its own), at
+    one seed: the final validation loss of each, the best marked, and the ``--lr``
+    options of the best."""
+    from muonfx.cli.args import DEFAULTS
+    from muonfx.cli.optimizers import default_lr
+
+    grid = {n: [default_lr(n, DEFAULTS["adamw_lr"]) * f for f in factors] for n in names}
+    todo = [("adamw", seed, None)] + [(n, seed, lr) for n in names for lr in grid[n]]
+    done = dict(zip([(n, lr) for n, _, lr in todo], _run_all(todo, args, out)))
+    rows, best_opts = [], []
+    for n in names:
+        finals = [done[n, lr]["final_val_loss"] for lr in grid[n]]
+        best = min(range(len(finals)), key=lambda i: finals[i])
+        best_opts.append(f"--lr {n}={grid[n][best]:g}")
+        rows.append([n, *(f"{lr:g}: {v:.3f}{' *' if i == best else ''}"
+                          for i, (lr, v) in enumerate(zip(grid[n], finals)))])
+    print(f"seed {seed}; {args.steps} steps, batch {args.batch_size}; final validation loss at each lr "
+          f"(default lr x {', '.join(f'{f:g}' for f in factors)}; * the best); adamw at its lr: "
+          f"{done['adamw', None]['final_val_loss']:.3f}")
+    print(_common.table(["optimizer", *(f"x {f:g}" for f in factors)], rows))
+    print("the best: " + " ".join(best_opts))
+
+
+def _run_all(todo: list[tuple], args, out: Path) -> list[dict]:
+    if args.jobs > 1:  # on a machine with cores to spare: runs side by side, one thread each
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(args.jobs) as pool:
+            return list(pool.map(lambda nsl: run(nsl[0], nsl[1], args, out, nsl[2]), todo))
+    return [run(n, s, args, out, lr) for n, s, lr in todo]
 
 
 def _per_step(rec: dict) -> float:
