@@ -171,8 +171,8 @@ def tree_diff(a: Any, b: Any, path: str, mode: str = "exact", rtol: float = 0.0,
     ``"exact"`` (also values; NaN equals NaN), ``"close"`` (values within rtol/atol)
     or ``"bitwise"`` (bit patterns).
     """
-    la, sa = tree.flatten(a)
-    lb, sb = tree.flatten(b)
+    la, sa = pytree.tree_flatten(a, is_leaf=tree._leaf)  # pytree's specs: where they differ is named
+    lb, sb = pytree.tree_flatten(b, is_leaf=tree._leaf)
     d = _spec_diff(sa, sb, path, a, b) if sa != sb else None
     if d:
         return d

@@ -244,7 +244,5 @@ def finish_all(done: list[tuple]) -> None:
 
 
 def merged(state: Any, parts: list) -> Any:
-    """``state`` with every part (the pieces written so far) merged back."""
-    for part in parts:
-        state = tree.merge(state, part)
-    return state
+    """``state`` with every part (the pieces written so far) merged back, at once."""
+    return tree.merge_parts(state, parts)
