@@ -11,7 +11,7 @@ loss (of the same seed) and its wall time per training step.
 
 Each run is ``python -m muonfx train --optimizer NAME --seed S --steps N --batch-size B
 --eval-every E --threads 1 --no-progress --out OUT/NAME-sS`` (the tiny model) in a process
-of its own (``--lr`` not given: each optimizer's default, see
+of its own (``--lr`` not given: each optimizer's ``muonfx train`` default, see
 ``muonfx/cli/optimizers.py``); for each seed, ``adamw`` runs first, then the others in the
 order given (default: the catalogue, then ``muon`` and ``muon_adamw``). A run whose
 ``summary.json`` is already in ``--out`` is not run again (an interrupted sweep resumes).
@@ -19,7 +19,8 @@ order given (default: the catalogue, then ``muon`` and ``muon_adamw``). A run wh
 optimizers Muon's lr, the AdamW part keeps ``--adamw-lr``) in ``OUT/NAME-lrVALUE-sS``.
 
 ``--sweep F1,F2,...`` runs, at the first seed only, each optimizer (not ``adamw``, the
-baseline at its tuned lr) at its default lr times each factor, and prints the final
+baseline at its tuned lr) at its preset's own default lr (``muonfx.cli.optimizers.preset_lr``:
+the reference's; Muon's 0.02 for the Muon optimizers) times each factor, and prints the final
 validation loss of each lr, the best one marked, and the ``--lr`` options that run the
 best of each.
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", action="append", default=[], metavar="NAME=VALUE",
                    help="run NAME at this lr (repeatable; the others at their defaults)")
     p.add_argument("--sweep", metavar="F1,F2,...",
-                   help="at the first seed, each optimizer at its default lr times each factor; print the best")
+                   help="at the first seed, each optimizer at its preset's own lr times each factor; print the best")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more options of muonfx train")
     args = p.parse_args(argv)
     args.extra = [a for a in args.extra if a != "--"]
@@ -161,13 +162,12 @@ def parse_lrs(items: list[str], names: list[str]) -> dict[str, float]:
 
 
 def sweep(names: list[str], seed: int, factors: list[float], args, out: Path) -> None:
-    """Each optimizer at its default lr times each factor (``adamw`` once, at its own), at
-    one seed: the final validation loss of each, the best marked, and the ``--lr``
+    """Each optimizer at its preset's own lr times each factor (``adamw`` once, at its
+    own), at one seed: the final validation loss of each, the best marked, and the ``--lr``
     options of the best."""
-    from muonfx.cli.args import DEFAULTS
-    from muonfx.cli.optimizers import default_lr
+    from muonfx.cli.optimizers import preset_lr
 
-    grid = {n: [default_lr(n, DEFAULTS["adamw_lr"]) * f for f in factors] for n in names}
+    grid = {n: [preset_lr(n) * f for f in factors] for n in names}
     todo = [("adamw", seed, None)] + [(n, seed, lr) for n in names for lr in grid[n]]
     done = dict(zip([(n, lr) for n, _, lr in todo], _run_all(todo, args, out)))
     rows, best_opts = [], []
@@ -178,7 +178,7 @@ def sweep(names: list[str], seed: int, factors: list[float], args, out: Path) ->
         rows.append([n, *(f"{lr:g}: {v:.3f}{' *' if i == best else ''}"
                           for i, (lr, v) in enumerate(zip(grid[n], finals)))])
     print(f"seed {seed}; {args.steps} steps, batch {args.batch_size}; final validation loss at each lr "
-          f"(default lr x {', '.join(f'{f:g}' for f in factors)}; * the best); adamw at its lr: "
+          f"(the preset's lr x {', '.join(f'{f:g}' for f in factors)}; * the best); adamw at its lr: "
           f"{done['adamw', None]['final_val_loss']:.3f}")
     print(_common.table(["optimizer", *(f"x {f:g}" for f in factors)], rows))
     print("the best: " + " ".join(best_opts))

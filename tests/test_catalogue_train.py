@@ -41,10 +41,9 @@ def test_a_run_at_a_given_lr_has_a_folder_of_its_own(script, tmp_path):
     assert script.run_dir(tmp_path, "lion", 1, 3e-4) == tmp_path / "lion-lr0.0003-s1"
 
 
-def test_the_sweep_runs_each_default_lr_times_each_factor_and_marks_the_best(script, monkeypatch, tmp_path,
+def test_the_sweep_runs_each_presets_lr_times_each_factor_and_marks_the_best(script, monkeypatch, tmp_path,
                                                                             capsys):
-    from muonfx.cli.args import DEFAULTS
-    from muonfx.cli.optimizers import default_lr
+    from muonfx.cli.optimizers import preset_lr
 
     calls = []
     best = {"lion": 3.0, "muon": 0.5}  # the factor at which each one's loss is lowest
@@ -53,13 +52,13 @@ def test_the_sweep_runs_each_default_lr_times_each_factor_and_marks_the_best(scr
         calls.append((name, seed, lr))
         if name == "adamw":
             return _record(2.5)
-        factor = lr / default_lr(name, DEFAULTS["adamw_lr"])
+        factor = lr / preset_lr(name)
         return _record(2.0 + abs(factor - best[name]))
 
     monkeypatch.setattr(script, "run", fake_run)
     script.main(["--sweep", "0.5,1,3", "--names", "lion,muon", "--seeds", "4,5", "--out", str(tmp_path)])
     text = capsys.readouterr().out
-    lion, muon = default_lr("lion", DEFAULTS["adamw_lr"]), default_lr("muon", DEFAULTS["adamw_lr"])
+    lion, muon = preset_lr("lion"), preset_lr("muon")  # the presets' own: 1e-4, 0.02
     assert calls == [("adamw", 4, None)] + [("lion", 4, lion * f) for f in (0.5, 1, 3)] + \
         [("muon", 4, muon * f) for f in (0.5, 1, 3)]  # the first seed only
     assert f"{lion * 3:g}: 2.000 *" in text and f"{muon * 0.5:g}: 2.000 *" in text
@@ -78,3 +77,21 @@ def test_the_table_runs_each_optimizer_at_its_given_lr(script, monkeypatch, tmp_
     script.main(["--names", "lion,soap", "--seeds", "0", "--lr", "lion=0.001", "--out", str(tmp_path)])
     assert calls == [("adamw", 0, None), ("lion", 0, 0.001), ("soap", 0, None)]
     assert "lr: lion 0.001; the others at their defaults" in capsys.readouterr().out
+
+
+def test_muonfx_train_defaults_the_elementwise_catalogue_to_the_swept_lr():
+    """``--lr`` not given: the elementwise catalogue presets train at the sweep's best
+    (MAIN_JOB_LR, docs/evidence.md), not at their references' defaults; the Muon ones and
+    AdamW at theirs. Every elementwise preset has a swept lr."""
+    import argparse
+
+    from muonfx.cli.args import fill_lr
+    from muonfx.cli.optimizers import MAIN_JOB_LR, MUON_LR, default_lr, preset_lr
+    from muonfx.presets import catalogue
+
+    assert set(MAIN_JOB_LR) == set(catalogue.ELEMENTWISE)
+    for name, lr in MAIN_JOB_LR.items():
+        args = fill_lr(argparse.Namespace(lr=None, optimizer=name, adamw_lr=3e-3))
+        assert args.lr == lr == default_lr(name, 3e-3) and lr > preset_lr(name), name
+    assert fill_lr(argparse.Namespace(lr=None, optimizer="dion2", adamw_lr=3e-3)).lr == MUON_LR
+    assert fill_lr(argparse.Namespace(lr=0.5, optimizer="soap", adamw_lr=3e-3)).lr == 0.5  # given: kept

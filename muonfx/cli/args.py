@@ -44,7 +44,9 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--steps", type=int, metavar="N", help=f"optimizer steps, the schedule's length (default {d['steps']})")
     g.add_argument("--lr", type=float, help="learning rate of --optimizer: Muon's for muon presets (default 0.02); "
                                             "AdamW's for --optimizer adamw and the --compare adamw baseline "
-                                            "(default 0.01, the best of a small sweep)")
+                                            "(default 0.01, the best of a small sweep); the elementwise "
+                                            "catalogue's own (default: the best of a sweep on this job, "
+                                            "e.g. lion 1e-3, soap 3e-2; docs/evidence.md)")
     g.add_argument("--adamw-lr", type=float, help=f"AdamW lr of the hybrids' embeddings, head, norms and biases "
                                                   f"(default {d['adamw_lr']})")
     g.add_argument("--weight-decay", type=float, help=f"AdamW weight decay (default {d['weight_decay']}); Muon uses none")

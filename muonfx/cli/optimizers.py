@@ -11,8 +11,8 @@
   everything it can take" ablation) and AdamW (``--adamw-lr``) the 0-D/1-D rest.
 * a preset of :mod:`muonfx.presets.catalogue`: ``mars_muon`` and ``dion2`` as ``muon`` above; the
   elementwise ones (``lion``, ``adopt``, ``laprop``, ``cautious_adamw``, ``mars_adamw``,
-  ``schedule_free_adamw``, ``soap``) on every parameter, with ``--lr`` (else the preset's own default lr) and
-  ``--weight-decay``.
+  ``schedule_free_adamw``, ``soap``) on every parameter, with ``--lr`` (else the best lr of a sweep
+  on the main job, :data:`MAIN_JOB_LR`) and ``--weight-decay``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from ..optim.routing import check_muon_reached, routes
 from ..presets import catalogue, standard as presets
 from ..presets.options import MuonOptions
 
-__all__ = ["optimizer_names", "check_optimizer", "build_optimizer", "MUON_LR", "ADAMW_BETAS"]
+__all__ = ["optimizer_names", "check_optimizer", "build_optimizer", "default_lr", "preset_lr", "MUON_LR",
+           "ADAMW_BETAS", "MAIN_JOB_LR"]
 
 #: lr of the Muon optimizers when ``--lr`` is not given: Muon's own default
 MUON_LR = MuonOptions().lr
@@ -37,6 +38,12 @@ MUON_LR = MuonOptions().lr
 #: given: the best of the sweep 3e-3 / 1e-2 / 3e-2 at the defaults (docs/evidence.md)
 ADAMW_LR = 1e-2
 ADAMW_BETAS = (0.9, 0.95)
+#: lr of the elementwise catalogue presets when ``--lr`` is not given: the best of a sweep
+#: of each preset's own default times 0.3 to 30 on the main job (100 steps of the tiny
+#: model, seed 0; docs/evidence.md). The presets' own defaults are their references'
+#: (lion-pytorch's 1e-4, the ADOPT authors' 1e-3, ...), 3-30x below these here.
+MAIN_JOB_LR = {"lion": 1e-3, "adopt": 1e-2, "laprop": 1.2e-2, "cautious_adamw": 1e-2, "mars_adamw": 9e-3,
+               "schedule_free_adamw": 7.5e-3, "soap": 3e-2}
 
 
 def _factory(name: str):
@@ -82,9 +89,24 @@ def check_optimizer(name: str) -> str | None:
 
 
 def default_lr(name: str, adamw_lr: float) -> float:
-    """``--lr``'s default: the tuned AdamW lr for ``adamw``, the preset's own for the
-    elementwise catalogue presets, Muon's for the rest (``adamw_lr`` is the AdamW part of
-    the hybrids, tuned separately)."""
+    """``--lr``'s default: the tuned AdamW lr for ``adamw``, :data:`MAIN_JOB_LR` for the
+    elementwise catalogue presets (the preset's own default for one not swept), Muon's
+    for the rest (``adamw_lr`` is the AdamW part of the hybrids, tuned separately)."""
+    if _elementwise(name):
+        return MAIN_JOB_LR.get(name, preset_lr(name))
+    return ADAMW_LR if name == "adamw" else MUON_LR
+
+
+def preset_lr(name: str) -> float:
+    """The lr the preset ``name`` itself defaults to (its reference's) for the elementwise
+    catalogue presets; AdamW's tuned lr for ``adamw``, Muon's for the rest.
+
+    Example::
+
+        >>> from muonfx.cli.optimizers import default_lr, preset_lr
+        >>> preset_lr("lion"), default_lr("lion", 3e-3)
+        (0.0001, 0.001)
+    """
     if _elementwise(name):
         return inspect.signature(_factory(name)).parameters["lr"].default
     return ADAMW_LR if name == "adamw" else MUON_LR
