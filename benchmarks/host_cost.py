@@ -16,6 +16,10 @@ what counts is the Python work per parameter. Measured side by side in one run:
   one of 200 matrices had no gradient (its counts stay one behind for good);
 * **time**: the default step over 200 matrices of 32 x 32 (host-bound), medians of
   alternating rounds;
+* **the chain, and a group in pieces**: the calls of a step of Muon's chain
+  (``"fused": False``, the path of a transform without a lowering) over 200 matrices;
+  the host time a piece adds: Lion (a chain) over 48 matrices of 64 x 64, whole and in
+  48 pieces (a batch budget of one matrix), medians of alternating rounds;
 * **DTensor**: the calls of a step whose matrices are DTensors (``Shard(0)`` on a
   one-rank gloo mesh in this process, what FSDP2 hands an optimizer), 20 and 200 of them,
   for ``mfx.TransformOptimizer(..., mfx.muon)`` and ``torch.optim.Muon``.
@@ -124,6 +128,22 @@ def dtensor_calls() -> dict[tuple[str, int], int]:
         dist.destroy_process_group()
 
 
+def piece_cost(repeats: int, warmup: int) -> tuple[float, float]:
+    """Seconds of a Lion step over 48 matrices of 64 x 64, whole and in 48 pieces."""
+    from muonfx.linalg import set_batch_bytes
+
+    whole = mfx.TransformOptimizer(matrices(48, 64, False), mfx.lion)
+    held = set_batch_bytes(64 * 64 * 4, "cpu")
+    try:
+        pieces = mfx.TransformOptimizer(matrices(48, 64, False), mfx.lion)
+        pieces.step()  # its plan, in pieces, built under this budget
+    finally:
+        set_batch_bytes(held, "cpu")
+    assert len(pieces.plan.groups[0].pieces) == 48, pieces.plan
+    secs = _common.interleaved({"whole": whole.step, "pieces": pieces.step}, repeats, warmup, torch.device("cpu"))
+    return secs["whole"], secs["pieces"]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=20)
@@ -158,6 +178,12 @@ def main(argv=None) -> None:
     print(f"time of a step over 200 matrices of 32 x 32 (median of {args.repeats} alternating rounds; muonfx path: "
           f"{paths['muonfx']}): muonfx {secs['muonfx'] * 1e3:.2f} ms, torch {secs['torch'] * 1e3:.2f} ms "
           f"({secs['muonfx'] / secs['torch']:.2f}x)")
+    chain = step_calls(lambda named: mfx.TransformOptimizer([dict(params=named, fused=False)], mfx.muon, lr=0.02,
+                                                             weight_decay=0.1), 200, 64, False)
+    per_piece = piece_cost(args.repeats, args.warmup)
+    print(f"the chain's step (\"fused\": False), 200 matrices: {chain} calls; a group in pieces (Lion, 48 matrices "
+          f"of 64 x 64): whole {per_piece[0] * 1e3:.2f} ms, in 48 pieces {per_piece[1] * 1e3:.2f} ms: "
+          f"{(per_piece[1] - per_piece[0]) / 48 * 1e3:.3f} ms a piece")
     dt = dtensor_calls()
     checks.append(("DTensor calls per extra parameter (20 -> 200) <= 10", (dt["muonfx", 200] - dt["muonfx", 20]) / 180,
                    10.0))
