@@ -3,6 +3,7 @@
     python benchmarks/adamw_step.py                 # GPT-2 small parameter set (124M)
     python benchmarks/adamw_step.py --layers 2      # fewer layers, for a quick look
     python benchmarks/adamw_step.py --fused         # also torch.optim.AdamW(fused=True) (the GPU target)
+    python benchmarks/adamw_step.py --fused --host  # and where each step's host time goes
 
 Both optimizers hold the same parameters (GPT-2 small: token/position embeddings,
 12 layers of 768x2304, 768x768, 768x3072, 3072x768 plus biases and norms) and the same
@@ -16,12 +17,21 @@ memory: the peak bytes allocated during one ``opt.step()`` of that path beyond w
 before it, measured in one more, untimed step per optimizer: ``torch.cuda.max_memory_allocated``
 on CUDA, the CPU allocator's own records (``muonfx.memory.AllocatorPeak``) on the CPU, which
 see a compiled step's buffers too.
+
+``--host`` (with ``--fused``): the host time of a step, from the call of ``step()`` to its
+return with the device idle before it (on a GPU the kernels run on after it returns),
+median of 30 steps, for muonfx and the fused torch; then muonfx's Python functions by
+their own time over those steps (``cProfile``).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
+import statistics
+import time
 
 import _common
 import torch
@@ -50,7 +60,10 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--compile", action="store_true", help="add a row for opt.compile() (inductor; compiles first)")
     ap.add_argument("--fused", action="store_true", help="also time torch.optim.AdamW(fused=True): a muonfx/fused column")
+    ap.add_argument("--host", action="store_true", help="with --fused: the host time of a step and muonfx's by function")
     args = ap.parse_args(argv)
+    if args.host and not args.fused:
+        ap.error("--host compares with torch.optim.AdamW(fused=True): give --fused too")
     device = torch.device(args.device)
     gen = torch.Generator(device).manual_seed(0)  # drawn on the device
     named, compiled, copies, fused = [], [], [], []
@@ -89,6 +102,36 @@ def main(argv=None) -> None:
           f"allocated during one step of that path beyond those allocated before it "
           f"({'torch.cuda.max_memory_allocated' if device.type == 'cuda' else 'the CPU allocator records'}; "
           f"an untimed step after the timed ones); model {_common.fmt_bytes(sum(p.numel() * p.element_size() for _, p in named))}")
+    if args.host:
+        host(opts["muonfx"], opts["torch fused"], device)
+
+
+def host(mine, theirs, device: torch.device, steps: int = 30) -> None:
+    """The host time of a step (``step()`` called with the device idle, until it returns),
+    median of ``steps``, muonfx's against torch's fused; then muonfx's functions by their
+    own time over ``steps`` more steps."""
+    def timed(opt) -> float:
+        ts = []
+        for _ in range(steps):
+            _common.sync(device)
+            t0 = time.perf_counter()
+            opt.step()
+            ts.append(time.perf_counter() - t0)
+        _common.sync(device)
+        return statistics.median(ts)
+
+    a, b = timed(mine), timed(theirs)
+    print(f"host time of a step (until step() returns, the device idle before it; median of {steps}): "
+          f"muonfx {a * 1e3:.3f} ms, torch fused {b * 1e3:.3f} ms ({a / b:.2f}x)")
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        _common.sync(device)
+        prof.enable()
+        mine.step()
+        prof.disable()
+    _common.sync(device)
+    print(f"muonfx's step by function, own time over {steps} steps (cProfile; its overhead included):")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(15)
 
 if __name__ == "__main__":
     main()

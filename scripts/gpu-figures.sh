@@ -97,7 +97,7 @@ case "$part" in
         step 60 python3 benchmarks/first_step.py --device cuda --sets gpt2,moe
         # whether the CUDA paths compute what they should (GPU-marked tests, no compile sweeps)
         step 110 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -m "cuda and not slow" -rs --durations=8
-        step 50 python3 benchmarks/adamw_step.py --device cuda --layers 12 --repeats 7 --fused
+        step 50 python3 benchmarks/adamw_step.py --device cuda --layers 12 --repeats 7 --fused --host
         step 90 python3 benchmarks/newton_schulz.py --only speed --device cuda --repeats 5
         ;;
     tests)
@@ -126,7 +126,7 @@ case "$part" in
         run python3 benchmarks/muon_step.py --device cuda --sets gpt2 --layers 12 --repeats 5
         ;;
     adamw)
-        run python3 benchmarks/adamw_step.py --device cuda --layers 12 --repeats 7 --fused --compile
+        run python3 benchmarks/adamw_step.py --device cuda --layers 12 --repeats 7 --fused --host --compile
         ;;
     memory)
         run python3 benchmarks/step_memory.py --device cuda --sets llama1b,moe32 --layers 2
