@@ -94,8 +94,7 @@ class FusedAdopt(ForeachLowering):
                 for g, x in zip(gs, n):
                     torch.div(g, x, out=x).clamp_(-c, c)
             torch._foreach_lerp_(ms, n, 1.0 - b1)
-            k.mul_(vs, b2)
-            torch._foreach_addcmul_(vs, gs, gs, value=1.0 - b2)
+            cls._second_moment(k, vs, gs, b2)
             if decouple:
                 cls._decay(k, ps, lr, wd)
             torch._foreach_add_(ps, ms, alpha=-lr)
@@ -111,8 +110,7 @@ class FusedLaProp(ForeachLowering):
     @classmethod
     def _run(cls, k: _Ops, ts, grads, params, bufs, lr, wd, b1, b2, vals) -> None:
         ms, vs = bufs
-        k.mul_(vs, b2)
-        torch._foreach_addcmul_(vs, grads, grads, value=1.0 - b2)
+        cls._second_moment(k, vs, grads, b2)
         eps = k.num(float(vals["eps"]))
         for t, (gs, ps, ms_, vs_, ds) in _by_count(ts, [grads, params, ms, vs, k.scratch(1)[0]]):
             t += 1
@@ -141,8 +139,7 @@ class FusedCautiousAdamW(ForeachLowering):
     def _run(cls, k: _Ops, ts, grads, params, bufs, lr, wd, b1, b2, vals) -> None:
         ms, vs = bufs
         torch._foreach_lerp_(ms, grads, 1.0 - b1)
-        k.mul_(vs, b2)
-        torch._foreach_addcmul_(vs, grads, grads, value=1.0 - b2)
+        cls._second_moment(k, vs, grads, b2)
         eps = k.num(float(vals["eps"]))
         for t, (gs, ps, ms_, vs_, us, ks) in _by_count(ts, [grads, params, ms, vs, *k.scratch(2)]):
             t += 1

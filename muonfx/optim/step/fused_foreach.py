@@ -263,6 +263,12 @@ class ForeachLowering:
         return state._replace(count=advance(state.count), hyperparams=injected, inner_state=new_inner)
 
     @staticmethod
+    def _second_moment(k: _Ops, vs: list[torch.Tensor], gs: list[torch.Tensor], b2: float) -> None:
+        """``v <- b2 * v + (1 - b2) * g * g`` in place, as the chain's two ops (its bits)."""
+        k.mul_(vs, b2)
+        torch._foreach_addcmul_(vs, gs, gs, value=1.0 - b2)
+
+    @staticmethod
     def _decay(k: _Ops, params: list[torch.Tensor], lr: float, wd: float) -> None:
         if wd != 0.0:
             torch._foreach_mul_(params, k.num(1.0 - lr * wd))
