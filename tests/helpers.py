@@ -178,6 +178,25 @@ def seeded_grads(named: list, step: int, skip: int | None = None) -> None:
         p.grad = None if i == skip else g
 
 
+def shared_grads(lists: list, step: int, skip: int | None = None, seed: int = 100, zeros: float = 0.0) -> None:
+    """Give the parameters at one place in each of ``lists`` (lists of ``(name, parameter)``,
+    one per optimizer compared) the same gradient, drawn at seed ``seed + step`` in their
+    dtype, about a fraction ``zeros`` of its entries zero; the ones at place ``skip`` none
+    (they sit the step out)."""
+    gen = torch.Generator().manual_seed(seed + step)
+    for i, ps in enumerate(zip(*lists)):
+        if i == skip:
+            for _, p in ps:
+                p.grad = None
+            continue
+        g = torch.randn(ps[0][1].shape, generator=gen)
+        if zeros:
+            g = g * (torch.rand(g.shape, generator=gen) > zeros)
+        g = g.to(ps[0][1].dtype)
+        for _, p in ps:
+            p.grad = g.clone()
+
+
 def rel_max(a: torch.Tensor, b: torch.Tensor) -> float:
     """``max |a - b| / max |b|`` in float64."""
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()

@@ -10,6 +10,7 @@ import torch
 import muonfx as mfx
 from muonfx.linalg import set_batch_bytes
 from muonfx.optim.step.fused_adam_family import FusedAdopt, FusedCautiousAdamW, FusedLaProp, FusedMarsAdamW
+from helpers import rel_max, shared_grads
 
 SHAPES = [(24, 16), (16,), (6, 4, 5), (), (40, 8)]
 
@@ -38,27 +39,27 @@ TOL = {torch.float32: 5e-6, torch.bfloat16: 5e-2}
 MARS_STATE_TOL = 3e-6
 
 
+#: a share of zeros in every gradient (C-AdamW's mask meets u g = 0)
+ZEROS = 0.1
+
+
 def _named(dtype=torch.float32, shapes=SHAPES, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return [(f"p{i}", torch.nn.Parameter((torch.randn(s, generator=gen) * 0.5).to(dtype)))
             for i, s in enumerate(shapes)]
 
 
-def _grads(lists, step, skip=None):
-    gen = torch.Generator().manual_seed(100 + step)
-    for i, ps in enumerate(zip(*lists)):
-        if i == skip:
-            for _, p in ps:
-                p.grad = None
-            continue
-        g = torch.randn(ps[0][1].shape, generator=gen)
-        g = (g * (torch.rand(g.shape, generator=gen) > 0.1)).to(ps[0][1].dtype)  # some zeros: C-AdamW's u g = 0
-        for _, p in ps:
-            p.grad = g.clone()
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+def _side_by_side(name, a, b, steps, skip=lambda step: None):
+    """The lowered optimizer of ``CASES[name]`` on ``a`` and the chain on ``b``, after
+    ``steps`` steps on the same gradients (none at place ``skip(step)``)."""
+    preset, options, _ = CASES[name]
+    fused = mfx.TransformOptimizer(a, preset, **options)
+    chain = mfx.TransformOptimizer(b, preset, **options, fused=False)
+    for step in range(steps):
+        shared_grads([a, b], step, skip=skip(step), zeros=ZEROS)
+        fused.step()
+        chain.step()
+    return fused, chain
 
 
 def _compare(name, a, b, fused, chain, dtype):
@@ -66,7 +67,7 @@ def _compare(name, a, b, fused, chain, dtype):
     (MARS: its previous gradient bit for bit, its moments within the kernel's rounding;
     ADOPT with its L2 decay: within the parameters' rounding)."""
     for (n, p), (_, q) in zip(a, b):
-        assert _rel(p, q) < TOL[dtype], (n, _rel(p, q))
+        assert rel_max(p, q) < TOL[dtype], (n, rel_max(p, q))
     sa, sb = fused.state_dict()["state"], chain.state_dict()["state"]
     assert sa.keys() == sb.keys()
     for i in sa:
@@ -76,11 +77,11 @@ def _compare(name, a, b, fused, chain, dtype):
                 assert v == sb[i][k], (i, k)
             elif name.startswith("mars") and k.startswith("adam."):
                 if dtype == torch.float32:
-                    assert _rel(v, sb[i][k]) < MARS_STATE_TOL, (i, k, _rel(v, sb[i][k]))
+                    assert rel_max(v, sb[i][k]) < MARS_STATE_TOL, (i, k, rel_max(v, sb[i][k]))
             elif name == "adopt_l2":  # its gradient g + wd W reads the parameters, which round otherwise
-                assert _rel(v, sb[i][k]) < TOL[dtype], (i, k, _rel(v, sb[i][k]))
+                assert rel_max(v, sb[i][k]) < TOL[dtype], (i, k, rel_max(v, sb[i][k]))
             else:
-                assert torch.equal(v, sb[i][k]), (i, k, _rel(v, sb[i][k]))
+                assert torch.equal(v, sb[i][k]), (i, k, rel_max(v, sb[i][k]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -94,7 +95,7 @@ def test_the_lowered_step_is_the_chain(name, dtype):
     chain = mfx.TransformOptimizer(b, preset, **options, fused=False)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=4, gamma=0.5) for o in (fused, chain)]
     for step in range(20):
-        _grads([a, b], step, skip=1 if 5 <= step < 8 else None)
+        shared_grads([a, b], step, skip=1 if 5 <= step < 8 else None, zeros=ZEROS)
         fused.step()
         chain.step()
         for s in scheds:
@@ -103,7 +104,7 @@ def test_the_lowered_step_is_the_chain(name, dtype):
         assert g0.path == "fused" and g0.kernel is kernel and c0.path == "eager", fused.plan
     _compare(name, a, b, fused, chain, dtype)
     assert fused.state_dict()["state"][1]["count"] == 17 and fused.state_dict()["state"][0]["count"] == 20
-    assert _rel(a[0][1], _named(dtype)[0][1]) > 1e-3  # the parameters moved
+    assert rel_max(a[0][1], _named(dtype)[0][1]) > 1e-3  # the parameters moved
 
 
 @pytest.mark.parametrize("name", ["adopt_l2", "laprop", "cautious_adamw", "mars_adamw"])
@@ -112,19 +113,13 @@ def test_in_runs_and_with_mixed_dtypes(name):
     temporaries kept from step to step in buffers of at most the largest run, the state
     not split into pieces); a group of float32 and bfloat16 parameters takes its numbers
     as Python numbers: both the chain's, as above."""
-    preset, options, _ = CASES[name]
     shapes = [(64, 32), (32,), (48, 40), (), (16, 8, 4)]
     a, b = _named(shapes=shapes), _named(shapes=shapes)
     for named in (a, b):
         named[1][1].data = named[1][1].data.bfloat16()
     held = set_batch_bytes(8 << 10, "cpu")
     try:
-        fused = mfx.TransformOptimizer(a, preset, **options)
-        chain = mfx.TransformOptimizer(b, preset, **options, fused=False)
-        for step in range(12):
-            _grads([a, b], step, skip=3 if step == 4 else None)
-            fused.step()
-            chain.step()
+        fused, chain = _side_by_side(name, a, b, 12, skip=lambda step: 3 if step == 4 else None)
     finally:
         set_batch_bytes(held, "cpu")
     g = fused.plan.groups[0]
@@ -135,12 +130,12 @@ def test_in_runs_and_with_mixed_dtypes(name):
     flats = g.memo["flat"]
     assert flats and all(buf.numel() <= largest + 32 * len(shapes) for buf in flats.values())
     kept = {k: buf.data_ptr() for k, buf in flats.items()}
-    _grads([a, b], 12)
+    shared_grads([a, b], 12, zeros=ZEROS)
     fused.step()
     chain.step()
     assert {k: buf.data_ptr() for k, buf in fused.plan.groups[0].memo["flat"].items()} == kept  # reused
     for (n, p), (_, q) in zip(a, b):
-        assert _rel(p, q) < TOL[p.dtype], (n, _rel(p, q))
+        assert rel_max(p, q) < TOL[p.dtype], (n, rel_max(p, q))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -151,7 +146,7 @@ def test_a_checkpoint_moves_between_the_lowered_step_and_the_chain(name):
     a, b = _named(), _named()
     fused = mfx.TransformOptimizer(a, preset, **options)
     for step in range(3):
-        _grads([a, b], step)
+        shared_grads([a, b], step, zeros=ZEROS)
         fused.step()
     for (_, p), (_, q) in zip(a, b):
         q.data.copy_(p.data)
@@ -159,7 +154,7 @@ def test_a_checkpoint_moves_between_the_lowered_step_and_the_chain(name):
     chain.load_state_dict(fused.state_dict())
     chain.param_groups[0]["fused"] = False  # (the saved groups carry the setting)
     for step in range(3, 6):
-        _grads([a, b], step)
+        shared_grads([a, b], step, zeros=ZEROS)
         fused.step()
         chain.step()
     assert fused.plan.groups[0].path == "fused" and chain.plan.groups[0].path == "eager"
@@ -169,7 +164,7 @@ def test_a_checkpoint_moves_between_the_lowered_step_and_the_chain(name):
     for (_, p), (_, q) in zip(a, b):
         p.data.copy_(q.data)
     for step in range(6, 8):
-        _grads([a, b], step)
+        shared_grads([a, b], step, zeros=ZEROS)
         fused.step()
         chain.step()
     assert fused.plan.groups[0].path == "fused"
@@ -200,9 +195,9 @@ def test_what_is_not_lowered_runs_the_chain(name, case, why):
     named = _named()
     opt = mfx.TransformOptimizer(named, getattr(mfx, name), **case)
     before = [p.detach().clone() for _, p in named]
-    _grads([named], 0)
+    shared_grads([named], 0, zeros=ZEROS)
     opt.step()
-    _grads([named], 1)
+    shared_grads([named], 1, zeros=ZEROS)
     opt.step()
     g = opt.plan.groups[0]
     assert g.path == "eager" and g.kernel is None, opt.plan
@@ -217,7 +212,7 @@ def test_a_step_the_kernel_does_not_take_runs_the_chain():
     shape than their parameter, a state of another chain, are refused with the reason."""
     named = _named()
     opt = mfx.TransformOptimizer(named, mfx.laprop)
-    _grads([named], 0)
+    shared_grads([named], 0, zeros=ZEROS)
     opt.step()
     state, keys = opt.transform_state(0), opt.plan.groups[0].keys
     params = [p for _, p in named]
@@ -238,13 +233,13 @@ def test_a_bad_hyperparameter_changes_nothing(name):
     """A bad number set between steps raises the chain's error before anything is written."""
     named = _named()
     opt = mfx.TransformOptimizer(named, getattr(mfx, name))
-    _grads([named], 0)
+    shared_grads([named], 0, zeros=ZEROS)
     opt.step()
     before = [p.detach().clone() for _, p in named], opt.state_dict()["state"]
     for key, bad in (("betas", (0.9, 1.5)), ("lr", -1.0), ("eps", float("nan"))):
         good = opt.param_groups[0][key]
         opt.param_groups[0][key] = bad
-        _grads([named], 1)
+        shared_grads([named], 1, zeros=ZEROS)
         with pytest.raises(ValueError, match=key):
             opt.step()
         opt.param_groups[0][key] = good
@@ -306,13 +301,13 @@ def test_the_path_without_a_scratch_computes_the_same(name, monkeypatch):
     a, b = _named(), _named()
     cpu = mfx.TransformOptimizer(a, preset, **options)
     for step in range(6):
-        _grads([a, b], step, skip=2 if step == 3 else None)
+        shared_grads([a, b], step, skip=2 if step == 3 else None, zeros=ZEROS)
         cpu.step()
     monkeypatch.setattr(fused_foreach, "_scratch", lambda memo, like, n: [None] * n)
     monkeypatch.setattr(fused_foreach._Ops, "num", lambda self, s, inplace=False: s)
     other = mfx.TransformOptimizer(b, preset, **options)
     for step in range(6):
-        _grads([a, b], step, skip=2 if step == 3 else None)
+        shared_grads([a, b], step, skip=2 if step == 3 else None, zeros=ZEROS)
         other.step()
         assert other.plan.groups[0].path == "fused" and "flat" not in other.plan.groups[0].memo
     for (n, p), (_, q) in zip(a, b):
@@ -329,15 +324,9 @@ def test_a_large_parameter_steps_alone_on_the_cpu(name):
     cache), the others together: the chain's step, as above."""
     from muonfx.optim.step.fused_foreach import ALONE_BYTES
 
-    preset, options, _ = CASES[name]
     shapes = [(16, 8), (ALONE_BYTES // 4 // 256 + 1, 256), (32,), ()]
     a, b = _named(shapes=shapes), _named(shapes=shapes)
-    fused = mfx.TransformOptimizer(a, preset, **options)
-    chain = mfx.TransformOptimizer(b, preset, **options, fused=False)
-    for step in range(5):
-        _grads([a, b], step, skip=2 if step == 1 else None)
-        fused.step()
-        chain.step()
+    fused, chain = _side_by_side(name, a, b, 5, skip=lambda step: 2 if step == 1 else None)
     g = fused.plan.groups[0]
     assert g.path == "fused" and sorted(g.memo[("runs", g.keys)]) == [[0, 2, 3], [1]], g.memo.get(("runs", g.keys))
     _compare(name, a, b, fused, chain, torch.float32)

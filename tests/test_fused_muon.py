@@ -10,6 +10,7 @@ import torch
 
 import muonfx as mfx
 from muonfx.linalg import set_batch_bytes
+from helpers import rel_max, shared_grads
 
 # one matrix of each shape: every Newton-Schulz batch holds one matrix, as torch.optim.Muon
 # computes them (the batched products of several same-shape matrices may round otherwise)
@@ -23,6 +24,8 @@ MIXED = [(24, 40), (24, 40), (40, 24), (40, 24), (3, 16, 24), (12, 4, 3, 3)]
 # against W + (-lr (s o + wd W)): a few ulps a step. Measured over 20 steps, AMD EPYC:
 # 9.9e-7 (bf16 Newton-Schulz), 9.5e-7 (float32). Tolerance: ~10x.
 CHAIN_TOL = 1e-5
+#: the gradients' seed base (the tolerances above were measured with it)
+GRAD_SEED = 1000
 
 
 def _params(shapes, seed=0, dtype=torch.float32):
@@ -30,31 +33,15 @@ def _params(shapes, seed=0, dtype=torch.float32):
     return [(f"w{i}", torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype))) for i, s in enumerate(shapes)]
 
 
-def _grads(named_lists, step, skip=None):
-    gen = torch.Generator().manual_seed(1000 + step)
-    for i, ps in enumerate(zip(*named_lists)):
-        if i == skip:
-            for _, p in ps:
-                p.grad = None
-            continue
-        g = torch.randn(ps[0][1].shape, generator=gen).to(ps[0][1].dtype)
-        for _, p in ps:
-            p.grad = g.clone()
-
-
 def _like_the_chain(a, b, fused, chain) -> dict:
     """Assert the lowered optimizer's parameters ``a`` are within CHAIN_TOL of the chain's
     ``b``, its momentum and counts the chain's bit for bit; its state dict's state."""
     sa, sb = fused.state_dict()["state"], chain.state_dict()["state"]
     for i, ((n, p), (_, q)) in enumerate(zip(a, b)):
-        assert rel_err(p, q) < CHAIN_TOL, (n, rel_err(p, q))
+        assert rel_max(p, q) < CHAIN_TOL, (n, rel_max(p, q))
         assert torch.equal(sa[i]["momentum.mu"], sb[i]["momentum.mu"]), n
         assert sa[i]["count"] == sb[i]["count"], n
     return sa
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
@@ -69,16 +56,16 @@ def test_fused_muon_is_torch_optim_muon_bit_for_bit(nesterov, adjust_lr):
     tor = torch.optim.Muon(ref, lr=0.02, momentum=0.95, nesterov=nesterov, weight_decay=0.1, adjust_lr_fn=adjust_lr)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5) for o in (opt, tor)]
     for step in range(20):
-        _grads([named, [(n, q) for (n, _), q in zip(named, ref)]], step)
+        shared_grads([named, [(n, q) for (n, _), q in zip(named, ref)]], step, seed=GRAD_SEED)
         opt.step()
         tor.step()
         for s in scheds:
             s.step()
         assert opt.plan.groups[0].path == "fused", opt.plan
     for (n, p), q in zip(named, ref):
-        assert torch.equal(p, q), (n, rel_err(p, q))
+        assert torch.equal(p, q), (n, rel_max(p, q))
         assert torch.equal(opt.state[p]["momentum.mu"], tor.state[q]["momentum_buffer"]), n
-        assert rel_err(p, _params(UNIQUE)[int(n[1:])][1]) > 1e-2  # the parameters moved
+        assert rel_max(p, _params(UNIQUE)[int(n[1:])][1]) > 1e-2  # the parameters moved
 
 
 @pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -101,7 +88,7 @@ def test_fused_muon_equals_the_chain(ns_dtype, budget):
                     o.param_groups[0]["weight_decay"] = 0.05
                 if step == 15:
                     o.param_groups[0]["ns_steps"] = 4  # read as a value by the lowering
-            _grads([a, b], step, skip=2 if 6 <= step < 9 else None)
+            shared_grads([a, b], step, skip=2 if 6 <= step < 9 else None, seed=GRAD_SEED)
             fused.step()
             chain.step()
             for s in scheds:
@@ -130,7 +117,7 @@ def test_fused_muon_in_cut_batches_equals_the_chain(nesterov):
         chain = mfx.TransformOptimizer(b, mfx.muon, lr=0.02, weight_decay=0.1, nesterov=nesterov,
                                        ns_dtype=torch.bfloat16, fused=False)
         for step in range(8):
-            _grads([a, b], step)
+            shared_grads([a, b], step, seed=GRAD_SEED)
             fused.step()
             chain.step()
         assert fused.plan.groups[0].path == "fused" and fused.plan.groups[0].pieces is not None
@@ -152,7 +139,7 @@ def test_the_kept_nesterov_buffer_changes_no_bit_and_holds_one_batch(monkeypatch
         kept = mfx.TransformOptimizer(a, mfx.muon, lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)
         fresh = mfx.TransformOptimizer(b, mfx.muon, lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16)
         for step in range(4):
-            _grads([a, b], step)
+            shared_grads([a, b], step, seed=GRAD_SEED)
             kept.step()
             with monkeypatch.context() as m:
                 m.setattr(fused_muon, "_scratch", lambda memo, like: None)
@@ -173,18 +160,18 @@ def test_fused_muon_state_round_trips_with_the_chain():
     a, b = _params(MIXED), _params(MIXED)
     fused = mfx.TransformOptimizer(a, mfx.muon, lr=0.02, weight_decay=0.1)
     for step in range(3):
-        _grads([a, b], step)
+        shared_grads([a, b], step, seed=GRAD_SEED)
         fused.step()
     chain = mfx.TransformOptimizer(b, mfx.muon, lr=0.02, weight_decay=0.1, fused=False)
     for (_, p), (_, q) in zip(a, b):
         q.data.copy_(p.data)
     chain.load_state_dict(fused.state_dict())
     for step in range(3, 6):
-        _grads([a, b], step)
+        shared_grads([a, b], step, seed=GRAD_SEED)
         fused.step()
         chain.step()
     for (n, p), (_, q) in zip(a, b):
-        assert rel_err(p, q) < CHAIN_TOL, n
+        assert rel_max(p, q) < CHAIN_TOL, n
 
 
 @pytest.mark.parametrize("case,why", [
@@ -195,7 +182,7 @@ def test_fused_muon_state_round_trips_with_the_chain():
 def test_what_is_not_lowered_runs_the_chain(case, why):
     named = _params(UNIQUE)
     opt = mfx.TransformOptimizer(named, mfx.muon, lr=case.pop("lr", 0.02), **case)
-    _grads([named], 0)
+    shared_grads([named], 0, seed=GRAD_SEED)
     opt.step()
     g = opt.plan.groups[0]
     assert g.path == "eager" and g.kernel is None, opt.plan
@@ -225,12 +212,12 @@ def test_bad_hyperparameter_changes_nothing():
     """A bad number set between steps raises Muon's own error before anything is written."""
     named = _params(UNIQUE)
     opt = mfx.TransformOptimizer(named, mfx.muon, lr=0.02)
-    _grads([named], 0)
+    shared_grads([named], 0, seed=GRAD_SEED)
     opt.step()
     before = [p.detach().clone() for _, p in named]
     mu = [opt.state[p]["momentum.mu"].clone() for _, p in named]
     opt.param_groups[0]["momentum"] = 1.5
-    _grads([named], 1)
+    shared_grads([named], 1, seed=GRAD_SEED)
     with pytest.raises(ValueError, match="momentum"):
         opt.step()
     for (_, p), b, m in zip(named, before, mu):
@@ -265,4 +252,4 @@ def test_fsdp_muon_optimizer_on_plain_tensors_is_lowered_without_row_norm_or_acc
     muon = next(g for g in a.plan.groups if any(k[-1] == "weight" for k in g.keys))
     assert (muon.path == "fused") == lowered, a.plan
     for (n, p), q in zip(m1.named_parameters(), m2.parameters()):
-        assert rel_err(p, q) < CHAIN_TOL, n
+        assert rel_max(p, q) < CHAIN_TOL, n
