@@ -194,7 +194,7 @@ def shared_grads(lists: list, step: int, skip: int | None = None, seed: int = 10
             g = g * (torch.rand(g.shape, generator=gen) > zeros)
         g = g.to(ps[0][1].dtype)
         for _, p in ps:
-            p.grad = g.clone()
+            p.grad = g.to(p.device, copy=True)
 
 
 def rel_max(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -26,17 +26,27 @@ CASES = {
 }
 
 # The lowered step against the chain, 20 steps under an lr scheduler with a parameter
-# without a gradient for three steps, max |p_lowered - p_chain| / max |p_chain|. The
-# moments are the chain's bit for bit (asserted; MARS's are torch's fused AdamW kernel's),
-# so what differs is the parameter update's rounding: torch.optim's W (1 - lr wd) - lr d
-# against the chain's W + (-lr (d + wd W)), and for MARS the fused kernel's arithmetic.
+# without a gradient for three steps, max |p_lowered - p_chain| / max |p_chain|. What
+# differs is rounding: the parameter update is torch.optim's W (1 - lr wd) - lr d against
+# the chain's W + (-lr (d + wd W)); the moments a fused kernel writes are its arithmetic
+# (MARS's and LaProp's torch._fused_adamw_, ADOPT's momentum torch._fused_sgd_), the
+# others the chain's bit for bit (asserted).
 # Measured (AMD EPYC, torch 2.13, over two sets of gradients): float32 at most 7.0e-7;
-# bfloat16 2.9e-3 (a bf16 ulp of the largest parameter), up to 1.4e-2 with ADOPT's
+# bfloat16 2.9e-3 (a bf16 ulp of the largest parameter), up to 2.6e-2 with ADOPT's
 # decoupled decay (torch's form rounds the bf16 parameter twice a step, the chain's once).
-# Tolerances ~7x and ~3.5x.
-TOL = {torch.float32: 5e-6, torch.bfloat16: 5e-2}
-# MARS's moments from the fused kernel against the chain's: float32 at most 3.3e-7 (measured)
-MARS_STATE_TOL = 3e-6
+# Tolerances ~7x and ~3x.
+TOL = {torch.float32: 5e-6, torch.bfloat16: 8e-2}
+# the moments from a fused kernel against the chain's (measured): float32 at most 3.1e-7;
+# bfloat16 3.1e-2 (LaProp's momentum: the kernel rounds once in float32, the chain's ops
+# each to bfloat16)
+KERNEL_STATE_TOL = {torch.float32: 3e-6, torch.bfloat16: 0.15}
+# ADOPT's moments with its L2 decay (g + wd W reads the parameters, which round otherwise;
+# the momentum is divided by sqrt(v)): float32 at most 2.5e-5, on the 0-D parameter;
+# bfloat16 3.9e-3 (measured)
+L2_STATE_TOL = {torch.float32: 2e-4, torch.bfloat16: 5e-2}
+#: the state entries each case's kernels write (prefixes), compared within KERNEL_STATE_TOL
+KERNEL_STATE = {"adopt": ("adopt.mu",), "adopt_decoupled": ("adopt.mu",), "laprop": ("laprop.",),
+                "mars_adamw": ("adam.",), "mars_adamw_unclipped": ("adam.",)}
 
 
 #: a share of zeros in every gradient (C-AdamW's mask meets u g = 0)
@@ -62,10 +72,11 @@ def _side_by_side(name, a, b, steps, skip=lambda step: None):
     return fused, chain
 
 
-def _compare(name, a, b, fused, chain, dtype):
+def _compare(name, a, b, fused, chain, dtype, exact=True):
     """The parameters within the tolerance, the counts equal, the moments bit for bit
-    (MARS: its previous gradient bit for bit, its moments within the kernel's rounding;
-    ADOPT with its L2 decay: within the parameters' rounding)."""
+    where the chain's ops write them (those of a fused kernel within its rounding, see
+    KERNEL_STATE; ADOPT with its L2 decay: within the parameters' rounding; every moment
+    within KERNEL_STATE_TOL where not ``exact``)."""
     for (n, p), (_, q) in zip(a, b):
         assert rel_max(p, q) < TOL[dtype], (n, rel_max(p, q))
     sa, sb = fused.state_dict()["state"], chain.state_dict()["state"]
@@ -75,11 +86,10 @@ def _compare(name, a, b, fused, chain, dtype):
         for k, v in sa[i].items():
             if not isinstance(v, torch.Tensor):
                 assert v == sb[i][k], (i, k)
-            elif name.startswith("mars") and k.startswith("adam."):
-                if dtype == torch.float32:
-                    assert rel_max(v, sb[i][k]) < MARS_STATE_TOL, (i, k, rel_max(v, sb[i][k]))
+            elif k.startswith(KERNEL_STATE.get(name, ())) or not exact and name != "adopt_l2":
+                assert rel_max(v, sb[i][k]) < KERNEL_STATE_TOL[dtype], (i, k, rel_max(v, sb[i][k]))
             elif name == "adopt_l2":  # its gradient g + wd W reads the parameters, which round otherwise
-                assert rel_max(v, sb[i][k]) < TOL[dtype], (i, k, rel_max(v, sb[i][k]))
+                assert rel_max(v, sb[i][k]) < L2_STATE_TOL[dtype], (i, k, rel_max(v, sb[i][k]))
             else:
                 assert torch.equal(v, sb[i][k]), (i, k, rel_max(v, sb[i][k]))
 
@@ -105,6 +115,22 @@ def test_the_lowered_step_is_the_chain(name, dtype):
     _compare(name, a, b, fused, chain, dtype)
     assert fused.state_dict()["state"][1]["count"] == 17 and fused.state_dict()["state"][0]["count"] == 20
     assert rel_max(a[0][1], _named(dtype)[0][1]) > 1e-3  # the parameters moved
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_lowered_step_is_the_chain_on_cuda(name):
+    """On a GPU (temporaries from the allocator, numbers as Python numbers, CUDA's fused
+    kernels): 20 steps with a parameter sitting three out, the lowered step within the
+    CPU's float32 tolerances of the chain on the same GPU (the moments too: CUDA's foreach
+    and pointwise kernels need not round alike)."""
+    preset, options, kernel = CASES[name]
+    a, b = ([(n, torch.nn.Parameter(p.detach().cuda())) for n, p in _named()] for _ in range(2))
+    fused, chain = _side_by_side(name, a, b, 20, skip=lambda step: 1 if 5 <= step < 8 else None)
+    g = fused.plan.groups[0]
+    assert g.path == "fused" and g.kernel is kernel and chain.plan.groups[0].path == "eager", fused.plan
+    assert "flat" not in g.memo  # no kept temporaries off the CPU
+    _compare(name, a, b, fused, chain, torch.float32, exact=False)
 
 
 @pytest.mark.parametrize("name", ["adopt_l2", "laprop", "cautious_adamw", "mars_adamw"])
@@ -172,7 +198,7 @@ def test_a_checkpoint_moves_between_the_lowered_step_and_the_chain(name):
 
 
 @pytest.mark.parametrize("name,kernel_name", [
-    ("adopt", "ADOPT's links in foreach passes"), ("laprop", "LaProp's links in foreach passes"),
+    ("adopt", "ADOPT's links in foreach passes and torch._fused_sgd_"), ("laprop", "LaProp's moments in torch._fused_adamw_, then foreach passes"),
     ("cautious_adamw", "C-AdamW's links in foreach passes"),
     ("mars_adamw", "MARS's correction in foreach passes, then torch._fused_adamw_"),
 ])

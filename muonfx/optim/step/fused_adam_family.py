@@ -5,14 +5,17 @@ A group built with :func:`muonfx.adopt`, :func:`muonfx.laprop`,
 :func:`muonfx.cautious_adamw` or :func:`muonfx.mars_adamw` (``TransformOptimizer(params,
 mfx.adopt)``, ``{"tx": mfx.laprop}`` in a param group) with plain numbers for its
 hyperparameters, on plain tensors (not DTensor shards) of the CPU or a GPU, runs its
-links as in-place ``torch._foreach_*`` passes on the group's own state buffers, in the
-chain's state layout (checkpoints move between the two). Per count ``t`` (each
-parameter's own, as the chain), ``d`` the preset's direction::
+links in place on the group's own state buffers, in ``torch._foreach_*`` passes and
+torch's fused kernels, in the chain's state layout (checkpoints move between the two).
+Per count ``t`` (each parameter's own, as the chain), ``d`` the preset's direction::
 
     ADOPT    t = 0: v <- g * g                                   (no step)
-             t > 0: n = clamp(g / max(sqrt(v), eps), +-t^(1/4));  m <- lerp(m, n, 1 - b1)
-                    v <- b2 * v + (1 - b2) * g * g;  d = m      (decouple=False: g + wd * W for g)
-    LaProp   v <- b2 * v + (1 - b2) * g * g;  m <- b1 * m + (1 - b1) * g / (sqrt(v / bc2) + eps)
+             t > 0: n = clamp(g / max(sqrt(v), eps), +-t^(1/4))
+                    m <- b1 * m + (1 - b1) * n;  W <- W - lr * m (torch._fused_sgd_ with dampening b1,
+                                                                  after the decay; 16-bit: lerp_, add_)
+                    v <- b2 * v + (1 - b2) * g * g              (decouple=False: g + wd * W for g)
+    LaProp   m, v <- torch._fused_adamw_(m, g, 0, v; lr=-(1 - b1), beta1=0, b2, wd=-1, eps):
+                    v <- b2 * v + (1 - b2) * g * g;  m <- b1 * m + (1 - b1) * g / (sqrt(v) / sqrt(bc2) + eps)
              d = m / bc1
     C-AdamW  m <- lerp(m, g, 1 - b1);  v <- b2 * v + (1 - b2) * g * g
              u = (sqrt(bc2) / bc1) * m / (sqrt(v) + eps);  d = u * [u g > 0] * n / (sum [u g > 0] + 1)
@@ -20,18 +23,28 @@ parameter's own, as the chain), ``d`` the preset's direction::
     MARS     c = g + gamma * b1 / (1 - b1) * (g - g_prev), clipped to norm max_norm (in g_prev's buffer)
              torch._fused_adamw_ on c;  g_prev <- g
 
-The moments and MARS's ``g_prev`` are the chain's bit for bit, in every dtype, from the
-same parameters (ADOPT's ``decouple=False`` decay reads them): the same ops on the same
-values, written in place; so are ADOPT's ``n``, C-AdamW's ``u`` and mask and MARS's
-``c``. The parameter update is written as torch.optim's (``W * (1 - lr wd)``, then one
-``add_`` of ``-lr * d``; MARS: the fused AdamW kernel's update and moments), which rounds
-differently from the chain's ``W + (-lr * (d + wd * W))``: a few float32
-ulps of the update (``tests/test_fused_catalogue.py`` measures it). Nothing in the step
-can fail once ``ready`` (the tensors) and ``check`` (the hyperparameters, by the chain's
-rules) have passed, so an error stops it before anything is written. A group over the
-plan's batch budget steps in runs of at most that many bytes, each with its temporaries
-(the bound of the chain's pieces, without splitting the state); on the CPU a parameter
-of 512 KiB or more runs alone (its tensors stay in the cache), and a group keeps its
+LaProp's moments come from torch's fused AdamW kernel with its momentum as the kernel's
+parameter: a first moment of ``beta1 = 0`` is the gradient itself (its buffer, a zeroed
+temporary), the kernel's decay factor ``1 - lr * wd`` with ``lr = -(1 - b1)`` and ``wd =
+-1`` is ``b1``, and its update ``- lr * g / denom`` adds ``(1 - b1) * g / denom``: LaProp's
+momentum in one pass where the chain makes five (its ``sqrt(v / bc2)`` is the kernel's
+``sqrt(v) / sqrt(bc2)``). ADOPT's momentum and parameter update of float32 and float64
+take torch's fused SGD kernel (``m <- b1 m + (1 - b1) n``, then ``W <- W - lr m``: one
+pass for the chain's ``lerp_`` and ``add_``); on the CPU its momentum of 16-bit dtypes
+comes out wrong (torch 2.13, measured), so those keep the two passes. The values these
+kernels write are the chain's within their rounding (float32: under 3.1e-7 of the
+largest moment over 20 steps, measured); the other moments, MARS's ``g_prev``, ADOPT's
+``n``, C-AdamW's ``u`` and mask and MARS's ``c`` are the chain's bit for bit, in every
+dtype, from the same parameters: the same ops on the same values, written in place. The
+parameter update is written as torch.optim's (``W * (1 - lr wd)``, then one ``add_`` of
+``-lr * d``; MARS: the fused AdamW kernel's update and moments), which rounds
+differently from the chain's ``W + (-lr * (d + wd * W))``: a few float32 ulps of the
+update (``tests/test_fused_catalogue.py`` measures it). Nothing in the step can fail
+once ``ready`` (the tensors) and ``check`` (the hyperparameters, by the chain's rules)
+have passed, so an error stops it before anything is written. A group over the plan's
+batch budget steps in runs of at most that many bytes, each with its temporaries (the
+bound of the chain's pieces, without splitting the state); on the CPU a parameter of 512
+KiB or more runs alone (its tensors stay in the cache), and a group keeps its
 temporaries between steps (one or two buffers the size of its largest run:
 :func:`.fused_foreach._scratch`).
 
@@ -52,16 +65,22 @@ from ...transforms.adopt import ScaleByAdoptState
 from ...transforms.cautious import _totals
 from ...transforms.laprop import ScaleByLapropState
 from ...transforms.mars import MarsCorrectionState
-from .fused import _groups, register
-from .fused_foreach import ForeachLowering, _by_count, _Ops
+from .fused import register
+from .fused_foreach import ForeachLowering, _by_count, _by_kind, _Ops, _step_numbers
+
+#: the dtypes whose momentum torch's fused SGD kernel computes right on every device (on
+#: the CPU, torch 2.13, its momentum buffer of float16 and bfloat16 comes out wrong: off
+#: by the buffer's own size, measured)
+_SGD_DTYPES = (torch.float32, torch.float64)
 
 __all__ = ["FusedAdopt", "FusedLaProp", "FusedCautiousAdamW", "FusedMarsAdamW"]
 
 
 class FusedAdopt(ForeachLowering):
-    """:func:`muonfx.adopt`'s chain (both decay placements) in foreach passes."""
+    """:func:`muonfx.adopt`'s chain (both decay placements) in foreach passes, its momentum and
+    parameter update (float32, float64) in torch's fused SGD kernel."""
 
-    name = "ADOPT's links in foreach passes"
+    name = "ADOPT's links in foreach passes and torch._fused_sgd_"
     link, kind = "adopt", ScaleByAdoptState
     orders = (("weight_decay", "adopt", "lr"), ("adopt", "weight_decay", "lr"))  # decouple False, True
 
@@ -93,39 +112,45 @@ class FusedAdopt(ForeachLowering):
                     torch.sqrt(v, out=x).clamp_min_(eps)
                 for g, x in zip(gs, n):
                     torch.div(g, x, out=x).clamp_(-c, c)
-            torch._foreach_lerp_(ms, n, 1.0 - b1)
-            cls._second_moment(k, vs, gs, b2)
             if decouple:
                 cls._decay(k, ps, lr, wd)
-            torch._foreach_add_(ps, ms, alpha=-lr)
+            for ps_, n_, ms_ in _by_kind([ps, n, ms]):  # m <- b1 m + (1 - b1) n;  W <- W - lr m
+                if ps_[0].dtype in _SGD_DTYPES:
+                    torch._fused_sgd_(ps_, n_, ms_, weight_decay=0.0, momentum=b1, lr=lr, dampening=b1,
+                                      nesterov=False, maximize=False, is_first_step=False, grad_scale=None,
+                                      found_inf=None)
+                else:
+                    torch._foreach_lerp_(ms_, n_, 1.0 - b1)
+                    torch._foreach_add_(ps_, ms_, alpha=-lr)
+            cls._second_moment(k, vs, gs, b2)
 
 
 class FusedLaProp(ForeachLowering):
-    """:func:`muonfx.laprop`'s chain in foreach passes."""
+    """:func:`muonfx.laprop`'s chain: its moments in ``torch._fused_adamw_`` (the momentum
+    as the kernel's parameter), then the parameters in foreach passes."""
 
-    name = "LaProp's links in foreach passes"
+    name = "LaProp's moments in torch._fused_adamw_, then foreach passes"
     link, kind = "laprop", ScaleByLapropState
     orders = (("laprop", "weight_decay", "lr"),)
 
     @classmethod
     def _run(cls, k: _Ops, ts, grads, params, bufs, lr, wd, b1, b2, vals) -> None:
         ms, vs = bufs
-        cls._second_moment(k, vs, grads, b2)
-        eps = k.num(float(vals["eps"]))
-        for t, (gs, ps, ms_, vs_, ds) in _by_count(ts, [grads, params, ms, vs, k.scratch(1)[0]]):
-            t += 1
-            if ds is None:
-                den = torch._foreach_div(vs_, 1.0 - b2**t)
-                torch._foreach_sqrt_(den)
-                torch._foreach_add_(den, eps)
-            else:  # each tensor's next op on it while it is in cache
-                den, bc2 = ds, k.num(1.0 - b2**t)
-                for v, x in zip(vs_, den):
-                    torch.div(v, bc2, out=x).sqrt_().add_(eps)
-            k.mul_(ms_, b1)
-            torch._foreach_addcdiv_(ms_, gs, den, value=1.0 - b1)
-            cls._decay(k, ps, lr, wd)
-            torch._foreach_add_(ps, ms_, alpha=-lr / (1.0 - b1**t))
+        # the kernel's first moment with beta1 = 0 is g itself (a lerp of weight 1 from
+        # zeros: what it held must be finite); its decay (1 - lr wd) with lr = -(1 - b1)
+        # and wd = -1 is b1: m <- b1 m + (1 - b1) g / (sqrt(v) / sqrt(bc2) + eps)
+        es = k.scratch(1)[0]
+        if es is None:
+            es = torch._foreach_mul(grads, 0.0)
+        else:
+            torch._foreach_zero_(es)
+        for ms_, gs, es_, vs_, steps in _by_kind([ms, grads, es, vs, _step_numbers(ts, params)]):
+            torch._fused_adamw_(ms_, gs, es_, vs_, [], steps, amsgrad=False, lr=-(1.0 - b1), beta1=0.0, beta2=b2,
+                                weight_decay=-1.0, eps=float(vals["eps"]), maximize=False, grad_scale=None,
+                                found_inf=None)
+        cls._decay(k, params, lr, wd)
+        for t, (ps, ms_) in _by_count(ts, [params, ms]):
+            torch._foreach_add_(ps, ms_, alpha=-lr / (1.0 - b1 ** (t + 1)))
 
 
 class FusedCautiousAdamW(ForeachLowering):
@@ -198,21 +223,10 @@ class FusedMarsAdamW(ForeachLowering):
                     factor = torch.stack(sums).sqrt_().div_(float(max_norm)).clamp_min_(1.0).unbind() \
                         if k.cpu is not None else [torch.sqrt_(x).div_(float(max_norm)).clamp_min_(1.0) for x in sums]
                 torch._foreach_div_(cs, factor)
-        step_of: dict = {}
-        steps: list = [None] * len(params)
-        for t, pos in ts:
-            for j in pos:
-                dev = params[j].device
-                s = step_of.get((t, dev))
-                if s is None:
-                    s = step_of[(t, dev)] = torch.full((), float(t + 1), dtype=torch.float32, device=dev)
-                steps[j] = s
-        parts = _groups(params)
-        for idx in parts.values():
-            pick = (lambda xs: xs) if len(parts) == 1 else (lambda xs: [xs[i] for i in idx])  # noqa: E731
-            torch._fused_adamw_(pick(params), pick(cs), pick(ms), pick(vs), [], pick(steps), amsgrad=False, lr=lr,
-                                beta1=b1, beta2=b2, weight_decay=wd, eps=float(vals["eps"]), maximize=False,
-                                grad_scale=None, found_inf=None)
+        for ps, cs_, ms_, vs_, steps in _by_kind([params, cs, ms, vs, _step_numbers(ts, params)]):
+            torch._fused_adamw_(ps, cs_, ms_, vs_, [], steps, amsgrad=False, lr=lr, beta1=b1, beta2=b2,
+                                weight_decay=wd, eps=float(vals["eps"]), maximize=False, grad_scale=None,
+                                found_inf=None)
         torch._foreach_copy_(prev, grads)  # g_prev <- g
 
 
