@@ -253,3 +253,22 @@ def test_fsdp_muon_optimizer_on_plain_tensors_is_lowered_without_row_norm_or_acc
     assert (muon.path == "fused") == lowered, a.plan
     for (n, p), q in zip(m1.named_parameters(), m2.parameters()):
         assert rel_max(p, q) < CHAIN_TOL, n
+
+
+def test_a_tall_matrix_output_comes_back_in_rows_on_the_cpu():
+    """Muon's lowering hands the parameter update a tall matrix's Newton-Schulz output
+    laid out in rows (one matrix a batch: copied while in the cache), the same values as
+    the transposed view the iteration leaves; a batch of several stays as it is."""
+    from muonfx.optim.step.fused_muon import _InRows
+    from muonfx.transforms.orthogonalize import NSRule
+
+    gen = torch.Generator().manual_seed(0)
+    one, many = torch.randn(1, 96, 64, generator=gen), torch.randn(3, 96, 64, generator=gen)
+    fn = NSRule(dtype=torch.bfloat16).matrix_fn([one], 1e-7, polar=True)
+    rows = _InRows(fn)
+    plain = fn(one)
+    assert not plain.is_contiguous() and plain.mT.is_contiguous()  # the iteration's transposed view
+    got = rows(one)
+    assert got.is_contiguous() and got.dtype == plain.dtype and torch.equal(got, plain)
+    assert not rows(many).is_contiguous() and torch.equal(rows(many), fn(many))
+    assert rows.compute_dtype is fn.compute_dtype and rows.batch_limit == fn.batch_limit

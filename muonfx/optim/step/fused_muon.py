@@ -21,9 +21,9 @@ the CPU, whose allocator caches nothing: the operating system hands it out page 
 (before this, 56,000 page faults a step on two MoE layers, 8-10 % of the step; 18,000-
 30,000 on two GPT-2-small layers).
 
-On the CPU a tall matrix's output (computed wide, so a transposed view) is copied into
-rows while it is in the cache, matrix by matrix (torch's blocked transposing copy; the
-same bits): the parameter update then reads it in order, where an addition that reads
+On the CPU a large tall matrix's output (computed wide, so a transposed view; one matrix
+a batch) is copied into rows while it is in the cache (torch's blocked transposing copy;
+the same bits): the parameter update then reads it in order, where an addition that reads
 the transposed view gathers it element by element (1.0-1.3 % of the step on two MoE or
 GPT-2-small layers, one thread, measured).
 
@@ -109,8 +109,9 @@ def _scratch(memo: dict | None, like: list[torch.Tensor]) -> torch.Tensor | None
 
 
 class _InRows:
-    """A matrix function whose transposed results (tall matrices' polar factors, computed
-    wide) come back laid out in rows, copied while they are in the cache (the same bits).
+    """A matrix function whose transposed result for one matrix (a large tall matrix's
+    polar factor, computed wide; the CPU's Newton-Schulz takes large matrices one at a
+    time) comes back laid out in rows, copied while it is in the cache (the same bits).
 
     On the CPU an addition that reads a transposed bfloat16 operand gathers it element by
     element: 0.87 ms for a 1024 x 512 matrix against 0.22 ms for torch's blocked copy of
@@ -124,11 +125,10 @@ class _InRows:
 
     def __call__(self, g: torch.Tensor) -> torch.Tensor:
         o = self.fn(g)
-        if o.device.type != "cpu" or o.is_contiguous() or not o.mT.is_contiguous():
-            return o
+        if o.device.type != "cpu" or o.shape[0] != 1 or o.is_contiguous() or not o.mT.is_contiguous():
+            return o  # a batch of several (small matrices: its Python calls would cost more) as it is
         out = torch.empty(o.shape, dtype=o.dtype)
-        for x, y in zip(out.view(-1, *o.shape[-2:]), o.reshape(-1, *o.shape[-2:])):
-            x.copy_(y)  # matrix by matrix: torch's blocked transposing copy takes 2-D tensors only
+        out[0].copy_(o[0])  # 2-D: torch's blocked transposing copy takes 2-D tensors only
         return out
 
 
