@@ -204,9 +204,13 @@ class FusedMuon:
         beta, nesterov = vals["momentum"], vals.get("nesterov", True)
         ms = _leaves(state.inner_state["momentum"].mu, keys)
         settings = extra.get(EXTRA_ARG)
-        run = _InRows(_ns_rule(vals).matrix_fn(grads, float(vals["eps"]), settings, polar=True))
+        run = _ns_rule(vals).matrix_fn(grads, float(vals["eps"]), settings, polar=True)
         factors = shape_factors(vals.get("adjust_lr") or "original", list(keys), params)
         m3, g3 = as_stacks(list(keys), ms, "muon"), as_stacks(list(keys), grads, "muon")
+        for s in g3:  # a tall matrix on the CPU: its output comes back in rows (_InRows)
+            if s.shape[-2] > s.shape[-1] and s.device.type == "cpu":
+                run = _InRows(run)
+                break
 
         def inputs(batch: list) -> list[torch.Tensor]:
             # the Nesterov momentum of one batch's matrices, made when the batch runs: the
