@@ -16,7 +16,7 @@
 # measured, Triton is off unless asked for, and values are drawn on the GPU. Nothing is
 # compiled unless asked (the default path is eager, AdamW groups in torch's fused kernel),
 # so no step of `all` waits for a compiler. The CUDA test
-# step runs the GPU-marked tests of tests/test_cuda.py without the slow compile sweeps
+# step runs the GPU-marked tests of tests/test_cuda.py and tests/test_fused_catalogue.py without the slow compile sweeps
 # (`-m "cuda and not slow"`); the Triton-interpreter tests (tests/test_triton_ns.py) run
 # in the CPU suite, and with everything else in the `tests` part.
 #
@@ -96,13 +96,13 @@ case "$part" in
         # time to the first step: the hybrid optimizer against torch.optim.Muon + AdamW(fused=True)
         step 60 python3 benchmarks/first_step.py --device cuda --sets gpt2,moe
         # whether the CUDA paths compute what they should (GPU-marked tests, no compile sweeps)
-        step 110 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -m "cuda and not slow" -rs --durations=8
+        step 110 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_fused_catalogue.py -m "cuda and not slow" -rs --durations=8
         step 50 python3 benchmarks/adamw_step.py --device cuda --layers 12 --repeats 7 --fused --host
         step 90 python3 benchmarks/newton_schulz.py --only speed --device cuda --repeats 5
         ;;
     tests)
         run python3 -m muonfx info
-        run python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_cuda.py tests/test_triton_ns.py -rs -s
+        run python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_cuda.py tests/test_fused_catalogue.py tests/test_triton_ns.py -rs -s
         # the GPU machine's torch (2.11) specialises float hyperparameters: the compiled
         # step's schedule handling, on its own version
         run python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/test_compile.py
