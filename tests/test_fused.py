@@ -266,3 +266,36 @@ def test_gradients_of_other_strides_than_their_parameters_run_the_chain():
         opt.step()
         ref.step()
     assert torch.equal(a, b)
+
+
+def test_the_fused_step_issues_torchs_device_ops_and_reads_no_value_back():
+    """What a GPU's host waits for, checked on the CPU: a fused AdamW step (two step counts
+    in the group, after a step without one gradient) issues the operators torch's fused
+    AdamW issues (an op making each count's step number, the kernel) and reads no tensor's value
+    back to the host (``aten._local_scalar_dense``, a device sync on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 4, generator=gen)) for _ in range(6)]
+    opt = mfx.TransformOptimizer(params, mfx.adamw, lr=1e-3, weight_decay=0.01)
+    for step in range(3):
+        for i, p in enumerate(params):
+            p.grad = None if step == 1 and i == 2 else torch.randn(8, 4, generator=gen)
+        opt.step()
+    for p in params:
+        p.grad = torch.randn(8, 4, generator=gen)
+    with Ops() as ops:
+        opt.step()
+    assert opt.plan.groups[0].path == "fused", opt.plan
+    device_ops = [n for n in ops.seen if not n.startswith("_record_function")]
+    assert sorted(device_ops) == ["_fused_adamw_", "full", "full"], ops.seen  # a step number per count
+    assert "_local_scalar_dense" not in ops.seen
