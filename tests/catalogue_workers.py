@@ -15,23 +15,27 @@ from fsdp_workers import Net, full_params, lm_batches, rel_errors, shard_net, tr
 
 #: preset -> hyperparameters: cautious_adamw and mars_adamw (gamma large enough that the
 #: norm clip acts) sum over whole parameters through the seam; lion is purely elementwise;
-#: schedule_free_adamw swaps the weights on eval()
+#: schedule_free_adamw swaps the weights on eval(); adopt and laprop run the plan's
+#: lowerings on the local shards (elementwise)
 PRESETS = {
     "lion": (mfx.lion, dict(lr=3e-3, weight_decay=0.1)),
     "cautious_adamw": (mfx.cautious_adamw, dict(lr=3e-3, weight_decay=0.01)),
     "mars_adamw": (mfx.mars_adamw, dict(lr=3e-3, weight_decay=0.01, gamma=0.5)),
     "schedule_free_adamw": (mfx.schedule_free_adamw, dict(lr=3e-3, warmup_steps=2)),
+    "adopt": (mfx.adopt, dict(lr=3e-3, weight_decay=0.01)),
+    "laprop": (mfx.laprop, dict(lr=3e-3, weight_decay=0.01)),
 }
 
 
 def task_presets(rank: int, world: int, steps: int = 6, rows_per_rank: int = 4) -> dict:
     batches = lm_batches(steps, rows_per_rank * world)
-    out: dict = {}
+    out: dict = {"paths": {}}
     for name, (preset, hp) in PRESETS.items():
         torch.manual_seed(0)
         model = shard_net(Net())
         opt = mfx.TransformOptimizer(model.named_parameters(), preset, **hp)
         train_lm(model, opt, batches, rank, world)
+        out["paths"][name] = {g.path for g in opt.plan.groups}
         opt.eval()
         got = full_params(model)
         if rank == 0:

@@ -1,7 +1,8 @@
 """The catalogue's presets under FSDP2 (2 gloo ranks), and SOAP and Dion2 on FSDP2, HSDP and
 FSDP2 + TP (4 gloo ranks), equal one process.
 
-``lion`` runs on the local shards as they are; ``cautious_adamw``'s mask count and
+``lion`` runs on the local shards as they are, ``adopt`` and ``laprop`` the plan's
+lowerings on them; ``cautious_adamw``'s mask count and
 ``mars_adamw``'s norm clip are sums over whole parameters (through ``muonfx.seam``, one
 reduction across the shards); ``schedule_free_adamw``'s ``eval()`` swaps the shards;
 ``dion2`` chooses the top rows of each whole matrix on its owner rank (the matrix
@@ -26,7 +27,8 @@ from dist_harness import run_world  # noqa: E402
 # FSDP2's gradient reduction (a sum of chunk sums against one sum) differs from one process
 # in the last float32 bits; the presets carry it through 6 steps. Measured (AMD EPYC,
 # torch 2.13 CPU): lion 0 (bit for bit), mars_adamw 2.5e-7, dion2 4.5e-7, cautious_adamw
-# 4.8e-7, schedule_free_adamw 5.0e-7 (a LayerNorm bias each). Tolerance ~20x the worst.
+# 4.8e-7, schedule_free_adamw 5.0e-7, adopt 3.7e-7, laprop 4.8e-7 (a LayerNorm bias
+# each). Tolerance ~20x the worst.
 FSDP_TOL = 1e-5
 
 
@@ -38,6 +40,8 @@ def world_main(rank: int, world: int) -> dict:
 def test_elementwise_presets_on_fsdp2_equal_one_process() -> None:
     results = run_world(world_main, 2, timeout=240)
     errors = results[0]
+    paths = errors.pop("paths")
+    assert paths["adopt"] == paths["laprop"] == {"fused"}, paths  # the lowerings, on the local shards
     assert set(errors) == set(cw.PRESETS) | {"dion2"}
     for name, per_param in errors.items():
         worst = max(per_param.values())

@@ -10,7 +10,7 @@ import torch
 import muonfx as mfx
 from muonfx.linalg import set_batch_bytes
 from muonfx.optim.step.fused_adam_family import FusedAdopt, FusedCautiousAdamW, FusedLaProp, FusedMarsAdamW
-from helpers import rel_max, shared_grads
+from helpers import one_rank_dtensor, rel_max, shared_grads
 
 SHAPES = [(24, 16), (16,), (6, 4, 5), (), (40, 8)]
 
@@ -356,3 +356,43 @@ def test_a_large_parameter_steps_alone_on_the_cpu(name):
     g = fused.plan.groups[0]
     assert g.path == "fused" and sorted(g.memo[("runs", g.keys)]) == [[0, 2, 3], [1]], g.memo.get(("runs", g.keys))
     _compare(name, a, b, fused, chain, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["adopt_l2", "adopt_decoupled", "laprop"])
+def test_dtensor_parameters_step_as_their_local_shards(name):
+    """ADOPT's and LaProp's lowerings are elementwise: DTensor parameters (one gloo rank,
+    sharded on dim 0, a 0-D one replicated) step as their local shards, bit for bit the
+    lowered step on plain tensors; the state stays DTensors. C-AdamW's and MARS's sum over
+    whole parameters: their groups of DTensors run the chain."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    d, end = one_rank_dtensor((4, 4))
+    try:
+        mesh = d.device_mesh
+        preset, options, kernel = CASES[name]
+        a = _named()
+        b = [(n, torch.nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)] if p.ndim else [Replicate()])))
+             for n, p in _named()]
+        plain, sharded = mfx.TransformOptimizer(a, preset, **options), mfx.TransformOptimizer(b, preset, **options)
+        for step in range(6):
+            shared_grads([a], step, skip=2 if step == 3 else None, zeros=ZEROS)
+            for (_, p), (_, q) in zip(a, b):
+                q.grad = None if p.grad is None else distribute_tensor(p.grad.clone(), mesh, q.placements)
+            plain.step()
+            sharded.step()
+        g = sharded.plan.groups[0]
+        assert g.path == "fused" and g.kernel is kernel, sharded.plan
+        for (n, p), (_, q) in zip(a, b):
+            assert torch.equal(p, q.full_tensor()), n
+        sa, sb = plain.state_dict()["state"], sharded.state_dict()["state"]
+        for i in sa:
+            for k, v in sa[i].items():
+                if isinstance(v, torch.Tensor):
+                    assert type(sb[i][k]).__name__ == "DTensor" and torch.equal(v, sb[i][k].full_tensor()), (i, k)
+                else:
+                    assert v == sb[i][k], (i, k)
+        for other in (FusedCautiousAdamW, FusedMarsAdamW):
+            assert other.why_not({"lr": 1e-3}, [d]).startswith("DTensor parameters"), other
+        assert FusedLaProp.why_not({"lr": 1e-3}, [d]) is None
+    finally:
+        end()

@@ -4,7 +4,9 @@ fused AdamW and Muon's lowering.
 A group built with :func:`muonfx.adopt`, :func:`muonfx.laprop`,
 :func:`muonfx.cautious_adamw` or :func:`muonfx.mars_adamw` (``TransformOptimizer(params,
 mfx.adopt)``, ``{"tx": mfx.laprop}`` in a param group) with plain numbers for its
-hyperparameters, on plain tensors (not DTensor shards) of the CPU or a GPU, runs its
+hyperparameters, on tensors of the CPU or a GPU (ADOPT's and LaProp's also on DTensor
+shards: FSDP2, HSDP, tensor parallel; their ops are elementwise, so each rank steps its
+local shards, gradients and state laid out as their parameters), runs its
 links in place on the group's own state buffers, in ``torch._foreach_*`` passes and
 torch's fused kernels, in the chain's state layout (checkpoints move between the two).
 Per count ``t`` (each parameter's own, as the chain), ``d`` the preset's direction::
@@ -48,9 +50,10 @@ KiB or more runs alone (its tensors stay in the cache), and a group keeps its
 temporaries between steps (one or two buffers the size of its largest run:
 :func:`.fused_foreach._scratch`).
 
-What is not lowered runs the chain: a schedule or tensor for a number, DTensor shards,
-a state that is not the preset's, gradients or moments of another dtype, device or shape
-than their parameter.
+What is not lowered runs the chain: a schedule or tensor for a number, DTensor shards
+under C-AdamW and MARS-AdamW (their mask count and norm clip sum over whole parameters),
+a state that is not the preset's, gradients or moments of another dtype, device, shape,
+mesh or placements than their parameter.
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ class FusedAdopt(ForeachLowering):
     name = "ADOPT's links in foreach passes and torch._fused_sgd_"
     link, kind = "adopt", ScaleByAdoptState
     orders = (("weight_decay", "adopt", "lr"), ("adopt", "weight_decay", "lr"))  # decouple False, True
+
+    on_shards = True
 
     @classmethod
     def _run(cls, k: _Ops, ts, grads, params, bufs, lr, wd, b1, b2, vals) -> None:
@@ -132,6 +137,8 @@ class FusedLaProp(ForeachLowering):
     name = "LaProp's moments in torch._fused_adamw_, then foreach passes"
     link, kind = "laprop", ScaleByLapropState
     orders = (("laprop", "weight_decay", "lr"),)
+
+    on_shards = True
 
     @classmethod
     def _run(cls, k: _Ops, ts, grads, params, bufs, lr, wd, b1, b2, vals) -> None:

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from ..._compat.dtensor import is_dtensor
+from ..._compat.dtensor import is_dtensor, local
 from ...core import EmptyState
 from ...counts import Counts, advance, by_count
-from .fused import _DTYPES, _groups, _leaves, _number, step_values
+from .fused import _DTYPES, _groups, _leaves, _locals, _number, step_values
 
 __all__ = ["ForeachLowering"]
 
@@ -161,17 +161,29 @@ def _runs(memo: dict | None, keys: tuple, params: list[torch.Tensor]) -> list:
     return hit
 
 
+def _layout(ts: list) -> list:
+    """Each DTensor's mesh and placements (None for a plain tensor)."""
+    return [(t.device_mesh, tuple(t.placements)) if is_dtensor(t) else None for t in ts]
+
+
 class _Buffers:
     """The state buffers of a lowered group (its link's moments, MARS's previous gradient)
-    as lists in the order of ``keys``, and whether each has its parameter's dtype, device
-    and shape; kept in the plan's memo while the state holds the same TensorDicts (the
+    as lists in the order of ``keys`` (their local shards where the parameters are
+    DTensors), and whether each has its parameter's dtype, device and shape (and mesh and
+    placements); kept in the plan's memo while the state holds the same TensorDicts (the
     step writes in place)."""
 
     def __init__(self, tds: tuple, keys: tuple, params: list[torch.Tensor]) -> None:
         self.tds, self.keys, self.ids = tds, keys, [id(p) for p in params]
-        self.lists = [_leaves(td, keys) for td in tds]
+        leaves = [_leaves(td, keys) for td in tds]
+        #: the parameters' meshes and placements where one is a DTensor, else None
+        self.layout = _layout(params) if any([is_dtensor(p) for p in params]) else None
+        self.ok = self.layout is None or all([_layout(bs) == self.layout for bs in leaves])
+        if self.layout is not None:
+            params, leaves = _locals(params), [_locals(bs) for bs in leaves]
+        self.lists = leaves
         self.sig = [(p.dtype, p.device, p.shape) for p in params]
-        self.ok = all([[(b.dtype, b.device, b.shape) for b in bs] == self.sig for bs in self.lists])
+        self.ok = self.ok and all([[(b.dtype, b.device, b.shape) for b in bs] == self.sig for bs in self.lists])
         kinds = {(p.dtype, p.device.type) for p in params}
         #: the parameters' dtype where they all have one and are on the CPU, else None
         self.cpu = next(iter(kinds))[0] if len(kinds) == 1 and next(iter(kinds))[1] == "cpu" else None
@@ -201,6 +213,9 @@ class ForeachLowering:
     link, kind = "", tuple
     orders: tuple = ()
     others: dict = {}
+    #: every op elementwise: DTensor parameters (FSDP2, HSDP, tensor parallel shards) step
+    #: as their local shards, their gradients and state laid out as they are
+    on_shards = False
 
     @classmethod
     def why_not(cls, hp: dict[str, Any], params: list[torch.Tensor]) -> str | None:
@@ -216,7 +231,9 @@ class ForeachLowering:
                 return f"{n} is {'a schedule' if callable(v) else type(v).__name__}"
         for p in params:
             if is_dtensor(p):
-                return "DTensor parameters"
+                if not cls.on_shards:
+                    return "DTensor parameters (its sums over whole parameters)"
+                p = local(p)
             if p.device.type not in ("cpu", "cuda"):
                 return f"parameters on {p.device.type}"
             if p.dtype not in _DTYPES:
@@ -246,7 +263,11 @@ class ForeachLowering:
         except (KeyError, TypeError, AttributeError):
             return "the state does not match the parameters"
         if not bufs.ok:
-            return "the state differs from its parameters in dtype, device or shape"
+            return "the state differs from its parameters in dtype, device, shape or placements"
+        if bufs.layout is not None:
+            if _layout(grads) != bufs.layout:
+                return "gradients differ from their parameters in mesh or placements"
+            grads = _locals(grads)
         if [(g.dtype, g.device, g.shape) for g in grads] != bufs.sig or \
                 any([g.layout != torch.strided for g in grads]):
             return "gradients differ from their parameters in dtype, device, shape or layout"
@@ -273,6 +294,8 @@ class ForeachLowering:
         lr, wd = float(vals["lr"]), float(vals["weight_decay"])
         b1, b2 = (float(b) for b in vals["betas"])
         ts = by_count(st.count, list(keys), f"{cls.link} state (count)")
+        if bufs.layout is not None:  # DTensors (on_shards): their local shards
+            params, grads = _locals(params), _locals(grads)
         with torch.no_grad():
             for pos in _runs(memo, keys, params):
                 if pos is None:
