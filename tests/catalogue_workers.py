@@ -14,9 +14,9 @@ import muonfx as mfx  # noqa: E402
 from fsdp_workers import Net, full_params, lm_batches, rel_errors, shard_net, train_lm  # noqa: E402
 
 #: preset -> hyperparameters: cautious_adamw and mars_adamw (gamma large enough that the
-#: norm clip acts) sum over whole parameters through the seam; lion is purely elementwise;
-#: schedule_free_adamw swaps the weights on eval(); adopt and laprop run the plan's
-#: lowerings on the local shards (elementwise)
+#: norm clip acts) sum over whole parameters through the seam; schedule_free_adamw swaps
+#: the weights on eval(); lion, adopt and laprop run the plan's lowerings on the local
+#: shards (elementwise)
 PRESETS = {
     "lion": (mfx.lion, dict(lr=3e-3, weight_decay=0.1)),
     "cautious_adamw": (mfx.cautious_adamw, dict(lr=3e-3, weight_decay=0.01)),

@@ -1,8 +1,7 @@
 """The catalogue's presets under FSDP2 (2 gloo ranks), and SOAP and Dion2 on FSDP2, HSDP and
 FSDP2 + TP (4 gloo ranks), equal one process.
 
-``lion`` runs on the local shards as they are, ``adopt`` and ``laprop`` the plan's
-lowerings on them; ``cautious_adamw``'s mask count and
+``lion``, ``adopt`` and ``laprop`` run the plan's lowerings on the local shards; ``cautious_adamw``'s mask count and
 ``mars_adamw``'s norm clip are sums over whole parameters (through ``muonfx.seam``, one
 reduction across the shards); ``schedule_free_adamw``'s ``eval()`` swaps the shards;
 ``dion2`` chooses the top rows of each whole matrix on its owner rank (the matrix
@@ -41,7 +40,7 @@ def test_elementwise_presets_on_fsdp2_equal_one_process() -> None:
     results = run_world(world_main, 2, timeout=240)
     errors = results[0]
     paths = errors.pop("paths")
-    assert paths["adopt"] == paths["laprop"] == {"fused"}, paths  # the lowerings, on the local shards
+    assert paths["lion"] == paths["adopt"] == paths["laprop"] == {"fused"}, paths  # lowered, on the local shards
     assert set(errors) == set(cw.PRESETS) | {"dion2"}
     for name, per_param in errors.items():
         worst = max(per_param.values())

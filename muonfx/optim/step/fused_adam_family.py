@@ -1,16 +1,17 @@
-"""The catalogue's Adam-like presets in the fewest passes: rules of the plan, like the
+"""The catalogue's elementwise presets in the fewest passes: rules of the plan, like the
 fused AdamW and Muon's lowering.
 
-A group built with :func:`muonfx.adopt`, :func:`muonfx.laprop`,
+A group built with :func:`muonfx.lion`, :func:`muonfx.adopt`, :func:`muonfx.laprop`,
 :func:`muonfx.cautious_adamw` or :func:`muonfx.mars_adamw` (``TransformOptimizer(params,
 mfx.adopt)``, ``{"tx": mfx.laprop}`` in a param group) with plain numbers for its
-hyperparameters, on tensors of the CPU or a GPU (ADOPT's and LaProp's also on DTensor
+hyperparameters, on tensors of the CPU or a GPU (Lion's, ADOPT's and LaProp's also on DTensor
 shards: FSDP2, HSDP, tensor parallel; their ops are elementwise, so each rank steps its
 local shards, gradients and state laid out as their parameters), runs its
 links in place on the group's own state buffers, in ``torch._foreach_*`` passes and
 torch's fused kernels, in the chain's state layout (checkpoints move between the two).
 Per count ``t`` (each parameter's own, as the chain), ``d`` the preset's direction::
 
+    Lion     d = sign(b1 * m + (1 - b1) * g);  m <- b2 * m + (1 - b2) * g
     ADOPT    t = 0: v <- g * g                                   (no step)
              t > 0: n = clamp(g / max(sqrt(v), eps), +-t^(1/4))
                     m <- b1 * m + (1 - b1) * n;  W <- W - lr * m (torch._fused_sgd_ with dampening b1,
@@ -36,7 +37,7 @@ pass for the chain's ``lerp_`` and ``add_``); on the CPU its momentum of 16-bit 
 comes out wrong (torch 2.13, measured), so those keep the two passes. The values these
 kernels write are the chain's within their rounding (float32: under 3.1e-7 of the
 largest moment over 20 steps, measured); the other moments, MARS's ``g_prev``, ADOPT's
-``n``, C-AdamW's ``u`` and mask and MARS's ``c`` are the chain's bit for bit, in every
+``n``, Lion's direction, C-AdamW's ``u`` and mask and MARS's ``c`` are the chain's bit for bit, in every
 dtype, from the same parameters: the same ops on the same values, written in place. The
 parameter update is written as torch.optim's (``W * (1 - lr wd)``, then one ``add_`` of
 ``-lr * d``; MARS: the fused AdamW kernel's update and moments), which rounds
@@ -62,11 +63,12 @@ import math
 
 import torch
 
-from ...presets.catalogue import adopt, cautious_adamw, laprop, mars_adamw
+from ...presets.catalogue import adopt, cautious_adamw, laprop, lion, mars_adamw
 from ...transforms.adam import ScaleByAdamState
 from ...transforms.adopt import ScaleByAdoptState
 from ...transforms.cautious import _totals
 from ...transforms.laprop import ScaleByLapropState
+from ...transforms.lion import ScaleByLionState
 from ...transforms.mars import MarsCorrectionState
 from .fused import register
 from .fused_foreach import ForeachLowering, _by_count, _by_kind, _Ops, _step_numbers
@@ -76,7 +78,38 @@ from .fused_foreach import ForeachLowering, _by_count, _by_kind, _Ops, _step_num
 #: by the buffer's own size, measured)
 _SGD_DTYPES = (torch.float32, torch.float64)
 
-__all__ = ["FusedAdopt", "FusedLaProp", "FusedCautiousAdamW", "FusedMarsAdamW"]
+__all__ = ["FusedLion", "FusedAdopt", "FusedLaProp", "FusedCautiousAdamW", "FusedMarsAdamW"]
+
+
+class FusedLion(ForeachLowering):
+    """:func:`muonfx.lion`'s chain in foreach passes."""
+
+    name = "Lion's links in foreach passes"
+    link, kind = "lion", ScaleByLionState
+    orders = (("lion", "weight_decay", "lr"),)
+    on_shards = True
+    counted = False  # Lion's state is its momentum alone
+
+    @classmethod
+    def _tds(cls, inner: dict) -> tuple:
+        return (inner[cls.link].mu,)
+
+    @classmethod
+    def _run(cls, k: _Ops, ts, grads, params, bufs, lr, wd, b1, b2, vals) -> None:
+        (ms,) = bufs
+        cs = k.scratch(1)[0]
+        if cs is None:
+            cs = torch._foreach_mul(ms, k.num(b1))
+            torch._foreach_add_(cs, grads, alpha=1.0 - b1)
+            torch._foreach_sign_(cs)
+        else:  # each tensor's next op on it while it is in cache
+            s = k.num(b1)
+            for m, g, x in zip(ms, grads, cs):
+                torch.mul(m, s, out=x).add_(g, alpha=1.0 - b1).sign_()
+        k.mul_(ms, b2)  # m <- b2 m + (1 - b2) g, the chain's two ops in place
+        torch._foreach_add_(ms, grads, alpha=1.0 - b2)
+        cls._decay(k, params, lr, wd)
+        torch._foreach_add_(params, cs, alpha=-lr)
 
 
 class FusedAdopt(ForeachLowering):
@@ -237,6 +270,7 @@ class FusedMarsAdamW(ForeachLowering):
         torch._foreach_copy_(prev, grads)  # g_prev <- g
 
 
+register(lion, FusedLion)
 register(adopt, FusedAdopt)
 register(laprop, FusedLaProp)
 register(cautious_adamw, FusedCautiousAdamW)

@@ -216,6 +216,8 @@ class ForeachLowering:
     #: every op elementwise: DTensor parameters (FSDP2, HSDP, tensor parallel shards) step
     #: as their local shards, their gradients and state laid out as they are
     on_shards = False
+    #: the link's state counts its steps (``count``); else the preset's own count is read
+    counted = True
 
     @classmethod
     def why_not(cls, hp: dict[str, Any], params: list[torch.Tensor]) -> str | None:
@@ -254,7 +256,7 @@ class ForeachLowering:
         if hyper is None or not isinstance(inner, dict) or tuple(inner) not in cls.orders \
                 or not all([isinstance(inner[n], cls.kind if n == cls.link else cls.others.get(n, EmptyState))
                             for n in inner]) \
-                or not isinstance(getattr(inner[cls.link], "count", None), Counts):
+                or not isinstance(getattr(inner[cls.link] if cls.counted else state, "count", None), Counts):
             return f"the state is not {cls.__name__.removeprefix('Fused')}'s"
         if any([callable(v) and not isinstance(v, torch.Tensor) for v in hyper.values()]):
             return "a schedule in the state"
@@ -293,7 +295,8 @@ class ForeachLowering:
         bufs = _Buffers.of(cls._tds(inner), keys, params, memo)
         lr, wd = float(vals["lr"]), float(vals["weight_decay"])
         b1, b2 = (float(b) for b in vals["betas"])
-        ts = by_count(st.count, list(keys), f"{cls.link} state (count)")
+        ts = by_count(st.count, list(keys), f"{cls.link} state (count)") if cls.counted else \
+            by_count(state.count, list(keys), "state (count)")
         if bufs.layout is not None:  # DTensors (on_shards): their local shards
             params, grads = _locals(params), _locals(grads)
         with torch.no_grad():
@@ -306,7 +309,7 @@ class ForeachLowering:
                 pick = lambda xs: [xs[j] for j in pos]  # noqa: E731
                 cls._run(_Ops(memo, tuple(pick(keys)), pick(params), bufs.cpu), [(t, js) for t, js in sub if js],
                          pick(grads), pick(params), [pick(b) for b in bufs.lists], lr, wd, b1, b2, vals)
-        new_inner = {**inner, cls.link: st._replace(count=advance(st.count))}
+        new_inner = {**inner, cls.link: st._replace(count=advance(st.count))} if cls.counted else inner
         injected = {n: vals[n] for n in state.hyperparams}
         return state._replace(count=advance(state.count), hyperparams=injected, inner_state=new_inner)
 
