@@ -234,7 +234,7 @@ class ForeachLowering:
         for p in params:
             if is_dtensor(p):
                 if not cls.on_shards:
-                    return "DTensor parameters (its sums over whole parameters)"
+                    return "DTensor parameters (its step sums over whole parameters)"
                 p = local(p)
             if p.device.type not in ("cpu", "cuda"):
                 return f"parameters on {p.device.type}"
