@@ -56,6 +56,22 @@ def _locals(ts: list[Any]) -> list[Any]:
     return list(ts) if cls is None else shards(ts, cls)
 
 
+def _step_numbers(ts: list[tuple[int, list[int]]], devices: list[torch.device]) -> list[torch.Tensor]:
+    """Each parameter's step number ``t + 1`` (its count ``t`` from ``ts``, ``[(t,
+    positions)]``; its device from ``devices``) as the 0-D float32 tensor that torch's
+    fused kernels read their bias corrections from: one tensor per count and device."""
+    made: dict = {}
+    out: list = [None] * len(devices)
+    for t, pos in ts:
+        for j in pos:
+            dev = devices[j]
+            s = made.get((t, dev))
+            if s is None:
+                s = made[(t, dev)] = torch.full((), float(t + 1), dtype=torch.float32, device=dev)
+            out[j] = s
+    return out
+
+
 def step_values(hp: dict[str, Any], state: Any) -> dict[str, Any]:
     """The group's hyperparameters ``hp`` with the numbers injected in ``state`` (an
     :class:`muonfx.InjectHyperparamsState`) at the first count of its parameters: the
@@ -185,15 +201,7 @@ class FusedAdamW:
         # torch passes a Python lr as a float and a CPU tensor lr as it is
         lr = lr if isinstance(lr, torch.Tensor) else float(lr)
         lg = _locals(grads)
-        steps_of = {}
-        ls: list[Any] = [None] * len(keys)
-        for t, pos in by_count(adam.count, list(keys), "adam state (count)"):
-            for j in pos:
-                dev = bufs.devices[j]
-                s = steps_of.get((t, dev))
-                if s is None:
-                    s = steps_of[(t, dev)] = torch.full((), float(t + 1), dtype=torch.float32, device=dev)
-                ls[j] = s
+        ls = _step_numbers(by_count(adam.count, list(keys), "adam state (count)"), bufs.devices)
         for idx, (lp, lm, lv) in bufs.groups:
             one = idx is None  # every tensor in one (device, dtype): the lists as they are
             pick = (lambda xs: xs) if one else (lambda xs: [xs[i] for i in idx] if xs else [])  # noqa: E731

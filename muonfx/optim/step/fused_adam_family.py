@@ -70,8 +70,8 @@ from ...transforms.cautious import _totals
 from ...transforms.laprop import ScaleByLapropState
 from ...transforms.lion import ScaleByLionState
 from ...transforms.mars import MarsCorrectionState
-from .fused import register
-from .fused_foreach import ForeachLowering, _by_count, _by_kind, _Ops, _step_numbers
+from .fused import _step_numbers, register
+from .fused_foreach import ForeachLowering, _by_count, _by_kind, _Ops
 
 #: the dtypes whose momentum torch's fused SGD kernel computes right on every device (on
 #: the CPU, torch 2.13, its momentum buffer of float16 and bfloat16 comes out wrong: off
@@ -184,7 +184,7 @@ class FusedLaProp(ForeachLowering):
             es = torch._foreach_mul(grads, 0.0)
         else:
             torch._foreach_zero_(es)
-        for ms_, gs, es_, vs_, steps in _by_kind([ms, grads, es, vs, _step_numbers(ts, params)]):
+        for ms_, gs, es_, vs_, steps in _by_kind([ms, grads, es, vs, _step_numbers(ts, [p.device for p in params])]):
             torch._fused_adamw_(ms_, gs, es_, vs_, [], steps, amsgrad=False, lr=-(1.0 - b1), beta1=0.0, beta2=b2,
                                 weight_decay=-1.0, eps=float(vals["eps"]), maximize=False, grad_scale=None,
                                 found_inf=None)
@@ -263,7 +263,7 @@ class FusedMarsAdamW(ForeachLowering):
                     factor = torch.stack(sums).sqrt_().div_(float(max_norm)).clamp_min_(1.0).unbind() \
                         if k.cpu is not None else [torch.sqrt_(x).div_(float(max_norm)).clamp_min_(1.0) for x in sums]
                 torch._foreach_div_(cs, factor)
-        for ps, cs_, ms_, vs_, steps in _by_kind([params, cs, ms, vs, _step_numbers(ts, params)]):
+        for ps, cs_, ms_, vs_, steps in _by_kind([params, cs, ms, vs, _step_numbers(ts, [p.device for p in params])]):
             torch._fused_adamw_(ps, cs_, ms_, vs_, [], steps, amsgrad=False, lr=lr, beta1=b1, beta2=b2,
                                 weight_decay=wd, eps=float(vals["eps"]), maximize=False, grad_scale=None,
                                 found_inf=None)

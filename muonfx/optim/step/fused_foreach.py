@@ -26,22 +26,6 @@ def _by_kind(lists: list[list]) -> list[list]:
     return [[[xs[i] for i in idx] for xs in lists] for idx in parts.values()]
 
 
-def _step_numbers(ts: list[tuple[int, list[int]]], params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each parameter's step number ``t + 1`` (its count ``t`` from ``ts``, ``[(t,
-    positions)]``) as the 0-D float32 tensor on its device that torch's fused kernels
-    read their bias corrections from: one tensor per count and device."""
-    made: dict = {}
-    out: list = [None] * len(params)
-    for t, pos in ts:
-        for j in pos:
-            dev = params[j].device
-            s = made.get((t, dev))
-            if s is None:
-                s = made[(t, dev)] = torch.full((), float(t + 1), dtype=torch.float32, device=dev)
-            out[j] = s
-    return out
-
-
 def _by_count(ts: list[tuple[int, list[int]]], lists: list) -> list[tuple[int, list]]:
     """``[(t, the lists at t's positions)]`` for the counts ``ts`` (``[(t, positions)]``;
     a ``None`` list stays ``None``): the lists as they are while every parameter has the
