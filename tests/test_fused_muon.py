@@ -272,3 +272,24 @@ def test_a_tall_matrix_output_comes_back_in_rows_on_the_cpu():
     assert got.is_contiguous() and got.dtype == plain.dtype and torch.equal(got, plain)
     assert not rows(many).is_contiguous() and torch.equal(rows(many), fn(many))
     assert rows.compute_dtype is fn.compute_dtype and rows.batch_limit == fn.batch_limit
+
+
+def test_the_step_adds_a_tall_matrixs_output_in_rows(monkeypatch):
+    """In the optimizer's step the parameter update of a tall CPU matrix (its own batch)
+    reads the output in rows; a wide one's comes as the iteration leaves it."""
+    from muonfx.optim.step import fused_muon
+
+    seen = []
+    write = fused_muon.FusedMuon.write
+
+    def spy(state, pending, params, keys, vals):
+        seen.extend((tuple(o.shape[-2:]), o.is_contiguous()) for o in pending[2])
+        return write(state, pending, params, keys, vals)
+
+    monkeypatch.setattr(fused_muon.FusedMuon, "write", staticmethod(spy))
+    named = _params([(96, 64), (64, 96)])
+    opt = mfx.TransformOptimizer(named, mfx.muon, ns_dtype=torch.bfloat16)
+    shared_grads([named], 0, seed=GRAD_SEED)
+    opt.step()
+    assert opt.plan.groups[0].path == "fused", opt.plan
+    assert sorted(seen) == [((64, 96), True), ((96, 64), True)], seen
