@@ -24,7 +24,7 @@ the CPU, whose allocator caches nothing: the operating system hands it out page 
 On the CPU a large tall matrix's output (computed wide, so a transposed view; one matrix
 a batch) is copied into rows while it is in the cache (torch's blocked transposing copy;
 the same bits): the parameter update then reads it in order, where an addition that reads
-the transposed view gathers it element by element (1.0-1.3 % of the step on two MoE or
+the transposed view gathers it element by element (1.3-1.7 % of the step on two MoE or
 GPT-2-small layers, one thread, measured).
 
 The chain computes ``W + (-lr * (s * o + wd * W))`` in four passes after Newton-Schulz,
