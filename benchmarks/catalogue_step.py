@@ -5,6 +5,7 @@ same optimizer, where HeavyBall has one.
     python benchmarks/catalogue_step.py --model small --steps 20
     python benchmarks/catalogue_step.py --names soap,adopt --heavyball-eager
     python benchmarks/catalogue_step.py --rounds 2            # each contender twice, alternating
+    python benchmarks/catalogue_step.py --names lion,adopt,laprop --chain --dtensor --no-heavyball
 
 Contenders, each in a process of its own (a fresh interpreter), on the same model (the
 ``--model`` GPT of ``muonfx train``, built from one seed) and the same gradients (drawn
@@ -23,6 +24,12 @@ for ``cautious_adamw``, ``AdamW(mars=True)`` for ``mars_adamw``, ``Muon(mars=Tru
 Dion2 (those rows show muonfx alone). The matrix optimizers (``muon``, ``mars_muon``,
 ``dion2``) get the model's matrices, the others every parameter, in both libraries.
 
+``--chain`` adds ``muonfx chain``: the same preset with ``"fused": False`` (its chain of
+transforms, where the plan would run a lowering); ``--dtensor`` adds each muonfx
+contender again on the parameters as DTensors of a one-rank gloo world (sharded on dim 0,
+a 0-D one replicated: what FSDP2 hands an optimizer), ``muonfx DTensor`` and ``muonfx
+DTensor chain``.
+
 ``first``: seconds from building the optimizer to the end of its first ``step()``;
 ``steady``: the median of the next ``--steps`` steps; ``mean``: their mean (SOAP's basis
 refresh every 10 steps shows there). The gradients are given again before every step,
@@ -40,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,10 +91,42 @@ def build(model_name: str) -> tuple[list, list]:
     return named, grads
 
 
+def as_dtensors(named: list, grads: list) -> tuple[list, list, Any]:
+    """The parameters and gradients as DTensors of a one-rank gloo world made in this
+    process (sharded on dim 0, a 0-D one replicated: what FSDP2 hands an optimizer), and
+    the function that ends the world."""
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1), rank=0,
+                            world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    place = [[Shard(0)] if p.ndim else [Replicate()] for _, p in named]
+    named = [(n, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, pl))) for (n, p), pl in zip(named, place)]
+    grads = [distribute_tensor(g, mesh, pl) for g, pl in zip(grads, place)]
+    return named, grads, dist.destroy_process_group
+
+
 def child(name: str, contender: str, model_name: str, steps: int) -> dict:
     named, grads = build(model_name)
     keep = [i for i, (_, p) in enumerate(named) if name not in MATRIX or p.ndim >= 2]
     named, grads = [named[i] for i in keep], [grads[i] for i in keep]
+    end = None
+    if contender.startswith("muonfx") and "DTensor" in contender:
+        named, grads, end = as_dtensors(named, grads)
+    try:
+        return _timed(name, contender, named, grads, steps)
+    finally:
+        if end is not None:
+            end()
+
+
+def _timed(name: str, contender: str, named: list, grads: list, steps: int) -> dict:
+    """The first and the next ``steps`` steps of ``contender``'s optimizer ``name``; for
+    muonfx also the paths of its step plan."""
     params = [p for _, p in named]
 
     def give_grads() -> None:  # before every step, untimed: HeavyBall sets p.grad = None after its step
@@ -95,10 +135,10 @@ def child(name: str, contender: str, model_name: str, steps: int) -> dict:
 
     give_grads()
     t0 = time.perf_counter()
-    if contender == "muonfx":
+    if contender.startswith("muonfx"):
         import muonfx as mfx
 
-        opt = mfx.TransformOptimizer(named, getattr(mfx, name))
+        opt = mfx.TransformOptimizer(named, getattr(mfx, name), **({"fused": False} if "chain" in contender else {}))
     else:
         import heavyball
 
@@ -113,8 +153,9 @@ def child(name: str, contender: str, model_name: str, steps: int) -> dict:
         t = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - t)
+    paths = sorted({g.path for g in opt.plan.groups}) if contender.startswith("muonfx") else []
     return {"first": first, "steady": statistics.median(times), "mean": statistics.mean(times),
-            "params": sum(p.numel() for _, p in named)}
+            "params": sum(p.numel() for _, p in named), "paths": paths}
 
 
 def main(argv=None) -> None:
@@ -126,6 +167,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads of every contender")
     ap.add_argument("--heavyball-eager", action="store_true", help="also HeavyBall with compile_mode=None")
     ap.add_argument("--no-heavyball", action="store_true", help="muonfx alone, even where heavyball is installed")
+    ap.add_argument("--chain", action="store_true", help='also muonfx running the chain ("fused": False)')
+    ap.add_argument("--dtensor", action="store_true",
+                    help="also muonfx on the parameters as DTensors (one gloo rank, sharded on dim 0)")
     ap.add_argument("--child", nargs=2, metavar=("NAME", "CONTENDER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -150,7 +194,9 @@ def main(argv=None) -> None:
                 if not args.no_heavyball else "--no-heavyball: muonfx alone")
     rows = []
     for n in names:
-        contenders = ["muonfx"] + [c for c in hb if c and _has_counterpart(n)]
+        ours = ["muonfx"] + (["muonfx chain"] if args.chain else [])
+        ours += [f"{c.replace('muonfx', 'muonfx DTensor')}" for c in ours] if args.dtensor else []
+        contenders = ours + [c for c in hb if c and _has_counterpart(n)]
         got: dict[str, list[dict]] = {c: [] for c in contenders}
         for _ in range(args.rounds):
             for c in contenders:

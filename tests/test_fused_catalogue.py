@@ -400,3 +400,29 @@ def test_dtensor_parameters_step_as_their_local_shards(name):
         assert FusedLaProp.why_not({"lr": 1e-3}, [d]) is None
     finally:
         end()
+
+
+def test_the_catalogue_benchmark_times_the_lowering_and_the_chain_on_dtensors():
+    """``benchmarks/catalogue_step.py``'s muonfx contenders (``--chain``, ``--dtensor``), in
+    this process on two steps: the lowering where asked for, the chain with ``"fused":
+    False``, on plain tensors and on one-rank DTensors (the world ended after)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("catalogue_step", bench / "catalogue_step.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        got = {c: mod.child("laprop", c, "tiny", 2) for c in
+               ("muonfx", "muonfx chain", "muonfx DTensor", "muonfx DTensor chain")}
+    finally:
+        sys.path.remove(str(bench))
+    assert {c: r["paths"] for c, r in got.items()} == {
+        "muonfx": ["fused"], "muonfx chain": ["eager"], "muonfx DTensor": ["fused"], "muonfx DTensor chain": ["eager"]}
+    assert all(r["steady"] > 0 and r["params"] == got["muonfx"]["params"] for r in got.values())
+    assert not dist.is_initialized()
